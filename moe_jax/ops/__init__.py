@@ -1,0 +1,25 @@
+"""Array-in, array-out grouped-GEMM ops (no Flax, no mesh)."""
+
+from moe_jax.ops.backends import BACKENDS, GemmBackend, resolve_backend
+from moe_jax.ops.config import TileConfig, gmm_config, tgmm_config
+from moe_jax.ops.grouped_linear import gmm, grouped_linear, tgmm
+from moe_jax.ops.metadata import GroupMetadata, clamp_group_sizes, make_group_metadata, max_tiles
+from moe_jax.ops.reference import gmm_reference, tgmm_reference
+
+__all__ = [
+    "BACKENDS",
+    "GemmBackend",
+    "GroupMetadata",
+    "TileConfig",
+    "clamp_group_sizes",
+    "gmm",
+    "gmm_config",
+    "gmm_reference",
+    "grouped_linear",
+    "make_group_metadata",
+    "max_tiles",
+    "resolve_backend",
+    "tgmm",
+    "tgmm_config",
+    "tgmm_reference",
+]

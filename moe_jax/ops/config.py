@@ -1,0 +1,87 @@
+"""Tile configurations for the grouped-GEMM kernels and the table the ops consult.
+
+A `TileConfig` fixes everything the Triton compiler needs that is not a shape: block sizes, warps,
+pipeline stages and the swizzle width. Configs are chosen per *shape class* from a small static
+table (`gmm_config`, `tgmm_config`), never by autotuning at call time: the table was filled by
+`python -m moe_jax.bench tune` on an H200 (see `benchmarks/results/`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+_WARPS = (1, 2, 4, 8, 16)
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and (x & (x - 1)) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """Block shape and launch parameters of one grouped-GEMM kernel.
+
+    For `gmm` (C = A B^T per group): `block_m` rows of A per program, `block_n` output columns,
+    `block_k` reduction step. For `tgmm` (dB = dC^T A per group): the program owns a
+    `block_n x block_k` tile of dB and walks its group's rows `block_m` at a time.
+
+    `group_m` row tiles share one sweep over the output columns before the next group starts, so
+    an expert's weight block and its activation rows are read from HBM about once (L2 reuse).
+    Triton needs power-of-two blocks; tensor-core dots need every block >= 16.
+    """
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+    group_m: int = 8
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or not _is_pow2(v) or v < 16:
+                raise ValueError(
+                    f"TileConfig.{name}={v!r}: must be a power of two >= 16 "
+                    "(Triton blocks are powers of two; tensor-core dots need 16)."
+                )
+        if self.num_warps not in _WARPS:
+            raise ValueError(f"TileConfig.num_warps={self.num_warps!r}: must be one of {_WARPS}.")
+        if not isinstance(self.num_stages, int) or not 1 <= self.num_stages <= 8:
+            raise ValueError(f"TileConfig.num_stages={self.num_stages!r}: must be an int in [1, 8].")
+        if not isinstance(self.group_m, int) or self.group_m < 1:
+            raise ValueError(f"TileConfig.group_m={self.group_m!r}: must be a positive int.")
+
+
+def _pow2_at_least(x: int, lo: int, hi: int) -> int:
+    p = lo
+    while p < x and p < hi:
+        p *= 2
+    return p
+
+
+def gmm_config(m: int, n: int, k: int, num_groups: int) -> TileConfig:
+    """Forward/input-gradient config for `lhs[m,k] x rhs[num_groups, n, k]`.
+
+    Shape classes, by mean rows per group `m / num_groups`:
+    - decode (<= 16): weights dominate the bytes; narrow column tiles give enough programs to
+      keep every SM streaming weights, deep pipelines hide HBM latency.
+    - small prefill (<= 64): `block_m` shrinks toward the mean group so fewer rows are padding.
+    - prefill: large tensor-core tiles.
+    """
+    rows = m / max(num_groups, 1)
+    if rows <= 16:
+        return TileConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, group_m=1)
+    if rows <= 64:
+        bm = _pow2_at_least(int(rows), 16, 64)
+        return TileConfig(block_m=bm, block_n=128, block_k=64, num_warps=4, num_stages=4, group_m=4)
+    bn = 256 if n >= 4096 else 128
+    return TileConfig(block_m=128, block_n=bn, block_k=64, num_warps=8, num_stages=3, group_m=8)
+
+
+def tgmm_config(m: int, n: int, k: int, num_groups: int) -> TileConfig:
+    """Weight-gradient config for `dB[num_groups, n, k] = dC[m, n]^T A[m, k]` per group."""
+    rows = m / max(num_groups, 1)
+    if rows <= 64:
+        return TileConfig(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=3, group_m=1)
+    return TileConfig(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=3, group_m=1)

@@ -1,0 +1,218 @@
+"""Public grouped-GEMM ops: `gmm`, `tgmm` and the differentiable `grouped_linear`.
+
+Legend: M packed rows, K input width, N output width, E groups (experts).
+
+Contract (all backends):
+- Rows of `lhs` are grouped contiguously in group order; group e owns
+  `[sum(group_sizes[:e]), sum(group_sizes[:e+1]))`. Empty groups are legal and skipped.
+- Rows past `sum(group_sizes)` come out zero (`gmm`) and contribute nothing (`tgmm`).
+- Accumulation is fp32; inputs bf16/fp16/fp32 of one dtype; the output has the input dtype unless
+  `preferred_element_type` says otherwise. fp32 inputs use full fp32 products (`Precision.HIGHEST`)
+  unless `precision` asks for TF32 (`Precision.DEFAULT`/`HIGH`).
+
+Checks: shapes, ranks and dtypes always raise `ValueError`/`TypeError` naming the argument. When
+`group_sizes` is concrete (not traced), negative sizes or a total past M raise `ValueError`. Under
+`jit` they cannot be checked without a host round trip, so the ops clamp instead: negative sizes
+count as zero and rows past M are dropped from the last groups. No memory outside the operands is
+ever touched, but such a result is not meaningful; validate routing upstream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moe_jax.ops.backends import BackendName, get_backend, resolve_backend
+from moe_jax.ops.config import TileConfig
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+def _check_array(name: str, x, ndim: int, what: str):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be a jax array {what}; got {type(x).__name__}.")
+    if x.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D {what}; got shape {tuple(x.shape)}.")
+
+
+def _check_float(name: str, x):
+    if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name}.dtype={x.dtype} is not supported; use bfloat16, float16 or float32.")
+
+
+def _check_group_sizes(group_sizes, num_groups: int, num_rows: int, expert_arg: str):
+    _check_array("group_sizes", group_sizes, 1, "[E] of int32 row counts")
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise TypeError(f"group_sizes must be an integer array; got dtype {group_sizes.dtype}.")
+    if group_sizes.shape[0] != num_groups:
+        raise ValueError(
+            f"group_sizes has {group_sizes.shape[0]} entries but {expert_arg} has {num_groups} groups; "
+            "pass one row count per group."
+        )
+    if isinstance(group_sizes, jax.core.Tracer):
+        return
+    sizes = np.asarray(group_sizes)
+    if (sizes < 0).any():
+        raise ValueError(f"group_sizes must be >= 0; got negative entries at {np.flatnonzero(sizes < 0).tolist()}.")
+    if sizes.sum() > num_rows:
+        raise ValueError(
+            f"group_sizes sum to {int(sizes.sum())} but lhs has only {num_rows} rows; "
+            "the groups must fit in the packed rows."
+        )
+
+
+def _default_precision(dtype, precision):
+    if precision is not None:
+        return precision
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
+def gmm(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    transpose_rhs: bool = True,
+    config: TileConfig | None = None,
+    backend: BackendName = "auto",
+    preferred_element_type=None,
+    precision: jax.lax.Precision | None = None,
+) -> jax.Array:
+    """Grouped GEMM: `out[M,N]`, rows of group e are `lhs_e @ rhs[e]^T`.
+
+    Args:
+      lhs: `[M, K]` rows grouped contiguously by group.
+      rhs: `[E, N, K]` (default, the linear-layer "NT" layout) or, with `transpose_rhs=False`,
+        `[E, K, N]` (rows of group e are `lhs_e @ rhs[e]`).
+      group_sizes: `[E]` integer rows per group.
+      config: tile configuration for the Pallas backend (default: `gmm_config` table).
+      backend: `auto` (Pallas on GPU, XLA elsewhere), `pallas_triton` or `xla`.
+      preferred_element_type: output dtype (default: `lhs.dtype`).
+      precision: dot precision for fp32 inputs (default HIGHEST).
+    """
+    _check_array("lhs", lhs, 2, "[M, K]")
+    _check_array("rhs", rhs, 3, "[E, N, K]" if transpose_rhs else "[E, K, N]")
+    _check_float("lhs", lhs)
+    _check_float("rhs", rhs)
+    if lhs.dtype != rhs.dtype:
+        raise TypeError(
+            f"lhs.dtype={lhs.dtype} and rhs.dtype={rhs.dtype} differ; cast one, e.g. rhs.astype(lhs.dtype)."
+        )
+    m, k = lhs.shape
+    num_groups = rhs.shape[0]
+    rhs_k, n = (rhs.shape[2], rhs.shape[1]) if transpose_rhs else (rhs.shape[1], rhs.shape[2])
+    if rhs_k != k:
+        raise ValueError(
+            f"lhs has K={k} columns but rhs {'[E, N, K]' if transpose_rhs else '[E, K, N]'} has K={rhs_k} "
+            f"(rhs.shape={tuple(rhs.shape)}); check transpose_rhs."
+        )
+    if num_groups == 0:
+        raise ValueError("rhs has zero groups (E=0); a grouped GEMM needs at least one group.")
+    _check_group_sizes(group_sizes, num_groups, m, "rhs")
+    out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
+    if m == 0 or n == 0 or k == 0:
+        return jnp.zeros((m, n), out_dtype)
+    return get_backend(backend).gmm(
+        lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, config=config, out_dtype=out_dtype,
+        precision=_default_precision(lhs.dtype, precision),
+    )
+
+
+def tgmm(
+    lhs: jax.Array,
+    dout: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    config: TileConfig | None = None,
+    backend: BackendName = "auto",
+    preferred_element_type=None,
+    precision: jax.lax.Precision | None = None,
+) -> jax.Array:
+    """Grouped transposed GEMM (weight gradient): `out[E,N,K]`, `out[e] = dout_e^T @ lhs_e`.
+
+    Args:
+      lhs: `[M, K]` the forward input rows, grouped by group.
+      dout: `[M, N]` the gradient of the forward output, same row grouping.
+      group_sizes: `[E]` integer rows per group. An empty group's slice is exactly zero.
+    """
+    _check_array("lhs", lhs, 2, "[M, K]")
+    _check_array("dout", dout, 2, "[M, N]")
+    _check_float("lhs", lhs)
+    _check_float("dout", dout)
+    if lhs.dtype != dout.dtype:
+        raise TypeError(f"lhs.dtype={lhs.dtype} and dout.dtype={dout.dtype} differ; cast one to the other.")
+    if lhs.shape[0] != dout.shape[0]:
+        raise ValueError(f"lhs has {lhs.shape[0]} rows but dout has {dout.shape[0]}; they must match.")
+    if group_sizes is None or not hasattr(group_sizes, "shape"):
+        raise TypeError("group_sizes must be a jax integer array [E].")
+    m, k = lhs.shape
+    n = dout.shape[1]
+    num_groups = group_sizes.shape[0] if group_sizes.ndim == 1 else -1
+    _check_group_sizes(group_sizes, num_groups, m, "group_sizes")
+    if num_groups == 0:
+        raise ValueError("group_sizes is empty (E=0); a grouped GEMM needs at least one group.")
+    out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
+    if m == 0 or n == 0 or k == 0:
+        return jnp.zeros((num_groups, n, k), out_dtype)
+    return get_backend(backend).tgmm(
+        lhs, dout, group_sizes, config=config, out_dtype=out_dtype,
+        precision=_default_precision(lhs.dtype, precision),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _LinearOptions:
+    backend: str
+    precision: jax.lax.Precision | None
+    fwd_config: TileConfig | None
+    dgrad_config: TileConfig | None
+    wgrad_config: TileConfig | None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _grouped_linear(opts: _LinearOptions, x, w, group_sizes):
+    return gmm(x, w, group_sizes, config=opts.fwd_config, backend=opts.backend, precision=opts.precision)
+
+
+def _grouped_linear_fwd(opts, x, w, group_sizes):
+    return _grouped_linear(opts, x, w, group_sizes), (x, w, group_sizes)
+
+
+def _grouped_linear_bwd(opts, res, dy):
+    x, w, group_sizes = res
+    dy = dy.astype(x.dtype)
+    # dX = dY W: the same [E, N, K] weights read as [E, K=N', N=K'], no transposed copy.
+    dx = gmm(dy, w, group_sizes, transpose_rhs=False, config=opts.dgrad_config, backend=opts.backend,
+             precision=opts.precision)
+    dw = tgmm(x, dy, group_sizes, config=opts.wgrad_config, backend=opts.backend,
+              preferred_element_type=w.dtype, precision=opts.precision)
+    return dx, dw, None
+
+
+_grouped_linear.defvjp(_grouped_linear_fwd, _grouped_linear_bwd)
+
+
+def grouped_linear(
+    x: jax.Array,
+    w: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    backend: BackendName = "auto",
+    precision: jax.lax.Precision | None = None,
+    fwd_config: TileConfig | None = None,
+    dgrad_config: TileConfig | None = None,
+    wgrad_config: TileConfig | None = None,
+) -> jax.Array:
+    """Differentiable grouped linear layer: `y[M,N]`, rows of group e are `x_e @ w[e]^T`.
+
+    `x`: `[M, K]` grouped rows; `w`: `[E, N, K]` (one linear weight per group); `group_sizes`:
+    `[E]` integers (not differentiated). Backward: `dx = gmm(dy, w)` with `w` read as `[E, K, N]`,
+    `dw = tgmm(x, dy)`; the gradient of an empty group's weight is exactly zero. Rows past
+    `sum(group_sizes)` get zero output and zero gradient.
+    """
+    opts = _LinearOptions(resolve_backend(backend), precision, fwd_config, dgrad_config, wgrad_config)
+    return _grouped_linear(opts, x, w, group_sizes)

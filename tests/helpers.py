@@ -1,0 +1,59 @@
+"""Shared test helpers. Tests run the same bodies everywhere: compiled on a GPU, and with the
+Pallas kernels interpreted (`interpret=True`) on CPU, which `moe_jax.ops` selects by itself."""
+
+
+import contextlib
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ON_GPU = jax.default_backend() == "gpu"
+
+# DESIGN.md: relative Frobenius error against fp32 references.
+TOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 1e-2, jnp.dtype(jnp.float16): 3e-3}
+
+
+def rel_err(out, ref) -> float:
+    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert np.isfinite(out).all(), "non-finite values in output"
+    denom = np.linalg.norm(ref)
+    return float(np.linalg.norm(out - ref) / (denom if denom > 0 else 1.0))
+
+
+def assert_close(out, ref, dtype, what=""):
+    err = rel_err(out, ref)
+    tol = TOL[jnp.dtype(dtype)]
+    assert err <= tol, f"{what}: rel Frobenius error {err:.3e} > {tol:.0e} ({jnp.dtype(dtype).name})"
+
+
+def lower_for_gpu(fn, *avals, device_kind: str = "NVIDIA H200") -> str:
+    """StableHLO text of `fn` lowered for a CUDA GPU from this (possibly CPU-only) host.
+
+    Pallas kernels go through the full Pallas -> Triton IR lowering, so unsupported primitives,
+    non-power-of-two blocks or bad indexing fail here, in CI, without a GPU.
+    """
+    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform="cuda")
+    mesh = jax.sharding.AbstractMesh((1,), ("aot",), abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh), _verify_triton_modules():
+        return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@contextlib.contextmanager
+def _verify_triton_modules():
+    """Run the MLIR verifier on every Triton module Pallas emits (XLA verifies only when it parses
+    the module on the GPU host; this reaches through a private JAX module to do it here)."""
+    from jax._src.pallas.triton import pallas_call_registration as registration
+
+    lower = registration.lowering.lower_jaxpr_to_triton_module
+
+    def lower_and_verify(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        result.module.operation.verify()  # raises MLIRError with the op and source line
+        return result
+
+    with mock.patch.object(registration.lowering, "lower_jaxpr_to_triton_module", lower_and_verify):
+        yield

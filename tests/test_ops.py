@@ -1,0 +1,379 @@
+"""Grouped-GEMM ops: schedule invariants, forward, both gradients, edge cases, bad input.
+
+The same bodies run compiled on a GPU and interpreted on CPU (`moe_jax.ops` picks). Sizes are
+small on CPU, larger on GPU.
+"""
+
+import re
+
+import hypothesis.strategies as st
+import jax
+import jax.test_util  # noqa: F401  (check_grads)
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+from moe_jax.ops import (
+    TileConfig,
+    gmm,
+    gmm_config,
+    gmm_reference,
+    grouped_linear,
+    make_group_metadata,
+    max_tiles,
+    resolve_backend,
+    tgmm,
+    tgmm_config,
+    tgmm_reference,
+)
+from tests.helpers import ON_GPU, assert_close, lower_for_gpu, rel_err
+
+BACKENDS = ["pallas_triton", "xla"]
+DTYPES = [jnp.float32, jnp.bfloat16]
+# Small tiles on CPU keep the interpreter quick while still exercising multi-tile groups.
+SMALL = TileConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2, group_m=2)
+CFG = None if ON_GPU else SMALL
+WCFG = None if ON_GPU else TileConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2, group_m=1)
+# (M, K, N): deliberately not multiples of the tiles.
+SHAPE = (1000, 200, 300) if ON_GPU else (150, 72, 80)
+
+
+def _inputs(seed, m, k, n, e, dtype, transpose_rhs=True):
+    kx, kw = jax.random.split(jax.random.PRNGKey(seed))
+    x = jax.random.normal(kx, (m, k), jnp.float32).astype(dtype)
+    shape = (e, n, k) if transpose_rhs else (e, k, n)
+    w = (jax.random.normal(kw, shape, jnp.float32) / np.sqrt(k)).astype(dtype)
+    return x, w
+
+
+def _sizes(*s):
+    return jnp.array(s, jnp.int32)
+
+
+def _split(total, e, seed, zeros=()):
+    """Random group sizes summing to `total`, with the listed groups empty."""
+    rng = np.random.default_rng(seed)
+    p = rng.random(e)
+    p[list(zeros)] = 0
+    counts = rng.multinomial(total, p / p.sum())
+    return jnp.asarray(counts, jnp.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Schedule
+
+
+def _check_schedule(sizes, m, bm):
+    sizes_np = np.asarray(sizes)
+    meta = make_group_metadata(jnp.asarray(sizes_np, jnp.int32), num_rows=m, block_m=bm)
+    e = len(sizes_np)
+    g, s, t = (np.asarray(a) for a in (meta.tile_group_W, meta.tile_start_W, meta.tile_end_W))
+    n = int(meta.num_tiles)
+    assert len(g) == max_tiles(m, e, bm) >= n
+    offsets = np.concatenate([[0], np.cumsum(sizes_np)])
+    expected = int(sum(-(-c // bm) for c in sizes_np)) + -(-(m - offsets[-1]) // bm)
+    assert n == expected
+    # Tiles in use partition [0, M) in order; each lies in one group, starting at that group's
+    # first row plus a multiple of block_m.
+    assert s[0] == 0 if n else True
+    assert (s[1:n] == t[: n - 1]).all() and (n == 0 or t[n - 1] == m)
+    assert ((t[:n] > s[:n]) & (t[:n] - s[:n] <= bm)).all()
+    bounds = np.concatenate([offsets, [m]])
+    assert ((s[:n] - bounds[g[:n]]) % bm == 0).all()
+    assert (t[:n] <= bounds[g[:n] + 1]).all()
+    # Unused tiles are empty and point past the end.
+    assert (g[n:] == e).all() and (s[n:] == m).all() and (t[n:] == m).all()
+
+
+@settings(derandomize=True, max_examples=25, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 40), min_size=1, max_size=9),
+    slack=st.integers(0, 50),
+    bm=st.sampled_from([1, 2, 16, 32]),
+)
+def test_schedule_invariants(sizes, slack, bm):
+    _check_schedule(sizes, sum(sizes) + slack, bm)
+
+
+def test_schedule_bound_is_tight_for_worst_case():
+    # Every group one row past a tile boundary is the worst case the bound describes.
+    sizes = [17] * 8
+    m = sum(sizes) + 1
+    meta = make_group_metadata(_sizes(*sizes), num_rows=m, block_m=16)
+    assert int(meta.num_tiles) == 8 * 2 + 1 == max_tiles(m, 8, 16)
+
+
+def test_schedule_clamps_bad_traced_sizes():
+    # Under jit the sizes cannot be checked; the schedule clamps instead of reading past M.
+    meta = jax.jit(lambda s: make_group_metadata(s, num_rows=20, block_m=8))(_sizes(-5, 30, 4))
+    assert np.asarray(meta.group_offsets_E1).tolist() == [0, 0, 20, 20]
+    assert int(np.asarray(meta.tile_end_W).max()) <= 20
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("transpose_rhs", [True, False])
+def test_gmm_matches_reference(backend, dtype, transpose_rhs):
+    m, k, n = SHAPE
+    e = 6
+    x, w = _inputs(0, m, k, n, e, dtype, transpose_rhs)
+    sizes = _split(m - 7, e, seed=1, zeros=(2,))  # an empty group and 7 rows past the last group
+    out = gmm(x, w, sizes, transpose_rhs=transpose_rhs, backend=backend, config=CFG)
+    assert out.dtype == dtype and out.shape == (m, n)
+    assert_close(out, gmm_reference(x, w, sizes, transpose_rhs=transpose_rhs), dtype, "gmm")
+    assert (np.asarray(out[m - 7 :], np.float32) == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        pytest.param((0, 0, 150, 0), id="one-hot-expert"),
+        pytest.param((1, 0, 0, 0), id="one-row"),
+        pytest.param((0, 0, 0, 0), id="all-empty"),
+        pytest.param((16, 32, 48, 54), id="tile-multiples"),
+        pytest.param((15, 17, 1, 117), id="ragged"),
+    ],
+)
+def test_gmm_edge_groupings(backend, sizes):
+    m, k, n = 150, 40, 48
+    x, w = _inputs(1, m, k, n, 4, jnp.float32)
+    gs = _sizes(*sizes)
+    out = gmm(x, w, gs, backend=backend, config=None if ON_GPU else SMALL)
+    assert_close(out, gmm_reference(x, w, gs), jnp.float32, f"gmm {sizes}")
+    assert (np.asarray(out[sum(sizes) :]) == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gmm_zero_rows(backend):
+    x = jnp.zeros((0, 32), jnp.float32)
+    w = jnp.ones((3, 16, 32), jnp.float32)
+    out = gmm(x, w, _sizes(0, 0, 0), backend=backend)
+    assert out.shape == (0, 16)
+    dw = tgmm(x, jnp.zeros((0, 16), jnp.float32), _sizes(0, 0, 0), backend=backend)
+    assert dw.shape == (3, 16, 32) and (np.asarray(dw) == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gmm_nan_rows_past_groups_do_not_leak(backend):
+    # Rows past sum(group_sizes) hold NaN: outputs there must be exact zeros and nothing may leak
+    # into valid rows or weight gradients.
+    m, k, n = 96, 64, 32
+    x, w = _inputs(2, m, k, n, 3, jnp.float32)
+    gs = _sizes(20, 0, 50)
+    x = x.at[70:].set(jnp.nan)
+    out = gmm(x, w, gs, backend=backend, config=CFG)
+    assert np.isfinite(np.asarray(out)).all()
+    assert (np.asarray(out[70:]) == 0).all()
+    assert_close(out[:70], gmm_reference(x[:70], w, gs), jnp.float32, "valid rows")
+    dy = jnp.ones((m, n), jnp.float32).at[70:].set(jnp.nan)
+    dw = tgmm(x, dy, gs, backend=backend, config=WCFG)
+    assert np.isfinite(np.asarray(dw)).all()
+    assert (np.asarray(dw[1]) == 0).all()
+
+
+@pytest.mark.parametrize("config", [
+    TileConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2, group_m=1),
+    TileConfig(block_m=32, block_n=64, block_k=16, num_warps=4, num_stages=2, group_m=3),
+    TileConfig(block_m=64, block_n=16, block_k=64, num_warps=4, num_stages=2, group_m=8),
+])
+def test_gmm_tile_configs(config):
+    # Different swizzles and tile shapes (including groups wider than the tiles) agree.
+    m, k, n = 130, 48, 40
+    x, w = _inputs(3, m, k, n, 5, jnp.float32)
+    gs = _sizes(0, 70, 3, 0, 50)
+    assert_close(gmm(x, w, gs, backend="pallas_triton", config=config), gmm_reference(x, w, gs),
+                 jnp.float32, str(config))
+    dy = jax.random.normal(jax.random.PRNGKey(9), (m, n))
+    assert_close(tgmm(x, dy, gs, backend="pallas_triton", config=config), tgmm_reference(x, dy, gs),
+                 jnp.float32, str(config))
+
+
+# ---------------------------------------------------------------------------------------------
+# Weight gradient
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tgmm_matches_reference(backend, dtype):
+    m, k, n = SHAPE
+    e = 5
+    x, _ = _inputs(4, m, k, n, e, dtype)
+    dy = jax.random.normal(jax.random.PRNGKey(5), (m, n), jnp.float32).astype(dtype)
+    sizes = _split(m - 3, e, seed=2, zeros=(0, 3))
+    dw = tgmm(x, dy, sizes, backend=backend, config=WCFG)
+    assert dw.dtype == dtype and dw.shape == (e, n, k)
+    assert_close(dw, tgmm_reference(x, dy, sizes), dtype, "tgmm")
+    assert (np.asarray(dw[0], np.float32) == 0).all() and (np.asarray(dw[3], np.float32) == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Differentiable op
+
+
+def _ref_linear(x, w, gs):
+    return gmm_reference(x, w, gs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_linear_gradients(backend, dtype):
+    m, k, n = SHAPE
+    e = 4
+    x, w = _inputs(6, m, k, n, e, dtype)
+    gs = _split(m - 5, e, seed=3, zeros=(1,))
+    ct = jax.random.normal(jax.random.PRNGKey(7), (m, n), jnp.float32)
+    cfg = {} if ON_GPU else dict(fwd_config=SMALL, dgrad_config=SMALL, wgrad_config=WCFG)
+
+    def loss(x, w):
+        return jnp.sum(grouped_linear(x, w, gs, backend=backend, **cfg).astype(jnp.float32) * ct)
+
+    def loss_ref(x, w):
+        return jnp.sum(_ref_linear(x, w, gs) * ct)
+
+    dx, dw = jax.grad(loss, (0, 1))(x, w)
+    dx_ref, dw_ref = jax.grad(loss_ref, (0, 1))(x.astype(jnp.float32), w.astype(jnp.float32))
+    assert dx.dtype == dtype and dw.dtype == dtype
+    assert_close(dx, dx_ref, dtype, "dx")
+    assert_close(dw, dw_ref, dtype, "dw")
+    assert (np.asarray(dw[1], np.float32) == 0).all(), "empty group's weight gradient must be exactly zero"
+    assert (np.asarray(dx[m - 5 :], np.float32) == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grouped_linear_check_grads(backend):
+    x, w = _inputs(8, 40, 24, 20, 3, jnp.float32)
+    gs = _sizes(12, 0, 25)
+    cfg = {} if ON_GPU else dict(fwd_config=SMALL, dgrad_config=SMALL, wgrad_config=WCFG)
+    f = lambda x, w: grouped_linear(x, w, gs, backend=backend, **cfg)
+    jax.test_util.check_grads(f, (x, w), order=1, modes=["rev"], atol=1e-2, rtol=1e-2, eps=1e-2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_jit_with_traced_sizes_and_scan(backend):
+    # Traced group sizes under jit, and the op inside lax.scan over a stack of layers.
+    m, k = 64, 32
+    layers, e = 3, 4
+    x, _ = _inputs(10, m, k, k, e, jnp.float32)
+    ws = jax.random.normal(jax.random.PRNGKey(11), (layers, e, k, k)) / np.sqrt(k)
+    cfg = {} if ON_GPU else dict(fwd_config=SMALL, dgrad_config=SMALL, wgrad_config=WCFG)
+
+    @jax.jit
+    def run(x, ws, gs):
+        def layer(h, w):
+            return jnp.tanh(grouped_linear(h, w, gs, backend=backend, **cfg)), None
+
+        h, _ = jax.lax.scan(layer, x, ws)
+        return jnp.sum(h**2)
+
+    def run_ref(x, ws, gs):
+        h = x
+        for i in range(layers):
+            h = jnp.tanh(gmm_reference(h, ws[i], gs))
+        return jnp.sum(h**2)
+
+    gs = _sizes(10, 30, 0, 24)
+    val, (dx, dws) = jax.value_and_grad(run, (0, 1))(x, ws, gs)
+    val_ref, (dx_ref, dws_ref) = jax.value_and_grad(run_ref, (0, 1))(x, ws, gs)
+    assert abs(float(val) - float(val_ref)) <= 1e-4 * abs(float(val_ref))
+    assert rel_err(dx, dx_ref) < 1e-4 and rel_err(dws, dws_ref) < 1e-4
+    # A second grouping reuses the compiled program (sizes are data, not shapes).
+    gs2 = _sizes(0, 0, 64, 0)
+    assert abs(float(run(x, ws, gs2)) - float(run_ref(x, ws, gs2))) <= 1e-4 * float(run_ref(x, ws, gs2))
+
+
+@settings(derandomize=True, max_examples=8 if not ON_GPU else 15, deadline=None)
+@given(sizes=st.lists(st.integers(0, 40), min_size=1, max_size=6), slack=st.integers(0, 20))
+def test_gmm_property_random_groupings(sizes, slack):
+    m = sum(sizes) + slack
+    if m == 0:
+        return
+    e = len(sizes)
+    x, w = _inputs(12, m, 40, 24, e, jnp.float32)
+    gs = jnp.asarray(sizes, jnp.int32)
+    assert_close(gmm(x, w, gs, backend="pallas_triton", config=CFG), gmm_reference(x, w, gs),
+                 jnp.float32, f"gmm sizes={sizes} M={m}")
+    dy = jax.random.normal(jax.random.PRNGKey(13), (m, 24))
+    assert_close(tgmm(x, dy, gs, backend="pallas_triton", config=WCFG), tgmm_reference(x, dy, gs),
+                 jnp.float32, f"tgmm sizes={sizes} M={m}")
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU lowering, checked from any host
+
+
+@pytest.mark.parametrize("m,n,k,e", [(32768, 1536, 2048, 128), (8, 1536, 2048, 128), (8192, 14336, 4096, 8),
+                                     (300, 200, 72, 5)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_kernels_lower_to_triton_for_h200(m, n, k, e, dtype):
+    """Forward, input-gradient and weight-gradient kernels lower through Pallas to Triton IR for an
+    H200 with the table's configs, for prefill, decode and odd shapes."""
+
+    def f(x, w, gs):
+        loss = lambda x, w: jnp.sum(grouped_linear(x, w, gs, backend="pallas_triton").astype(jnp.float32) ** 2)
+        return jax.grad(loss, (0, 1))(x, w)
+
+    text = lower_for_gpu(
+        f, jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((e, n, k), dtype),
+        jax.ShapeDtypeStruct((e,), jnp.int32),
+    )
+    assert sorted(re.findall(r'name = "(moe_jax_\w+)"', text)) == ["moe_jax_gmm", "moe_jax_gmm", "moe_jax_tgmm"]
+    assert "__gpu$xla.gpu.triton" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# Configs, backends and bad input
+
+
+def test_config_table_and_validation():
+    assert gmm_config(8, 1536, 2048, 128).block_m == 16  # decode
+    assert gmm_config(32768, 1536, 2048, 128).block_m >= 64  # prefill
+    assert tgmm_config(32768, 1536, 2048, 128).block_n >= 64
+    with pytest.raises(ValueError, match="block_m"):
+        TileConfig(block_m=48)
+    with pytest.raises(ValueError, match="block_k"):
+        TileConfig(block_k=8)
+    with pytest.raises(ValueError, match="num_warps"):
+        TileConfig(num_warps=3)
+    with pytest.raises(ValueError, match="group_m"):
+        TileConfig(group_m=0)
+
+
+def test_backend_resolution():
+    assert resolve_backend("auto") == ("pallas_triton" if ON_GPU else "xla")
+    assert resolve_backend("xla") == "xla"
+    with pytest.raises(ValueError, match="backend='cutlass'"):
+        resolve_backend("cutlass")
+
+
+def test_bad_input_errors():
+    x = jnp.ones((10, 8), jnp.float32)
+    w = jnp.ones((2, 4, 8), jnp.float32)
+    gs = _sizes(3, 4)
+    with pytest.raises(ValueError, match="lhs must be 2-D"):
+        gmm(x[None], w, gs)
+    with pytest.raises(ValueError, match="rhs must be 3-D"):
+        gmm(x, w[0], gs)
+    with pytest.raises(ValueError, match="K=8 columns but rhs"):
+        gmm(x, jnp.ones((2, 4, 6), jnp.float32), gs)
+    with pytest.raises(TypeError, match="lhs.dtype=bfloat16 and rhs.dtype=float32"):
+        gmm(x.astype(jnp.bfloat16), w, gs)
+    with pytest.raises(TypeError, match="lhs.dtype=int32"):
+        gmm(x.astype(jnp.int32), w.astype(jnp.int32), gs)
+    with pytest.raises(ValueError, match="group_sizes has 3 entries but rhs has 2"):
+        gmm(x, w, _sizes(1, 2, 3))
+    with pytest.raises(TypeError, match="group_sizes must be an integer"):
+        gmm(x, w, jnp.array([1.0, 2.0]))
+    with pytest.raises(ValueError, match="group_sizes must be >= 0"):
+        gmm(x, w, _sizes(-1, 2))
+    with pytest.raises(ValueError, match="sum to 11 but lhs has only 10 rows"):
+        gmm(x, w, _sizes(5, 6))
+    with pytest.raises(ValueError, match="lhs has 10 rows but dout has 9"):
+        tgmm(x, jnp.ones((9, 4), jnp.float32), gs)
+    with pytest.raises(ValueError, match="zero groups"):
+        gmm(x, jnp.ones((0, 4, 8), jnp.float32), jnp.zeros((0,), jnp.int32))
