@@ -32,9 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import shapes as S
-from benchmarks.timing import compile_jax, cupti_kernel_time_jax, time_compiled, time_jax, time_torch
-from moe_jax.ops import TileConfig, gmm, gmm_config, grouped_linear, make_group_metadata, tgmm, tgmm_config
-from moe_jax.ops.gmm import gmm_pallas
+from benchmarks.timing import compile_jax, time_compiled, time_torch
+from moe_jax.ops import TileConfig, gmm, gmm_config, grouped_linear, make_group_metadata, tgmm
+from moe_jax.ops.kernels import gmm_pallas
 
 COPY_TBPS_NOMINAL = 4.25
 
@@ -106,46 +106,81 @@ def load_tuned(path) -> dict:
     return out
 
 
-def _prefill_case(shape: S.GemmShape, skew: str, counts: np.ndarray, rows: list, quick: bool, tuned: dict):
-    x, (w,), dy, gs = _inputs(shape, counts)
-    cfg = tuned.get(shape.name, {})
-    fwd_cfg, dgrad_cfg, wgrad_cfg = cfg.get("fwd"), cfg.get("dgrad"), cfg.get("wgrad")
-    useful = int(counts.sum())
-    flops = 2 * useful * shape.n * shape.k
-    reps = _reps(shape.m * shape.n * 2, cap=10)
-    torch = _torch()
-    tx, tw, tdy = _to_torch(x), _to_torch(w), _to_torch(dy)
-    offs = torch.as_tensor(np.cumsum(counts), dtype=torch.int32, device="cuda")
-    rec = dict(shape=shape.name, skew=skew, m=shape.m, e=shape.e, k=shape.k, n=shape.n, flops=flops,
-               max_count=int(counts.max()), active=int((counts > 0).sum()),
-               configs={k: dataclasses.astuple(v) for k, v in cfg.items()})
+@dataclasses.dataclass
+class Case:
+    """One benchmark row group: a shape, a skew, its inputs and what was measured."""
 
-    ours = jax.jit(lambda x, w, gs: gmm(x, w, gs, config=fwd_cfg))
-    y = ours(x, w, gs)
-    ty = torch._grouped_mm(tx, tw.transpose(-2, -1), offs=offs)
-    rec["rel_err_vs_torch"] = _rel(y, jnp.asarray(ty.float().cpu().numpy()))
-    del ty
+    shape: S.GemmShape
+    skew: str
+    counts: np.ndarray
+    inputs: dict
+    configs: dict
+    times: dict = dataclasses.field(default_factory=dict)
+    rec: dict = dataclasses.field(default_factory=dict)
 
-    def fwdbwd(x, w, gs, dy):
-        yy, vjp = jax.vjp(lambda x, w: grouped_linear(x, w, gs, fwd_config=fwd_cfg, dgrad_config=dgrad_cfg,
-                                                      wgrad_config=wgrad_cfg), x, w)
-        return vjp(dy)
 
-    times = {}
-    times["ours"] = time_jax(ours, [(x, w, gs)], reps=reps)
-    times["ours_fb"] = time_jax(fwdbwd, [(x, w, gs, dy)], reps=max(2, reps // 3))
-    w_ekn = jnp.swapaxes(w, 1, 2)
-    times["ragged_dot"] = _try(time_jax, jax.lax.ragged_dot, [(x, w_ekn, gs)], reps=reps)
+def _mgpu(x, w, gs):
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    return ragged_dot_mgpu.ragged_dot(x, w, group_sizes=gs, block_m=128, block_n=128, block_k=64,
+                                      max_concurrent_steps=4, grid_block_n=1, transpose_rhs=True)
+
+
+def _prefill_jobs(case: Case, quick: bool, first: bool):
+    x, w, dy, w_ekn, gs = (case.inputs[k] for k in ("x", "w", "dy", "w_ekn", "gs"))
+    cfg = case.configs
+    fwd, dgrad, wgrad = cfg.get("fwd"), cfg.get("dgrad"), cfg.get("wgrad")
+    reps = _reps(case.shape.m * case.shape.n * 2, cap=10)
+
+    def ours_fb(x, w, gs, dy):
+        y, vjp = jax.vjp(lambda x, w: grouped_linear(x, w, gs, fwd_config=fwd, dgrad_config=dgrad,
+                                                     wgrad_config=wgrad), x, w)
+        return (y, *vjp(dy))
 
     def rd_fb(x, w_ekn, gs, dy):
-        _, vjp = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, gs), x, w_ekn)
-        return vjp(dy)
+        y, vjp = jax.vjp(lambda x, w: jax.lax.ragged_dot(x, w, gs), x, w_ekn)
+        return (y, *vjp(dy))
 
-    times["ragged_dot_fb"] = None if quick else _try(time_jax, rd_fb, [(x, w_ekn, gs, dy)], reps=2)
-    del w_ekn
-    times["mgpu"] = _try(_time_mgpu, x, w, gs, reps)
-    times["torch"] = time_torch(lambda: torch._grouped_mm(tx, tw.transpose(-2, -1), offs=offs), [()], reps=reps)
+    jobs = [
+        ("ours", lambda x, w, gs: gmm(x, w, gs, config=fwd), [(x, w, gs)], reps),
+        ("ours_fb", ours_fb, [(x, w, gs, dy)], max(2, reps // 3)),
+        ("ragged_dot", jax.lax.ragged_dot, [(x, w_ekn, gs)], 2),
+        ("mgpu", _mgpu, [(x, w, gs)], reps),
+    ]
+    if first and not quick:  # XLA's backward is ~3x its forward; once is enough to show it
+        jobs.append(("ragged_dot_fb", rd_fb, [(x, w_ekn, gs, dy)], 2))
+    return jobs
 
+
+def _decode_jobs(case: Case):
+    x, ws, gs = case.inputs["x"], case.inputs["ws"], case.inputs["gs"]
+    shape = case.shape
+    cfg = case.configs.get("fwd") or gmm_config(shape.m, shape.n, shape.k, shape.e)
+    tiles = dataclasses.replace(cfg, by_group=False)
+    meta = make_group_metadata(gs, num_rows=shape.m, block_m=tiles.block_m)
+    tiles_kernel = lambda x, w, meta: gmm_pallas(x, w, meta, transpose_rhs=True, config=tiles, out_dtype=x.dtype,
+                                                 precision=jax.lax.Precision.DEFAULT, interpret=False)
+    case.rec["configs"] = {"fwd": dataclasses.astuple(cfg), "tiles_kernel": dataclasses.astuple(tiles)}
+    return [
+        ("ours", lambda x, w, gs: gmm(x, w, gs, config=cfg), [(x, w, gs) for w in ws], 40),
+        ("ours_tiles_kernel", tiles_kernel, [(x, w, meta) for w in ws], 40),
+        ("ragged_dot", jax.lax.ragged_dot, [(x, jnp.swapaxes(w, 1, 2), gs) for w in ws[:2]], 10),
+    ]
+
+
+def _torch_prefill(case: Case, quick: bool):
+    torch = _torch()
+    shape, counts = case.shape, case.counts
+    tx, tw, tdy = (_to_torch(case.inputs[k]) for k in ("x", "w", "dy"))
+    offs = torch.as_tensor(np.cumsum(counts), dtype=torch.int32, device="cuda")
+    reps = _reps(shape.m * shape.n * 2, cap=10)
+    ty = torch._grouped_mm(tx, tw.transpose(-2, -1), offs=offs)
+    y = jax.jit(lambda x, w, gs: gmm(x, w, gs, config=case.configs.get("fwd")))(
+        case.inputs["x"], case.inputs["w"], case.inputs["gs"])
+    case.rec["rel_err_vs_torch"] = _rel(y, jnp.asarray(ty.float().cpu().numpy()))
+    del ty, y
+    t = case.times
+    t["torch"] = time_torch(lambda: torch._grouped_mm(tx, tw.transpose(-2, -1), offs=offs), [()], reps=reps)
     txg = tx.detach().clone().requires_grad_(True)
     twg = tw.detach().clone().requires_grad_(True)
 
@@ -153,37 +188,34 @@ def _prefill_case(shape: S.GemmShape, skew: str, counts: np.ndarray, rows: list,
         out = torch._grouped_mm(txg, twg.transpose(-2, -1), offs=offs)
         return torch.autograd.grad(out, (txg, twg), tdy)
 
-    times["torch_fb"] = _try(time_torch, torch_fb, [()], reps=max(2, reps // 3), graph=False)
-    del txg, twg
-    times["seed_triton"] = None if quick else _try(_time_seed_triton, tx, tw, offs, reps)
+    t["torch_fb"] = _try(time_torch, torch_fb, [()], reps=max(2, reps // 3), graph=False)
+    if not quick:
+        from parity.reference import grouped_gemm
+
+        full = torch.cat([torch.zeros(1, dtype=torch.int32, device="cuda"), offs])
+        t["seed_triton"] = _try(time_torch, lambda: grouped_gemm.grouped_mm(tx, tw, full), [()], reps=2,
+                                trials=3, graph=False)
     a = torch.empty(shape.m, shape.k, dtype=torch.bfloat16, device="cuda").normal_()
     b = torch.empty(shape.k, shape.n, dtype=torch.bfloat16, device="cuda").normal_()
-    times["dense"] = time_torch(lambda: a @ b, [()], reps=reps)
-    del a, b
-    for impl, t in times.items():
-        f = flops * (3 if impl.endswith("_fb") else 1)
-        rows.append({**rec, "impl": impl, "seconds": t, "tflops": None if t is None else f / t / 1e12})
-    _print_prefill(rec, times, flops)
+    t["dense"] = time_torch(lambda: a @ b, [()], reps=reps)
 
 
-def _time_mgpu(x, w, gs, reps):
-    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
-
-    f = lambda x, w, gs: ragged_dot_mgpu.ragged_dot(
-        x, w, group_sizes=gs, block_m=128, block_n=128, block_k=64, max_concurrent_steps=4,
-        grid_block_n=1, transpose_rhs=True)
-    return time_jax(f, [(x, w, gs)], reps=reps)
-
-
-def _time_seed_triton(tx, tw, offs, reps):
+def _torch_decode(case: Case):
     torch = _torch()
-    from parity.reference import grouped_gemm
+    offs = torch.as_tensor(np.cumsum(case.counts), dtype=torch.int32, device="cuda")
+    tx = _to_torch(case.inputs["x"])
+    tws = [_to_torch(w) for w in case.inputs["ws"]]
+    ty = torch._grouped_mm(tx, tws[0].transpose(-2, -1), offs=offs)
+    cfg = case.configs.get("fwd")
+    y = jax.jit(lambda x, w, gs: gmm(x, w, gs, config=cfg))(case.inputs["x"], case.inputs["ws"][0], case.inputs["gs"])
+    case.rec["rel_err_vs_torch"] = _rel(y, jnp.asarray(ty.float().cpu().numpy()))
+    case.times["torch"] = time_torch(lambda w: torch._grouped_mm(tx, w.transpose(-2, -1), offs=offs),
+                                     [(w,) for w in tws], reps=40)
 
-    full = torch.cat([torch.zeros(1, dtype=torch.int32, device="cuda"), offs])
-    return time_torch(lambda: grouped_gemm.grouped_mm(tx, tw, full), [()], reps=reps, graph=False)
 
+def _print_prefill(case: Case):
+    times, flops, rec = case.times, case.rec["flops"], case.rec
 
-def _print_prefill(rec, times, flops):
     def tf(key, mult=1):
         t = times.get(key)
         return "   -  " if t is None else f"{flops * mult / t / 1e12:6.0f}"
@@ -191,71 +223,100 @@ def _print_prefill(rec, times, flops):
     def ratio(a, b):
         return "  -  " if times.get(a) is None or times.get(b) is None else f"{times[b] / times[a]:5.2f}"
 
-    print(f"  {rec['shape']:<24} {rec['skew']:<8} fwd TF/s ours {tf('ours')} torch {tf('torch')} "
+    print(f"  {rec['shape']:<22} {rec['skew']:<8} fwd TF/s ours {tf('ours')} torch {tf('torch')} "
           f"x{ratio('ours', 'torch')} | ragged_dot {tf('ragged_dot')} mgpu {tf('mgpu')} seed {tf('seed_triton')} "
           f"dense {tf('dense')} | f+b ours {tf('ours_fb', 3)} torch {tf('torch_fb', 3)} x{ratio('ours_fb', 'torch_fb')} "
-          f"rd {tf('ragged_dot_fb', 3)} | err {rec['rel_err_vs_torch']:.1e}", flush=True)
+          f"rd {tf('ragged_dot_fb', 3)} | err {rec.get('rel_err_vs_torch', float('nan')):.1e}", flush=True)
 
 
-def _decode_case(tokens: int, rows: list, copy_tbps: float, tuned: dict):
-    shape = S.decode_shape(tokens)
-    sets = 4  # rotate weight copies: one bucket's active experts fit in L2
-    counts = S.decode_counts(tokens)
-    x, ws, _, gs = _inputs(shape, counts, weight_sets=sets)
-    active = int((counts > 0).sum())
-    wbytes = active * shape.n * shape.k * 2
-    torch = _torch()
-    offs = torch.as_tensor(np.cumsum(counts), dtype=torch.int32, device="cuda")
-    tx = _to_torch(x)
-    tws = [_to_torch(w) for w in ws]
-    cfg = tuned.get(shape.name, {}).get("fwd") or gmm_config(shape.m, shape.n, shape.k, shape.e)
-    meta = make_group_metadata(gs, num_rows=shape.m, block_m=cfg.block_m)
-    kernel_only = lambda x, w, meta: gmm_pallas(x, w, meta, transpose_rhs=True, config=cfg, out_dtype=x.dtype,
-                                                precision=jax.lax.Precision.DEFAULT, interpret=False)
-    ours = lambda x, w, gs: gmm(x, w, gs, config=cfg)
-    y = jax.jit(ours)(x, ws[0], gs)
-    ty = torch._grouped_mm(tx, tws[0].transpose(-2, -1), offs=offs)
-    err = _rel(y, jnp.asarray(ty.float().cpu().numpy()))
-    times = {
-        "ours": time_jax(ours, [(x, w, gs) for w in ws], reps=40),
-        "ours_kernel": time_jax(kernel_only, [(x, w, meta) for w in ws], reps=40),
-        "ours_cupti": cupti_kernel_time_jax(ours, (x, ws[0], gs)),
-        "ragged_dot": _try(time_jax, jax.lax.ragged_dot, [(x, jnp.swapaxes(w, 1, 2), gs) for w in ws[:2]], reps=40),
-        "torch": time_torch(lambda w: torch._grouped_mm(tx, w.transpose(-2, -1), offs=offs), [(w,) for w in tws], reps=40),
-    }
-    rec = dict(shape=shape.name, skew="decode", m=shape.m, e=shape.e, k=shape.k, n=shape.n, tokens=tokens,
-               active=active, weight_bytes=wbytes, rel_err_vs_torch=err, copy_tbps=copy_tbps,
-               configs={"fwd": dataclasses.astuple(cfg)})
-    for impl, t in times.items():
-        rows.append({**rec, "impl": impl, "seconds": t,
-                     "tbps": None if t is None else wbytes / t / 1e12})
+def _print_decode(case: Case, copy_tbps: float):
+    times, wbytes = case.times, case.rec["weight_bytes"]
 
     def bw(key):
         t = times.get(key)
-        return "   -   " if t is None else f"{wbytes / t / 1e12:5.2f} ({wbytes / t / 1e12 / copy_tbps:4.2f})"
+        return "    -     " if t is None else f"{wbytes / t / 1e12:4.2f} ({wbytes / t / 1e12 / copy_tbps:4.2f})"
 
     def us(key):
         t = times.get(key)
-        return "  -  " if t is None else f"{t * 1e6:6.1f}"
+        return "   -  " if t is None else f"{t * 1e6:6.1f}"
 
-    print(f"  decode T={tokens:<4} active={active:<3} {wbytes / 1e6:6.1f} MB | us: ours {us('ours')} kernel {us('ours_kernel')} "
-          f"cupti {us('ours_cupti')} torch {us('torch')} ragged_dot {us('ragged_dot')} | TB/s (x copy): ours {bw('ours')} "
-          f"kernel {bw('ours_kernel')} torch {bw('torch')} | err {err:.1e}", flush=True)
+    print(f"  decode T={case.rec['tokens']:<4} active={case.rec['active']:<3} {wbytes / 1e6:6.1f} MB | us: ours {us('ours')} "
+          f"tiles-kernel {us('ours_tiles_kernel')} torch {us('torch')} ragged_dot {us('ragged_dot')} | TB/s (x copy): "
+          f"ours {bw('ours')} tiles-kernel {bw('ours_tiles_kernel')} torch {bw('torch')} | "
+          f"err {case.rec.get('rel_err_vs_torch', float('nan')):.1e}", flush=True)
+
+
+def _compile_all(jobs):
+    def build(job):
+        _, key, fn, arg_sets, reps = job
+        try:
+            return compile_jax(fn, arg_sets, reps=reps)
+        except Exception as e:  # a peer that cannot compile a shape is reported, not fatal
+            return e
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 8) as pool:
+        return list(pool.map(build, jobs))
 
 
 def cmd_run(args):
-    rows: list = []
+    torch = _torch()
     tuned = load_tuned(args.configs)
     copy = measure_copy_tbps()
     print(f"copy bandwidth: {copy:.2f} TB/s (read + write)", flush=True)
-    prefill = S.PREFILL[:1] if args.quick else S.PREFILL
-    for shape in prefill:
-        for skew in ("balanced", "zipf"):
+    cases: list[Case] = []
+    jobs = []
+    for shape in (S.PREFILL[:1] if args.quick else S.PREFILL):
+        x, (w,), dy, _ = _inputs(shape, S.balanced_counts(shape.m, shape.e))
+        w_ekn = jnp.swapaxes(w, 1, 2)
+        for i, skew in enumerate(("balanced", "zipf")):
             counts = S.balanced_counts(shape.m, shape.e) if skew == "balanced" else S.zipf_counts(
                 shape.m, shape.e, cap=shape.tokens)
-            _prefill_case(shape, skew, counts, rows, args.quick, tuned)
-    for t in S.DECODE_TOKENS:
-        _decode_case(t, rows, copy, tuned)
+            gs = jnp.asarray(counts, jnp.int32)
+            case = Case(shape, skew, counts, dict(x=x, w=w, dy=dy, w_ekn=w_ekn, gs=gs), tuned.get(shape.name, {}))
+            case.rec = dict(shape=shape.name, skew=skew, m=shape.m, e=shape.e, k=shape.k, n=shape.n,
+                            flops=2 * int(counts.sum()) * shape.n * shape.k, max_count=int(counts.max()),
+                            active=int((counts > 0).sum()),
+                            configs={k: dataclasses.astuple(v) for k, v in case.configs.items()})
+            cases.append(case)
+            jobs += [(case, *j) for j in _prefill_jobs(case, args.quick, first=(i == 0 and shape is S.PREFILL[0]))]
+    shape0 = S.decode_shape(1)
+    key = jax.random.PRNGKey(7)
+    ws = [(jax.random.normal(k, (shape0.e, shape0.n, shape0.k), jnp.bfloat16) / math.sqrt(shape0.k)).astype(jnp.bfloat16)
+          for k in jax.random.split(key, 4)]  # rotated: one bucket's active experts fit in L2
+    for tokens in S.DECODE_TOKENS:
+        shape = S.decode_shape(tokens)
+        counts = S.decode_counts(tokens)
+        x = jax.random.normal(jax.random.PRNGKey(tokens), (shape.m, shape.k), jnp.bfloat16)
+        case = Case(shape, "decode", counts, dict(x=x, ws=ws, gs=jnp.asarray(counts, jnp.int32)),
+                    tuned.get(shape.name, {}))
+        active = int((counts > 0).sum())
+        case.rec = dict(shape=shape.name, skew="decode", m=shape.m, e=shape.e, k=shape.k, n=shape.n, tokens=tokens,
+                        active=active, weight_bytes=active * shape.n * shape.k * 2, copy_tbps=copy)
+        cases.append(case)
+        jobs += [(case, *j) for j in _decode_jobs(case)]
+    print(f"compiling {len(jobs)} JAX executables ...", flush=True)
+    built = _compile_all(jobs)
+    for (case, key, *_), b in zip(jobs, built):
+        if isinstance(b, Exception):
+            print(f"    [skipped] {case.shape.name} {case.skew} {key}: {type(b).__name__}: {str(b).splitlines()[0][:150]}")
+            case.times[key] = None
+        else:
+            case.times[key] = time_compiled(*b, trials=5)
+    rows = []
+    for case in cases:
+        if case.skew == "decode":
+            _torch_decode(case)
+            _print_decode(case, copy)
+            for impl, t in case.times.items():
+                rows.append({**case.rec, "impl": impl, "seconds": t,
+                             "tbps": None if t is None else case.rec["weight_bytes"] / t / 1e12})
+        else:
+            _torch_prefill(case, args.quick)
+            _print_prefill(case)
+            for impl, t in case.times.items():
+                f = case.rec["flops"] * (3 if impl.endswith("_fb") else 1)
+                rows.append({**case.rec, "impl": impl, "seconds": t, "tflops": None if t is None else f / t / 1e12})
+        torch.cuda.empty_cache()
     summary = _summary(rows, copy)
     print(json.dumps(summary, indent=1))
     _write(args.json, "run", rows, summary, dict(copy_tbps=copy, configs_from=args.configs or "table"))
@@ -278,7 +339,7 @@ def _summary(rows, copy):
     fb = [t(*c, "torch_fb") / t(*c, "ours_fb") for c in cases if t(*c, "torch_fb") and t(*c, "ours_fb")]
     rd = [t(*c, "ragged_dot") / t(*c, "ours") for c in cases if t(*c, "ragged_dot") and t(*c, "ours")]
     dec = {r["shape"]: r["tbps"] / copy for r in rows if r["skew"] == "decode" and r["impl"] == "ours" and r["tbps"]}
-    deck = {r["shape"]: r["tbps"] / copy for r in rows if r["skew"] == "decode" and r["impl"] == "ours_kernel" and r["tbps"]}
+    deck = {r["shape"]: r["tbps"] / copy for r in rows if r["skew"] == "decode" and r["impl"] == "ours_tiles_kernel" and r["tbps"]}
     return {
         "fwd_geomean_ours_over_torch": _geomean(fwd), "target_fwd": 0.8,
         "fwdbwd_geomean_ours_over_torch": _geomean(fb), "target_fwdbwd": 0.7,

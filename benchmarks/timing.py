@@ -35,13 +35,18 @@ def compile_jax(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, reps: int 
             if out is not None:
                 # Both barrier outputs are used, or XLA drops the barrier and merges the calls.
                 args, out = jax.lax.optimization_barrier((args, out))
-                firsts.append(jax.tree.leaves(out)[0].ravel()[0])
+                firsts.append(_touch(out))
             out = fn(*args)
-        firsts.append(jax.tree.leaves(out)[0].ravel()[0])
-        return jnp.stack([f.astype(jnp.float32) for f in firsts])
+        firsts.append(_touch(out))
+        return jnp.stack(firsts)
 
     compiled = jax.jit(many).lower(arg_sets).compile()
     return (lambda: compiled(arg_sets)), reps
+
+
+def _touch(out):
+    """One element of every output leaf, so no output (and none of its producers) is dead code."""
+    return sum(leaf.ravel()[0].astype(jnp.float32) for leaf in jax.tree.leaves(out))
 
 
 def time_compiled(run: Callable[[], Any], reps: int, *, trials: int = 7) -> float:
@@ -101,23 +106,3 @@ def time_torch(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, reps: int =
         end.synchronize()
         samples.append(start.elapsed_time(end) / 1e3 / reps)
     return statistics.median(samples)
-
-
-def cupti_kernel_time_jax(fn: Callable[..., Any], args: tuple, *, iterations: int = 10) -> float | None:
-    """Median seconds of GPU kernel time per call (sum of kernels, no launch gaps), via CUPTI.
-
-    None when CUPTI is unavailable on this machine.
-    """
-    try:
-        from jax.experimental.mosaic.gpu import profiler
-    except Exception:
-        return None
-    f = jax.jit(fn)
-    jax.block_until_ready(f(*args))
-    try:
-        _, times_ms = profiler.measure(f, iterations=iterations)(*args)
-    except Exception:
-        return None
-    if not times_ms:
-        return None
-    return statistics.median(times_ms) / 1e3

@@ -181,7 +181,9 @@ def test_gmm_nan_rows_past_groups_do_not_leak(backend):
     TileConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2, group_m=1),
     TileConfig(block_m=32, block_n=64, block_k=16, num_warps=4, num_stages=2, group_m=3),
     TileConfig(block_m=64, block_n=16, block_k=64, num_warps=4, num_stages=2, group_m=8),
-])
+    TileConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2, group_m=1, by_group=True),
+    TileConfig(block_m=32, block_n=16, block_k=64, num_warps=4, num_stages=2, group_m=1, by_group=True),
+], ids=["tiles16", "tiles32-swizzle3", "tiles64-swizzle8", "by-group16", "by-group32"])
 def test_gmm_tile_configs(config):
     # Different swizzles and tile shapes (including groups wider than the tiles) agree.
     m, k, n = 130, 48, 40
@@ -192,6 +194,34 @@ def test_gmm_tile_configs(config):
     dy = jax.random.normal(jax.random.PRNGKey(9), (m, n))
     assert_close(tgmm(x, dy, gs, backend="pallas_triton", config=config), tgmm_reference(x, dy, gs),
                  jnp.float32, str(config))
+
+
+@pytest.mark.parametrize("sizes,m", [((20, 0, 33, 1), 70), ((0, 0, 0, 0), 24), ((5, 5, 5, 5), 20), ((0, 61, 0, 0), 61)])
+def test_every_output_element_is_written(sizes, m):
+    """Each kernel writes every element of its output: launched into a NaN-filled buffer (aliased
+    as the output), the result has no NaN and matches the reference."""
+    from moe_jax.ops import kernels
+    from moe_jax.ops.backends import _on_gpu
+
+    k, n, e = 40, 24, len(sizes)
+    x, w = _inputs(14, m, k, n, e, jnp.float32)
+    gs = jnp.asarray(sizes, jnp.int32)
+    common = dict(out_dtype=jnp.float32, precision=jax.lax.Precision.HIGHEST, interpret=not _on_gpu())
+    nan_out = jnp.full((m, n), jnp.nan, jnp.float32)
+    ref = gmm_reference(x, w, gs)
+    tiles = TileConfig(16, 16, 16, 4, 2, 2)
+    meta = make_group_metadata(gs, num_rows=m, block_m=tiles.block_m)
+    out = kernels.gmm_pallas(x, w, meta, transpose_rhs=True, config=tiles, out_init=nan_out, **common)
+    assert_close(out, ref, jnp.float32, "row-tile kernel")
+    by_group = TileConfig(16, 16, 16, 4, 2, 1, by_group=True)
+    out = kernels.gmm_by_group_pallas(x, w, gs, transpose_rhs=True, config=by_group, out_init=nan_out,
+                                      num_fill=2, **common)
+    assert_close(out, ref, jnp.float32, "group-major kernel")
+    dy = jax.random.normal(jax.random.PRNGKey(15), (m, n))
+    offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(gs)]).astype(jnp.int32)
+    dw = kernels.tgmm_pallas(x, dy, offsets, config=TileConfig(16, 16, 16, 4, 2, 1),
+                             out_init=jnp.full((e, n, k), jnp.nan, jnp.float32), **common)
+    assert_close(dw, tgmm_reference(x, dy, gs), jnp.float32, "weight-gradient kernel")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -322,7 +352,10 @@ def test_kernels_lower_to_triton_for_h200(m, n, k, e, dtype):
         f, jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((e, n, k), dtype),
         jax.ShapeDtypeStruct((e,), jnp.int32),
     )
-    assert sorted(re.findall(r'name = "(moe_jax_\w+)"', text)) == ["moe_jax_gmm", "moe_jax_gmm", "moe_jax_tgmm"]
+    names = re.findall(r'name = "(moe_jax_\w+)"', text)
+    expect_fwd = "moe_jax_gmm_by_group" if gmm_config(m, n, k, e).by_group else "moe_jax_gmm"
+    expect_dgrad = "moe_jax_gmm_by_group" if gmm_config(m, k, n, e).by_group else "moe_jax_gmm"
+    assert sorted(names) == sorted([expect_fwd, expect_dgrad, "moe_jax_tgmm"]), names
     assert "__gpu$xla.gpu.triton" in text
 
 

@@ -16,7 +16,7 @@ from typing import Callable, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moe_jax.ops import gmm as _kernels
+from moe_jax.ops import kernels as _kernels
 from moe_jax.ops.config import TileConfig, gmm_config, tgmm_config
 from moe_jax.ops.metadata import clamp_group_sizes, make_group_metadata
 
@@ -45,6 +45,11 @@ def _pallas_gmm(lhs, rhs, group_sizes, *, transpose_rhs, config: TileConfig | No
     m, k = lhs.shape
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     config = config or gmm_config(m, n, k, rhs.shape[0])
+    if config.by_group:
+        return _kernels.gmm_by_group_pallas(
+            lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, config=config, out_dtype=out_dtype,
+            precision=precision, interpret=not _on_gpu(),
+        )
     meta = make_group_metadata(group_sizes, num_rows=m, block_m=config.block_m)
     return _kernels.gmm_pallas(
         lhs, rhs, meta, transpose_rhs=transpose_rhs, config=config, out_dtype=out_dtype,

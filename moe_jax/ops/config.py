@@ -28,6 +28,10 @@ class TileConfig:
     `group_m` row tiles share one sweep over the output columns before the next group starts, so
     an expert's weight block and its activation rows are read from HBM about once (L2 reuse).
     Triton needs power-of-two blocks; tensor-core dots need every block >= 16.
+
+    `by_group` (gmm only) launches one program per (group, column block) that walks its group's
+    row tiles instead of one program per row tile of an on-device schedule: no schedule is built
+    before the kernel, which is what decode needs; under heavy skew it serialises a hot group.
     """
 
     block_m: int = 128
@@ -36,6 +40,7 @@ class TileConfig:
     num_warps: int = 8
     num_stages: int = 3
     group_m: int = 8
+    by_group: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n", "block_k"):
@@ -51,6 +56,8 @@ class TileConfig:
             raise ValueError(f"TileConfig.num_stages={self.num_stages!r}: must be an int in [1, 8].")
         if not isinstance(self.group_m, int) or self.group_m < 1:
             raise ValueError(f"TileConfig.group_m={self.group_m!r}: must be a positive int.")
+        if not isinstance(self.by_group, bool):
+            raise ValueError(f"TileConfig.by_group={self.by_group!r}: must be a bool.")
 
 
 def _pow2_at_least(x: int, lo: int, hi: int) -> int:
@@ -63,25 +70,31 @@ def _pow2_at_least(x: int, lo: int, hi: int) -> int:
 def gmm_config(m: int, n: int, k: int, num_groups: int) -> TileConfig:
     """Forward/input-gradient config for `lhs[m,k] x rhs[num_groups, n, k]`.
 
-    Shape classes, by mean rows per group `m / num_groups`:
-    - decode (<= 16): weights dominate the bytes; narrow column tiles give enough programs to
-      keep every SM streaming weights, deep pipelines hide HBM latency.
-    - small prefill (<= 64): `block_m` shrinks toward the mean group so fewer rows are padding.
-    - prefill: large tensor-core tiles.
+    Shape classes by mean rows per group `m / num_groups` (H200 sweep, 2026-11-29,
+    `benchmarks/results/`):
+    - decode (<= 16): bytes are weights; the group-major kernel needs no schedule kernels before
+      it, and narrow column blocks give every SM weight blocks to stream.
+    - small prefill (<= 64): `block_m` near the mean group so fewer rows are padding.
+    - prefill: 128x256x64 tiles, 8 warps, 4 stages was best or within 3% of best on all four
+      model shapes (Qwen3 gate+up and down, Mixtral, DeepSeek-V3), forward and input gradient.
     """
     rows = m / max(num_groups, 1)
     if rows <= 16:
-        return TileConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4, group_m=1)
+        return TileConfig(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=3, group_m=1, by_group=True)
     if rows <= 64:
-        bm = _pow2_at_least(int(rows), 16, 64)
-        return TileConfig(block_m=bm, block_n=128, block_k=64, num_warps=4, num_stages=4, group_m=4)
-    bn = 256 if n >= 4096 else 128
-    return TileConfig(block_m=128, block_n=bn, block_k=64, num_warps=8, num_stages=3, group_m=8)
+        return TileConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4, group_m=8)
+    bn = 256 if n >= 1024 else 128
+    return TileConfig(block_m=128, block_n=bn, block_k=64, num_warps=8, num_stages=4, group_m=8)
 
 
 def tgmm_config(m: int, n: int, k: int, num_groups: int) -> TileConfig:
-    """Weight-gradient config for `dB[num_groups, n, k] = dC[m, n]^T A[m, k]` per group."""
+    """Weight-gradient config for `dB[num_groups, n, k] = dC[m, n]^T A[m, k]` per group.
+
+    Each program owns a 128x128 tile of one group's gradient and walks that group's rows; 32-row
+    steps won for a few hundred rows per group (Qwen3, DeepSeek-V3), 64 for Mixtral's ~1000.
+    """
     rows = m / max(num_groups, 1)
     if rows <= 64:
         return TileConfig(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=3, group_m=1)
-    return TileConfig(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=3, group_m=1)
+    bm = 64 if rows >= 768 else 32
+    return TileConfig(block_m=bm, block_n=128, block_k=128, num_warps=8, num_stages=3, group_m=1)

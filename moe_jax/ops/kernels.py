@@ -1,0 +1,278 @@
+"""Pallas (Triton backend) grouped-GEMM kernels and the wrappers that launch them.
+
+Legend: M packed rows, K reduction width, N output width, E groups, W worst-case row tiles.
+
+- `gmm`: `out[M,N]`, rows of group e are `lhs_e @ rhs[e]^T` (rhs `[E,N,K]`, `transpose_rhs=True`,
+  the seed's NT layout) or `lhs_e @ rhs[e]` (rhs `[E,K,N]`, used for the input gradient so the
+  weights are never transposed in memory).
+- `tgmm`: `out[E,N,K]`, `out[e] = dout_e^T @ lhs_e`, the weight gradient.
+
+Kernels take refs only; wrappers own grids and compiler parameters. Accumulation is fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from moe_jax.ops.config import TileConfig
+from moe_jax.ops.metadata import GroupMetadata
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b
+
+
+def _outer_and(row_ok, col_ok, shape):
+    """Block mask of `shape` from optional row and column masks (None: that edge needs no mask)."""
+    if row_ok is None and col_ok is None:
+        return None
+    rows = jnp.ones((shape[0],), jnp.bool_) if row_ok is None else row_ok
+    cols = jnp.ones((shape[1],), jnp.bool_) if col_ok is None else col_ok
+    return rows[:, None] & cols[None, :]
+
+
+def _load(ref, mask):
+    """Masked load with zeros where `mask` is False; a plain load when no mask is needed."""
+    if mask is None:
+        return plgpu.load(ref)
+    return plgpu.load(ref, mask=mask, other=jnp.zeros((), ref.dtype))
+
+
+def _swizzle(pid, num_tiles: int, num_n: int, group_m: int):
+    """Map a 1-D program id to (row tile, column block), `group_m` row tiles per column sweep.
+
+    Consecutive programs cover `group_m` row tiles (usually one expert's rows) for column block 0,
+    then block 1, ...: the expert's weight block and its rows stay in L2 across the sweep.
+    """
+    per_group = group_m * num_n
+    group = pid // per_group
+    first = group * group_m
+    size = jnp.minimum(num_tiles - first, group_m)
+    local = pid % per_group
+    return first + local % size, local // size
+
+
+def _row_tile(lhs_ref, rhs_ref, out_ref, *, group, start, end, n0, k_steps, n: int, k: int,
+              config: TileConfig, transpose_rhs: bool, precision):
+    """out[start:end, n0:n0+bn] = lhs[start:end] @ rhs[group]^T (or rhs[group]), over `k_steps`
+    K blocks; with `k_steps == 0` the rows are written as zeros. `end - start <= block_m`."""
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    rows_ok = (start + jnp.arange(bm, dtype=jnp.int32)) < end
+    cols_ok = (n0 + jnp.arange(bn, dtype=jnp.int32)) < n
+
+    def k_step(i, acc):
+        k0 = pl.multiple_of(i * bk, bk)
+        # Edge masks only where the shape leaves a partial block: a mask-free load vectorizes.
+        k_ok = ((k0 + jnp.arange(bk, dtype=jnp.int32)) < k) if k % bk else None
+        n_ok = cols_ok if n % bn else None
+        a = _load(lhs_ref.at[pl.ds(start, bm), pl.ds(k0, bk)], _outer_and(rows_ok, k_ok, (bm, bk)))
+        if transpose_rhs:
+            b = _load(rhs_ref.at[group, pl.ds(n0, bn), pl.ds(k0, bk)], _outer_and(n_ok, k_ok, (bn, bk)))
+            return acc + plgpu.dot(a, b, trans_b=True, precision=precision)
+        b = _load(rhs_ref.at[group, pl.ds(k0, bk), pl.ds(n0, bn)], _outer_and(k_ok, n_ok, (bk, bn)))
+        return acc + plgpu.dot(a, b, precision=precision)
+
+    acc = lax.fori_loop(0, k_steps, k_step, jnp.zeros((bm, bn), jnp.float32))
+    plgpu.store(
+        out_ref.at[pl.ds(start, bm), pl.ds(n0, bn)],
+        acc.astype(out_ref.dtype),
+        mask=rows_ok[:, None] & cols_ok[None, :],
+    )
+
+
+def _gmm_kernel(
+    tile_group_ref, tile_start_ref, tile_end_ref, lhs_ref, rhs_ref, out_ref,
+    *, num_groups: int, n: int, k: int, num_tiles: int, config: TileConfig,
+    transpose_rhs: bool, precision,
+):
+    num_n = _cdiv(n, config.block_n)
+    tile, n_blk = _swizzle(pl.program_id(0), num_tiles, num_n, config.group_m)
+    group = tile_group_ref[tile]
+    start = tile_start_ref[tile]
+    end = tile_end_ref[tile]
+    # Zero-fill tiles (group == E) and unused tiles run no K steps and store zeros / nothing.
+    # An int32 product, not a select of literals: scf.for needs one integer type for its bounds.
+    has_work = (group < num_groups) & (end > start)
+    _row_tile(
+        lhs_ref, rhs_ref, out_ref, group=jnp.minimum(group, num_groups - 1), start=start, end=end,
+        n0=pl.multiple_of(n_blk * config.block_n, config.block_n),
+        k_steps=has_work.astype(jnp.int32) * _cdiv(k, config.block_k),
+        n=n, k=k, config=config, transpose_rhs=transpose_rhs, precision=precision,
+    )
+
+
+def gmm_pallas(
+    lhs: jax.Array, rhs: jax.Array, meta: GroupMetadata, *, transpose_rhs: bool,
+    config: TileConfig, out_dtype, precision, interpret: bool, out_init: jax.Array | None = None,
+) -> jax.Array:
+    """Launch the row-tile kernel. `meta` must come from `make_group_metadata(..., block_m=config.block_m)`.
+
+    One program per (row tile, column block) of the on-device schedule: every program has about
+    the same work whatever the skew. Expects validated shapes; `M, N, K > 0`.
+    """
+    m, k = lhs.shape
+    num_groups = rhs.shape[0]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    num_tiles = meta.tile_group_W.shape[0]
+    grid = (num_tiles * _cdiv(n, config.block_n),)
+    kernel = functools.partial(
+        _gmm_kernel, num_groups=num_groups, n=n, k=k, num_tiles=num_tiles, config=config,
+        transpose_rhs=transpose_rhs, precision=precision,
+    )
+    return _launch(
+        kernel, (meta.tile_group_W, meta.tile_start_W, meta.tile_end_W, lhs, rhs),
+        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype), grid=grid, config=config,
+        interpret=interpret, name="moe_jax_gmm", out_init=out_init,
+    )
+
+
+def _launch(kernel, inputs, *, out_shape, grid, config: TileConfig, interpret: bool, name: str, out_init):
+    """pallas_call with the project's compiler params. `out_init`, if given, is aliased as the
+    output buffer: tests pass NaN there to prove that every output element gets written."""
+    if out_init is None:
+        call_kernel, aliases = kernel, {}
+    else:
+        if out_init.shape != out_shape.shape or out_init.dtype != out_shape.dtype:
+            raise ValueError(f"out_init must be {out_shape}; got {out_init.shape} {out_init.dtype}.")
+        inputs = (*inputs, out_init)
+        aliases = {len(inputs) - 1: 0}
+
+        def call_kernel(*refs):
+            return kernel(*refs[:-2], refs[-1])  # drop the aliased input ref
+
+    return pl.pallas_call(
+        call_kernel,
+        out_shape=out_shape,
+        grid=grid,
+        input_output_aliases=aliases,
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name=name,
+    )(*inputs)
+
+
+def _pow2_at_least(x: int) -> int:
+    return 1 << max(int(x) - 1, 0).bit_length()
+
+
+def _gmm_by_group_kernel(
+    sizes_ref, lhs_ref, rhs_ref, out_ref, *, num_groups: int, num_fill: int, m: int, n: int, k: int,
+    config: TileConfig, transpose_rhs: bool, precision,
+):
+    bm = config.block_m
+    num_n = _cdiv(n, config.block_n)
+    pid = pl.program_id(0)
+    slot, n_blk = pid // num_n, pid % num_n
+    n0 = pl.multiple_of(n_blk * config.block_n, config.block_n)
+    # Each program finds its group's rows from the raw sizes (one vector load and two sums), so
+    # the launch needs no schedule arrays: nothing runs before this kernel.
+    e_pad = max(16, _pow2_at_least(num_groups))
+    idx = jnp.arange(e_pad, dtype=jnp.int32)
+    sizes = jnp.maximum(_load(sizes_ref.at[pl.ds(0, e_pad)], idx < num_groups), 0)
+    is_group = slot < num_groups
+    before = jnp.minimum(jnp.sum(jnp.where(idx < slot, sizes, 0)), m)
+    total = jnp.minimum(jnp.sum(sizes), m)
+    group_end = jnp.minimum(before + jnp.sum(jnp.where(idx == slot, sizes, 0)), m)
+    # Group programs walk their group's row tiles; the `num_fill` fill programs share the rows
+    # past the last group, tile j going to fill program j % num_fill.
+    # Selects on int32 values only: a select of two Python literals lowers to i1 in Triton.
+    first = jnp.where(is_group, before, total + (slot - num_groups) * bm)
+    end = jnp.where(is_group, group_end, jnp.int32(m))
+    stride = (1 + (1 - is_group.astype(jnp.int32)) * (num_fill - 1)) * bm
+    tiles = jnp.maximum(end - first + stride - 1, 0) // stride
+    k_steps = is_group.astype(jnp.int32) * _cdiv(k, config.block_k)
+    group = jnp.minimum(slot, num_groups - 1)
+
+    def tile(j, carry):
+        start = first + j * stride
+        _row_tile(lhs_ref, rhs_ref, out_ref, group=group, start=start, end=jnp.minimum(start + bm, end),
+                  n0=n0, k_steps=k_steps, n=n, k=k, config=config, transpose_rhs=transpose_rhs,
+                  precision=precision)
+        return carry
+
+    lax.fori_loop(0, tiles, tile, 0)
+
+
+def gmm_by_group_pallas(
+    lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool,
+    config: TileConfig, out_dtype, precision, interpret: bool, num_fill: int = 8,
+    out_init: jax.Array | None = None,
+) -> jax.Array:
+    """Launch the group-major kernel: one program per (group, column block) walks that group's
+    row tiles, plus `num_fill` programs per column block that zero the rows past the last group.
+
+    For decode-sized problems (a few rows per group): no schedule is built on device, the launch
+    is the only kernel, and inactive groups' programs exit at once. Under heavy skew a hot group
+    is walked by few programs, so prefill uses `gmm_pallas`. Expects validated shapes.
+    """
+    m, k = lhs.shape
+    num_groups = rhs.shape[0]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    num_fill = max(1, min(num_fill, _cdiv(m, config.block_m)))
+    grid = ((num_groups + num_fill) * _cdiv(n, config.block_n),)
+    kernel = functools.partial(
+        _gmm_by_group_kernel, num_groups=num_groups, num_fill=num_fill, m=m, n=n, k=k, config=config,
+        transpose_rhs=transpose_rhs, precision=precision,
+    )
+    return _launch(
+        kernel, (group_sizes.astype(jnp.int32), lhs, rhs),
+        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype), grid=grid, config=config,
+        interpret=interpret, name="moe_jax_gmm_by_group", out_init=out_init,
+    )
+
+
+def _tgmm_kernel(
+    offsets_ref, lhs_ref, dout_ref, out_ref, *, n: int, k: int, config: TileConfig, precision,
+):
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    num_n, num_k = _cdiv(n, bn), _cdiv(k, bk)
+    pid = pl.program_id(0)
+    group = pid // (num_n * num_k)
+    rest = pid % (num_n * num_k)
+    n0 = pl.multiple_of((rest // num_k) * bn, bn)
+    k0 = pl.multiple_of((rest % num_k) * bk, bk)
+    start = offsets_ref[group]
+    end = offsets_ref[group + 1]
+    cols_n_ok = (n0 + jnp.arange(bn, dtype=jnp.int32)) < n
+    cols_k_ok = (k0 + jnp.arange(bk, dtype=jnp.int32)) < k
+
+    def m_step(i, acc):
+        r0 = start + i * bm
+        rows_ok = (r0 + jnp.arange(bm, dtype=jnp.int32)) < end
+        d = _load(dout_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], _outer_and(rows_ok, cols_n_ok if n % bn else None, (bm, bn)))
+        a = _load(lhs_ref.at[pl.ds(r0, bm), pl.ds(k0, bk)], _outer_and(rows_ok, cols_k_ok if k % bk else None, (bm, bk)))
+        return acc + plgpu.dot(d, a, trans_a=True, precision=precision)
+
+    # An empty group runs no steps and stores exact zeros.
+    acc = lax.fori_loop(0, _cdiv(end - start, bm), m_step, jnp.zeros((bn, bk), jnp.float32))
+    plgpu.store(
+        out_ref.at[group, pl.ds(n0, bn), pl.ds(k0, bk)],
+        acc.astype(out_ref.dtype),
+        mask=cols_n_ok[:, None] & cols_k_ok[None, :],
+    )
+
+
+def tgmm_pallas(
+    lhs: jax.Array, dout: jax.Array, group_offsets_E1: jax.Array, *, config: TileConfig,
+    out_dtype, precision, interpret: bool, out_init: jax.Array | None = None,
+) -> jax.Array:
+    """Launch the weight-gradient kernel: `out[e] = dout_e^T @ lhs_e`, `[E, N, K]`.
+
+    `group_offsets_E1` from `clamp_group_sizes`. Expects validated shapes; `N, K > 0`.
+    """
+    k = lhs.shape[1]
+    n = dout.shape[1]
+    num_groups = group_offsets_E1.shape[0] - 1
+    grid = (num_groups * _cdiv(n, config.block_n) * _cdiv(k, config.block_k),)
+    kernel = functools.partial(_tgmm_kernel, n=n, k=k, config=config, precision=precision)
+    return _launch(
+        kernel, (group_offsets_E1, lhs, dout),
+        out_shape=jax.ShapeDtypeStruct((num_groups, n, k), out_dtype), grid=grid, config=config,
+        interpret=interpret, name="moe_jax_tgmm", out_init=out_init,
+    )
