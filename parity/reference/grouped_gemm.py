@@ -24,6 +24,9 @@ tensors). Two interpreter limits of Triton 3.6 shape the kernels (both compile u
   in fp32, so this computes what the tensor-core product with fp32 accumulation computes.
 - Under NumPy >= 2.5 the interpreter cannot use a loaded value as a `range` bound, so the
   weight-gradient kernel walks an expert's rows with a `while` loop instead.
+- The interpreter converts fp32 to bfloat16 by truncation (round toward zero), where compiled
+  kernels round to nearest even. In interpret mode bf16 results are therefore stored as fp32 and
+  rounded by torch (round to nearest even), which is what the compiled store does.
 """
 
 from __future__ import annotations
@@ -220,8 +223,15 @@ def _check_offsets(offsets: torch.Tensor, num_experts: int | None, num_rows: int
 
 
 def _kernel_dtypes(dtype: torch.dtype) -> tuple[tl.dtype, bool]:
+    """`(accumulator dtype, whether bf16 operands are widened to fp32)`: interpret-mode bf16 only."""
     acc = tl.float64 if dtype == torch.float64 else tl.float32
     return acc, interpreting() and dtype == torch.bfloat16
+
+
+def _store_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a kernel writes: fp32 for interpret-mode bf16 (torch rounds it afterwards, to
+    nearest even; the interpreter's own fp32 -> bf16 conversion truncates), else `dtype`."""
+    return torch.float32 if interpreting() and dtype == torch.bfloat16 else dtype
 
 
 def grouped_mm(
@@ -248,12 +258,12 @@ def grouped_mm(
     num_experts, n, k = b.shape
     host_offsets = _check_offsets(offsets, num_experts, a.shape[0])
 
-    out = torch.zeros((a.shape[0], n), device=a.device, dtype=dtype)
+    out = torch.zeros((a.shape[0], n), device=a.device, dtype=_store_dtype(dtype))
     tile_expert, tile_m = make_contiguous_schedule(
         host_offsets[1:] - host_offsets[:-1], block_m, device=a.device,
     )
     if tile_expert.numel() == 0 or n == 0 or k == 0:
-        return out
+        return out.to(dtype)
 
     acc_dtype, dot_in_fp32 = _kernel_dtypes(dtype)
     grid = (tile_expert.numel(), triton.cdiv(n, block_n))
@@ -269,7 +279,7 @@ def grouped_mm(
         ACC_DTYPE=acc_dtype,
         DOT_IN_FP32=dot_in_fp32,
     )
-    return out
+    return out.to(dtype)
 
 
 def grouped_weight_grad(
@@ -296,9 +306,9 @@ def grouped_weight_grad(
     host_offsets = _check_offsets(offsets, None, a.shape[0])
     num_experts, k, n = host_offsets.numel() - 1, a.shape[1], dc.shape[1]
 
-    db = torch.zeros((num_experts, n, k), device=a.device, dtype=dtype)
+    db = torch.zeros((num_experts, n, k), device=a.device, dtype=_store_dtype(dtype))
     if num_experts == 0 or n == 0 or k == 0 or host_offsets[-1] == 0:
-        return db
+        return db.to(dtype)
 
     acc_dtype, dot_in_fp32 = _kernel_dtypes(dtype)
     grid = (triton.cdiv(n, block_n) * triton.cdiv(k, block_k), num_experts)
@@ -314,7 +324,7 @@ def grouped_weight_grad(
         ACC_DTYPE=acc_dtype,
         DOT_IN_FP32=dot_in_fp32,
     )
-    return db
+    return db.to(dtype)
 
 
 def grouped_mm_backward(

@@ -1,0 +1,158 @@
+"""SwiGLU expert FFNs on packed rows (the grouped-GEMM layout of `moe_jax.permute`).
+
+Legend (shape suffixes): M packed rows, D expert input/output width, F expert hidden width,
+E experts.
+
+Expert e maps its rows `x_e` to `y_e = (silu(x_e W_g[e]^T) * (x_e W_u[e]^T)) W_d[e]^T` with
+`W_g[e], W_u[e]` of shape `[F, D]` and `W_d[e]` of shape `[D, F]` (the torch/checkpoint layout).
+Rows of `x_MD` are grouped contiguously by expert, `group_sizes_E[e]` rows each; rows past
+`sum(group_sizes_E)` come out zero and get zero gradient (the grouped GEMMs skip them).
+
+All three projections go through `moe_jax.ops.grouped_linear`, whose custom VJP supplies the
+backward (input gradient `gmm`, weight gradient `tgmm`); the SwiGLU nonlinearity in between is
+differentiated by JAX. The fused variant reads gate and up from one `[E, 2F, D]` weight (gate rows
+first), so the input is read once for both.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from moe_jax.ops import grouped_linear
+from moe_jax.ops.backends import BackendName
+from moe_jax.ops.reference import row_groups
+
+__all__ = [
+    "fuse_gate_up",
+    "split_gate_up",
+    "swiglu_experts",
+    "swiglu_experts_fused",
+    "swiglu_experts_reference",
+]
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+def fuse_gate_up(w_gate_EFD: jax.Array, w_up_EFD: jax.Array) -> jax.Array:
+    """`[E, F, D]` gate and up weights -> `w_gate_up_E2FD` `[E, 2F, D]`, gate rows first."""
+    if w_gate_EFD.ndim != 3 or w_gate_EFD.shape != w_up_EFD.shape:
+        raise ValueError(
+            f"fuse_gate_up: w_gate_EFD {tuple(w_gate_EFD.shape)} and w_up_EFD {tuple(w_up_EFD.shape)} "
+            "must both be [E, F, D] of the same shape."
+        )
+    return jnp.concatenate([w_gate_EFD, w_up_EFD], axis=1)
+
+
+def split_gate_up(w_gate_up_E2FD: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`w_gate_up_E2FD` `[E, 2F, D]` -> `(w_gate_EFD, w_up_EFD)` (rows `[:F]` and `[F:]`)."""
+    if w_gate_up_E2FD.ndim != 3 or w_gate_up_E2FD.shape[1] % 2:
+        raise ValueError(
+            f"split_gate_up: w_gate_up_E2FD must be [E, 2F, D] with an even middle axis; got "
+            f"{tuple(w_gate_up_E2FD.shape)}."
+        )
+    hidden = w_gate_up_E2FD.shape[1] // 2
+    return w_gate_up_E2FD[:, :hidden], w_gate_up_E2FD[:, hidden:]
+
+
+def _check_down(x_MD, w_down_EDF, num_experts: int, hidden: int) -> None:
+    if x_MD.ndim != 2:
+        raise ValueError(f"x_MD must be 2-D [M, D] packed rows; got shape {tuple(x_MD.shape)}.")
+    expected = (num_experts, x_MD.shape[1], hidden)
+    if w_down_EDF.ndim != 3 or tuple(w_down_EDF.shape) != expected:
+        raise ValueError(
+            f"w_down_EDF must be [E, D, F] = {expected} for x_MD {tuple(x_MD.shape)} and the gate/up "
+            f"weights; got {tuple(w_down_EDF.shape)}."
+        )
+
+
+def _check_gate_up(x_MD, w_EXD, name: str) -> None:
+    if w_EXD.ndim != 3 or w_EXD.shape[2] != x_MD.shape[-1]:
+        raise ValueError(
+            f"{name} must be [E, *, D] with D = x_MD.shape[1] = {x_MD.shape[-1]}; got {tuple(w_EXD.shape)}."
+        )
+
+
+def _swiglu(gate_MF: jax.Array, up_MF: jax.Array) -> jax.Array:
+    """silu(gate) * up in float32, returned in the inputs' dtype (bf16 stays bf16 for the GEMM)."""
+    gate = gate_MF.astype(jnp.float32)
+    return (jax.nn.silu(gate) * up_MF.astype(jnp.float32)).astype(gate_MF.dtype)
+
+
+def swiglu_experts(
+    x_MD: jax.Array,
+    group_sizes_E: jax.Array,
+    w_gate_EFD: jax.Array,
+    w_up_EFD: jax.Array,
+    w_down_EDF: jax.Array,
+    *,
+    backend: BackendName = "auto",
+    precision: jax.lax.Precision | None = None,
+) -> jax.Array:
+    """SwiGLU experts with separate gate and up weights: `y_MD` `[M, D]` in `x_MD.dtype`.
+
+    All arrays must share one float dtype (cast weights to the compute dtype first). `backend`
+    and `precision` are passed to every `grouped_linear`.
+    """
+    _check_gate_up(x_MD, w_gate_EFD, "w_gate_EFD")
+    if w_up_EFD.shape != w_gate_EFD.shape:
+        raise ValueError(
+            f"w_up_EFD {tuple(w_up_EFD.shape)} must have the shape of w_gate_EFD {tuple(w_gate_EFD.shape)}."
+        )
+    num_experts, hidden, _ = w_gate_EFD.shape
+    _check_down(x_MD, w_down_EDF, num_experts, hidden)
+    gate_MF = grouped_linear(x_MD, w_gate_EFD, group_sizes_E, backend=backend, precision=precision)
+    up_MF = grouped_linear(x_MD, w_up_EFD, group_sizes_E, backend=backend, precision=precision)
+    h_MF = _swiglu(gate_MF, up_MF)
+    return grouped_linear(h_MF, w_down_EDF, group_sizes_E, backend=backend, precision=precision)
+
+
+def swiglu_experts_fused(
+    x_MD: jax.Array,
+    group_sizes_E: jax.Array,
+    w_gate_up_E2FD: jax.Array,
+    w_down_EDF: jax.Array,
+    *,
+    backend: BackendName = "auto",
+    precision: jax.lax.Precision | None = None,
+) -> jax.Array:
+    """SwiGLU experts with fused gate/up weights `[E, 2F, D]` (`[:F]` gate, `[F:]` up).
+
+    One grouped GEMM computes gate and up together (`x_MD` is read once); equal to
+    `swiglu_experts` on `split_gate_up(w_gate_up_E2FD)`.
+    """
+    _check_gate_up(x_MD, w_gate_up_E2FD, "w_gate_up_E2FD")
+    if w_gate_up_E2FD.shape[1] % 2:
+        raise ValueError(
+            f"w_gate_up_E2FD must be [E, 2F, D] with an even middle axis; got {tuple(w_gate_up_E2FD.shape)}."
+        )
+    num_experts, hidden = w_gate_up_E2FD.shape[0], w_gate_up_E2FD.shape[1] // 2
+    _check_down(x_MD, w_down_EDF, num_experts, hidden)
+    gate_up_M2F = grouped_linear(x_MD, w_gate_up_E2FD, group_sizes_E, backend=backend, precision=precision)
+    h_MF = _swiglu(gate_up_M2F[:, :hidden], gate_up_M2F[:, hidden:])
+    return grouped_linear(h_MF, w_down_EDF, group_sizes_E, backend=backend, precision=precision)
+
+
+def swiglu_experts_reference(
+    x_MD: jax.Array,
+    group_sizes_E: jax.Array,
+    w_gate_EFD: jax.Array,
+    w_up_EFD: jax.Array,
+    w_down_EDF: jax.Array,
+) -> jax.Array:
+    """fp32 reference of `swiglu_experts`: a loop over experts in plain `jnp` (HIGHEST precision).
+
+    Each expert's FFN is applied to every row and kept only on its own rows, so the result
+    (`[M, D]` float32, zero past `sum(group_sizes_E)`) and its gradients come from ordinary dense
+    autodiff, independent of the grouped GEMMs. Small shapes only (E full passes over M rows).
+    """
+    num_experts = w_gate_EFD.shape[0]
+    group_M = row_groups(group_sizes_E, x_MD.shape[0])
+    x_MD = x_MD.astype(jnp.float32)
+    y_MD = jnp.zeros(x_MD.shape[:1] + w_down_EDF.shape[1:2], jnp.float32)
+    for e in range(num_experts):
+        gate_MF = jnp.dot(x_MD, w_gate_EFD[e].astype(jnp.float32).T, precision=_HI)
+        up_MF = jnp.dot(x_MD, w_up_EFD[e].astype(jnp.float32).T, precision=_HI)
+        out_MD = jnp.dot(jax.nn.silu(gate_MF) * up_MF, w_down_EDF[e].astype(jnp.float32).T, precision=_HI)
+        y_MD = jnp.where((group_M == e)[:, None], out_MD, y_MD)
+    return y_MD

@@ -1,0 +1,600 @@
+"""Expert-parallel dispatch and combine: move token rows to the ranks that own their experts and
+bring the expert outputs back.
+
+Everything here runs INSIDE `jax.shard_map` on per-device arrays, collectives over the ep axis
+(`axis_name`, default `"ep"`). Shapes are static and nothing syncs with the host: buffers have a
+worst-case size, and which rows are real is carried by on-device counts and masks.
+
+Legend (shape suffixes): T tokens on this rank, D model width, K experts per token (top-k),
+R = T*K routes, E experts, El = E/P local experts, P ep size, C capacity (rows one source rank
+may send to one destination rank), S send-buffer rows, M receive-buffer rows = packed rows.
+
+Dispatch (`ep_dispatch`), after the seed's section 4.3:
+
+1. Expand T tokens into R routes (route r = t*K + k). Destination rank = expert // El, local
+   expert = expert % El. Routes of masked tokens (`mask_T`) are not sent at all.
+2. Capacity: within each destination, routes keep token order (lower token index first, then
+   lower top-k slot) and the first C are kept; the rest are dropped and counted. Ranking by token
+   rather than by local expert keeps the overflow spread over all experts of the destination
+   instead of always hitting its highest-numbered one.
+3. Send layout: the kept routes to each destination form one block, ordered by (local expert,
+   token, slot). Block p starts at `send_offsets_P[p]`.
+4. Count exchange: one `all_gather` of every rank's kept counts per (destination, local expert),
+   `[P, El]` int32 each. From the resulting `[P, P, El]` matrix every rank computes the same
+   block offsets on both sides of every exchange, so no offsets travel separately, and the
+   receiver knows the local-expert composition of each incoming block without receiving expert
+   ids.
+5. Exchange the rows (strategy below).
+6. Regroup by local expert: packed row layout is expert 0's rows, expert 1's rows, ...; within an
+   expert, rows are ordered by (source rank, token, slot). Rows past `sum(group_sizes)` are zero.
+
+Combine (`ep_combine`) is the reverse: un-regroup, reverse exchange (sizes swapped), gather each
+route's returned row, weighted sum over K in float32.
+
+Strategies (one seam, `_move_rows`; planning and regrouping are shared):
+
+* `"padded"` -- `jax.lax.all_to_all` of `[P, C, D]` buffers: block p of the send buffer is rows
+  `[p*C, (p+1)*C)`, zero past the kept rows. S = M = P*C. Runs on every backend.
+* `"ragged"` -- `jax.lax.ragged_all_to_all`: the send buffer packs the kept routes tightly
+  (S = R, blocks at exclusive cumsums of the kept counts), and each receiver packs the incoming
+  blocks tightly in source order into M = P*C rows. GPU only (XLA:CPU does not implement it).
+
+Both strategies keep the same routes and produce the same packed layout, so results agree
+exactly. Dropless (`capacity=None`) means C = R: a destination may receive every route of every
+source, M = P*T*K.
+
+Each row exchange has its own `jax.custom_vjp` whose backward is the reverse exchange (like the
+seed's AllToAllRows); JAX's built-in transpose of `ragged_all_to_all` is not used. Integer
+metadata (the count all_gather) is not differentiated.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from moe_jax.parallel.mesh import EP_AXIS
+
+__all__ = [
+    "STRATEGIES",
+    "BlockExchange",
+    "EPPlan",
+    "EPStats",
+    "capacity_for",
+    "ep_dispatch",
+    "ep_combine",
+    "ep_moe",
+]
+
+STRATEGIES = ("padded", "ragged")
+
+
+class BlockExchange(NamedTuple):
+    """How one row exchange moves blocks between the P ranks of the ep axis (all `[P]` int32).
+
+    Block p of this rank's send buffer (`send_sizes_P[p]` rows from `send_offsets_P[p]`) goes to
+    rank p; the block from rank p lands at `recv_offsets_P[p]` of the receive buffer with
+    `recv_sizes_P[p]` rows. `peer_recv_offsets_P[p]` is where this rank's block lands in rank p's
+    receive buffer and `peer_send_offsets_P[p]` where rank p's block for this rank sits in rank
+    p's send buffer (what `ragged_all_to_all` needs for the forward and reverse directions).
+    """
+
+    send_offsets_P: jax.Array
+    send_sizes_P: jax.Array
+    recv_offsets_P: jax.Array
+    recv_sizes_P: jax.Array
+    peer_recv_offsets_P: jax.Array
+    peer_send_offsets_P: jax.Array
+
+    def reversed(self) -> BlockExchange:
+        """The exchange that sends every received block back to where it came from."""
+        return BlockExchange(
+            send_offsets_P=self.recv_offsets_P,
+            send_sizes_P=self.recv_sizes_P,
+            recv_offsets_P=self.send_offsets_P,
+            recv_sizes_P=self.send_sizes_P,
+            peer_recv_offsets_P=self.peer_send_offsets_P,
+            peer_send_offsets_P=self.peer_recv_offsets_P,
+        )
+
+
+class EPStats(NamedTuple):
+    """Per-rank dispatch figures for logging.
+
+    dropped: int32 scalar, routes of real tokens dropped by capacity (plus any such route with
+        an expert id outside `[0, E)`), summed over the ep axis: every rank of an EP group reports the group total
+        (each `"data"` replica's EP group has its own total).
+    send_counts_P: `[P]` int32, real routes this rank addressed to each ep rank, before dropping.
+    recv_rows: int32 scalar, rows this rank received and kept (= `sum(group_sizes)`).
+    capacity: static Python int C, rows one source may send to one destination (R when dropless).
+    """
+
+    dropped: jax.Array
+    send_counts_P: jax.Array
+    recv_rows: jax.Array
+    capacity: int
+
+
+class EPPlan(NamedTuple):
+    """What `ep_dispatch` decided and `ep_combine` needs to bring outputs back.
+
+    A trace-local object: use it in the same traced function (e.g. the same `shard_map` body) as
+    the dispatch that built it; `strategy` and `capacity` are static Python values.
+
+    strategy, capacity: static; the exchange strategy and C.
+    keep_TK: bool, route (t, k) was delivered (False: masked token, dropped by capacity or
+        invalid expert id).
+    dest_TK: int32, destination ep rank of each route (P for an invalid expert id or masked token).
+    route_row_TK: int32, row of each kept route in the send buffer (0 where not kept).
+    recv_valid_M: bool, receive-buffer row holds a route.
+    recv_to_packed_M: int32, packed row of each valid receive row (0 where not valid).
+    packed_to_recv_M: int32, the regroup permutation: receive row feeding each packed row (0 past
+        `sum(group_sizes_El)`).
+    group_sizes_El: int32, packed rows of each local expert.
+    exchange: `BlockExchange` of the dispatch direction (combine uses `exchange.reversed()`).
+    send_counts_P: int32, routes addressed to each rank before dropping.
+    dropped: int32 scalar, ep-group total of undelivered routes of real tokens.
+    """
+
+    strategy: str
+    capacity: int
+    keep_TK: jax.Array
+    dest_TK: jax.Array
+    route_row_TK: jax.Array
+    recv_valid_M: jax.Array
+    recv_to_packed_M: jax.Array
+    packed_to_recv_M: jax.Array
+    group_sizes_El: jax.Array
+    exchange: BlockExchange
+    send_counts_P: jax.Array
+    dropped: jax.Array
+
+    def stats(self) -> EPStats:
+        """The loggable summary of this dispatch."""
+        return EPStats(
+            dropped=self.dropped,
+            send_counts_P=self.send_counts_P,
+            recv_rows=jnp.sum(self.group_sizes_El),
+            capacity=self.capacity,
+        )
+
+
+# ----------------------------------------------------------------------------- checks / sizes
+
+
+def capacity_for(tokens_per_rank: int, top_k: int, ep_size: int, capacity_factor: float) -> int:
+    """Capacity C for `capacity_factor` times the balanced load: `ceil(cf * T*K / P)`.
+
+    Rule: the result is clamped to `[1, T*K]`: at least one row per (source, destination) pair,
+    since a zero-row buffer would drop everything; at most T*K, the dropless worst case (a larger
+    buffer would only hold padding). `ep_dispatch` rejects a capacity below one row per local
+    expert, C < min(E/P, T*K), i.e. `cf * T*K / E < 1` (GShard/Switch's expert capacity under 1):
+    use dropless dispatch (capacity=None) for so few tokens.
+    Raises ValueError for non-positive sizes or a non-positive/non-finite factor.
+    """
+    for name, value in (("tokens_per_rank", tokens_per_rank), ("top_k", top_k), ("ep_size", ep_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int; got {value!r}.")
+    if not (isinstance(capacity_factor, (int, float)) and math.isfinite(capacity_factor) and capacity_factor > 0):
+        raise ValueError(
+            f"capacity_factor must be a finite number > 0 (1.0 = the balanced load); got {capacity_factor!r}."
+        )
+    routes = tokens_per_rank * top_k
+    # Round away float noise first (1.1 * 100 / 10 is 11.000000000000002, not 12 rows' worth).
+    cap = math.ceil(round(capacity_factor * routes / ep_size, 9))
+    return max(1, min(cap, routes))
+
+
+def _check_strategy(strategy: str) -> None:
+    if strategy not in STRATEGIES:
+        raise ValueError(
+            f"unknown strategy {strategy!r}; use 'padded' (all_to_all on fixed-capacity buffers, "
+            "any backend) or 'ragged' (ragged_all_to_all, GPU only)."
+        )
+
+
+def _resolve_capacity(capacity, routes: int, local_experts: int) -> int:
+    """C: R when dropless (`None`), else `min(capacity, R)` (more than R rows can never fill).
+
+    C spread over a destination's El experts is the per-expert capacity C/El (GShard/Switch's
+    `cf * T*K / E` when C = capacity_for(...)); below one row per expert (C < El) the factor is
+    too small to mean anything, so it is an error, unless C covers all R routes anyway (few
+    tokens, e.g. decode: then every route fits and nothing can drop).
+    """
+    if capacity is None:
+        return routes
+    if isinstance(capacity, bool) or not isinstance(capacity, int):
+        raise ValueError(f"capacity must be an int or None (dropless); got {capacity!r}.")
+    floor = min(local_experts, routes)
+    if capacity < floor:
+        raise ValueError(
+            f"capacity={capacity} is below one row per local expert: each destination owns "
+            f"{local_experts} experts and this rank has {routes} routes, so capacity must be >= "
+            f"{floor}. Use capacity=None for dropless dispatch or a larger capacity_factor."
+        )
+    return min(capacity, routes)
+
+
+def _axis_size(axis_name) -> int:
+    try:
+        return lax.axis_size(axis_name)
+    except NameError as err:
+        raise ValueError(
+            f"axis {axis_name!r} is not bound: call EP dispatch/combine inside jax.shard_map over a "
+            f"mesh with that axis (e.g. make_mesh(ep=...), axis '{EP_AXIS}')."
+        ) from err
+
+
+def _local_experts(num_experts: int, ep: int) -> int:
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts must be a positive int; got {num_experts!r}.")
+    if num_experts % ep:
+        raise ValueError(
+            f"num_experts={num_experts} is not divisible by the ep axis size {ep}; every rank "
+            f"must own the same number of experts (choose ep from the divisors of {num_experts})."
+        )
+    return num_experts // ep
+
+
+def _check_mask(mask_T, tokens: int):
+    if mask_T is None:
+        return None
+    if tuple(mask_T.shape) != (tokens,):
+        raise ValueError(
+            f"mask_T must be bool [T] = ({tokens},) (True = real token); got shape {tuple(mask_T.shape)}. "
+            "Flatten a [B, S] mask with mask.reshape(-1)."
+        )
+    return mask_T.astype(jnp.bool_)
+
+
+def _check_routes(x_TD, expert_idx_TK) -> tuple[int, int]:
+    if x_TD.ndim != 2:
+        raise ValueError(f"x_TD must be [T, D] (flatten batch dims first); got shape {tuple(x_TD.shape)}.")
+    if expert_idx_TK.ndim != 2 or expert_idx_TK.shape[0] != x_TD.shape[0]:
+        raise ValueError(
+            f"expert_idx_TK must be [T, K] with T = x_TD.shape[0] = {x_TD.shape[0]}; got shape "
+            f"{tuple(expert_idx_TK.shape)}. Pass the router's top-k indices for the same tokens."
+        )
+    if not jnp.issubdtype(expert_idx_TK.dtype, jnp.integer):
+        raise ValueError(f"expert_idx_TK must hold integer expert ids; got dtype {expert_idx_TK.dtype}.")
+    return expert_idx_TK.shape
+
+
+def _buffer_rows(strategy: str, routes: int, ep: int, capacity: int) -> tuple[int, int]:
+    """(S, M): send-buffer rows and receive/packed rows. The padded exchange moves whole [C]-row
+    blocks both ways; the ragged one sends the R routes tightly packed."""
+    recv_rows = ep * capacity
+    return (recv_rows if strategy == "padded" else routes), recv_rows
+
+
+# ----------------------------------------------------------------------------- index helpers
+
+
+def _exclusive_cumsum(a, axis: int = 0):
+    return jnp.cumsum(a, axis=axis) - a
+
+
+def _bincount(ids, length: int):
+    """Counts of each id in [0, length); other ids are ignored."""
+    return jnp.zeros((length,), jnp.int32).at[ids].add(1, mode="drop")
+
+
+def _inverse_permutation(perm):
+    return jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype))
+
+
+def _block_of(rows, offsets_P):
+    """Block p owning each row of a buffer whose blocks start at the nondecreasing `offsets_P`
+    (the last block starting at or before the row, so empty blocks are skipped)."""
+    return (jnp.searchsorted(offsets_P, rows, side="right") - 1).astype(jnp.int32)
+
+
+# ----------------------------------------------------------------------------- planning
+
+
+class _SendPlan(NamedTuple):
+    """Sender-side, purely local decisions (no collectives)."""
+
+    keep_R: jax.Array  # bool, route kept
+    real_R: jax.Array  # bool, route of a real (unmasked) token
+    dest_R: jax.Array  # int32, destination rank (P for an invalid expert id or a masked token)
+    kept_PE: jax.Array  # [P, El] int32, kept routes per (destination, local expert)
+    send_counts_P: jax.Array  # int32, routes per destination before dropping
+    send_order_R: jax.Array  # int32, route indices: kept by (dest, local expert, token), then the rest
+    send_rank_R: jax.Array  # int32, position of each route in send_order_R
+
+
+def _plan_sends(expert_R, real_R, num_experts: int, ep: int, capacity: int) -> _SendPlan:
+    local = num_experts // ep
+    expert_R = expert_R.astype(jnp.int32)
+    valid_R = real_R & (expert_R >= 0) & (expert_R < num_experts)
+    # Invalid ids and masked tokens go to a bin past the ranks: never sent, never counted.
+    dest_R = jnp.where(valid_R, expert_R // local, ep)
+    send_counts_P = _bincount(dest_R, ep)
+
+    # Position of each route within its destination, in token order (stable sort keeps r order).
+    by_dest_R = jnp.argsort(dest_R, stable=True)
+    dest_start = _exclusive_cumsum(_bincount(dest_R, ep + 1))
+    pos_R = _inverse_permutation(by_dest_R.astype(jnp.int32)) - dest_start[dest_R]
+    keep_R = valid_R & (pos_R < capacity)
+
+    # expert = dest * El + local, so sorting kept routes by expert id orders them by (destination,
+    # local expert) and, being stable, by token within an expert; dropped routes sort last.
+    kept_expert_R = jnp.where(keep_R, expert_R, num_experts)
+    kept_PE = _bincount(kept_expert_R, num_experts).reshape(ep, local)
+    send_order_R = jnp.argsort(kept_expert_R, stable=True).astype(jnp.int32)
+    return _SendPlan(
+        keep_R=keep_R,
+        real_R=real_R,
+        dest_R=dest_R.astype(jnp.int32),
+        kept_PE=kept_PE,
+        send_counts_P=send_counts_P,
+        send_order_R=send_order_R,
+        send_rank_R=_inverse_permutation(send_order_R),
+    )
+
+
+def _plan_exchange(counts_PP, me, strategy: str, capacity: int) -> BlockExchange:
+    """Block offsets of the dispatch exchange from the kept-row matrix `counts_PP[src, dst]`, the
+    same matrix on every rank, so sender and receiver agree without exchanging offsets."""
+    ep = counts_PP.shape[0]
+    send_sizes = counts_PP[me, :]
+    recv_sizes = counts_PP[:, me]
+    if strategy == "padded":
+        # Fixed [C]-row slots: block p at p*C on both sides, and this rank's slot at every peer is
+        # me*C.
+        slots = jnp.arange(ep, dtype=jnp.int32) * capacity
+        mine = jnp.full((ep,), me * capacity, jnp.int32)
+        return BlockExchange(slots, send_sizes, slots, recv_sizes, mine, mine)
+    # Tightly packed: send blocks in destination order, receive blocks in source order.
+    recv_start_PP = _exclusive_cumsum(counts_PP, axis=0)  # [src, dst]: src's block in dst's recv buffer
+    send_start_PP = _exclusive_cumsum(counts_PP, axis=1)  # [src, dst]: dst's block in src's send buffer
+    return BlockExchange(
+        send_offsets_P=send_start_PP[me, :],
+        send_sizes_P=send_sizes,
+        recv_offsets_P=recv_start_PP[:, me],
+        recv_sizes_P=recv_sizes,
+        peer_recv_offsets_P=recv_start_PP[me, :],
+        peer_send_offsets_P=send_start_PP[:, me],
+    )
+
+
+class _Regroup(NamedTuple):
+    recv_valid_M: jax.Array
+    recv_to_packed_M: jax.Array
+    packed_to_recv_M: jax.Array
+    group_sizes_El: jax.Array
+
+
+def _plan_regroup(recv_PE, recv_offsets_P, rows: int) -> _Regroup:
+    """Map receive-buffer rows to the grouped-GEMM layout.
+
+    `recv_PE[s, e]`: rows of local expert e in the block from source s. Each block is ordered by
+    local expert (sender's send order), so a row's expert, and its packed position (expert
+    offset + rows of that expert from earlier sources + rank within its run), follow from the
+    counts alone: no expert ids travel and no sort is needed.
+    """
+    recv_P = recv_PE.sum(axis=1)
+    group_sizes_El = recv_PE.sum(axis=0)
+    i_M = jnp.arange(rows, dtype=jnp.int32)
+    src_M = _block_of(i_M, recv_offsets_P)
+    j_M = i_M - recv_offsets_P[src_M]  # position within the source block
+    valid_M = j_M < recv_P[src_M]
+    run_end_PE = jnp.cumsum(recv_PE, axis=1)
+    expert_M = jnp.minimum(jnp.sum(run_end_PE[src_M] <= j_M[:, None], axis=1), recv_PE.shape[1] - 1)
+    run_start = (run_end_PE - recv_PE)[src_M, expert_M]
+    before = _exclusive_cumsum(recv_PE, axis=0)[src_M, expert_M]  # rows of this expert from earlier sources
+    packed_M = _exclusive_cumsum(group_sizes_El)[expert_M] + before + (j_M - run_start)
+    recv_to_packed_M = jnp.where(valid_M, packed_M, 0)
+    packed_to_recv_M = jnp.zeros((rows,), jnp.int32).at[jnp.where(valid_M, packed_M, rows)].set(i_M, mode="drop")
+    return _Regroup(valid_M, recv_to_packed_M, packed_to_recv_M, group_sizes_El)
+
+
+# ----------------------------------------------------------------------------- row exchanges
+
+
+def _move_rows(rows_ND, ex: BlockExchange, out_rows: int, axis_name, strategy: str):
+    """One exchange, no autodiff: rows of block p go to rank p (the strategy seam)."""
+    if strategy == "padded":
+        # Slots are p*C on both sides, so a tiled all_to_all over [P*C] rows is the exchange; the
+        # rows past each block's size are zero on the sender and arrive as zeros.
+        return lax.all_to_all(rows_ND, axis_name, 0, 0, tiled=True)
+    # The collective's result takes the type of its output buffer, so under shard_map's check_vma
+    # the buffer must vary over the same mesh axes as the rows (zeros_like keeps them); custom_vjp
+    # rejects a backward whose result does not.
+    out = jnp.zeros_like(rows_ND, shape=(out_rows,) + rows_ND.shape[1:])
+    return lax.ragged_all_to_all(
+        rows_ND,
+        out,
+        ex.send_offsets_P,
+        ex.send_sizes_P,
+        ex.peer_recv_offsets_P,
+        ex.recv_sizes_P,
+        axis_name=axis_name,
+    )
+
+
+def _exchange_rows(rows_ND, ex: BlockExchange, *, out_rows: int, axis_name, strategy: str):
+    """Differentiable `_move_rows`: the cotangent of a received block goes back to its sender
+    through the reverse exchange (send/recv swapped), as in the seed's AllToAllRows."""
+    in_rows = rows_ND.shape[0]
+
+    @jax.custom_vjp
+    def exchange(rows, ex):
+        return _move_rows(rows, ex, out_rows, axis_name, strategy)
+
+    def forward(rows, ex):
+        return exchange(rows, ex), ex
+
+    def backward(ex, grad_rows):
+        return _move_rows(grad_rows, ex.reversed(), in_rows, axis_name, strategy), None
+
+    exchange.defvjp(forward, backward)
+    return exchange(rows_ND, ex)
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def ep_dispatch(
+    x_TD: jax.Array,
+    expert_idx_TK: jax.Array,
+    *,
+    num_experts: int,
+    axis_name=EP_AXIS,
+    strategy: str = "padded",
+    capacity: int | None = None,
+    mask_T: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, EPPlan]:
+    """Send each token's rows to the owners of its K experts; return them grouped by local expert.
+
+    Args:
+      x_TD: this rank's tokens, `[T, D]`.
+      expert_idx_TK: int `[T, K]` global expert ids in `[0, num_experts)`; routes with other ids
+        are never delivered (they count as dropped).
+      num_experts: E, a multiple of the ep axis size P; rank p owns experts `[p*El, (p+1)*El)`.
+      axis_name: the ep mesh axis (inside `jax.shard_map`).
+      strategy: `"padded"` or `"ragged"` (GPU only), see the module docstring.
+      capacity: C rows per (source, destination) pair, or None for dropless (C = T*K). Values
+        above T*K are clamped to T*K; values below one row per local expert (C < min(E/P, T*K))
+        raise ValueError.
+      mask_T: optional bool `[T]`, True for real tokens. Routes of masked tokens are neither sent
+        nor counted (not in `send_counts_P`, not dropped); their combined output is zero.
+
+    Returns:
+      packed_x_MD: `[M, D]`, M = P*C, rows of local expert 0, then 1, ... (within an expert by
+        source rank, token, slot); rows past `sum(group_sizes_El)` are zero.
+      group_sizes_El: int32 `[El]` rows per local expert (padding rows not counted).
+      plan: `EPPlan` for `ep_combine`.
+    """
+    _check_strategy(strategy)
+    tokens, top_k = _check_routes(x_TD, expert_idx_TK)
+    mask_T = _check_mask(mask_T, tokens)
+    ep = _axis_size(axis_name)
+    local = _local_experts(num_experts, ep)
+    routes = tokens * top_k
+    cap = _resolve_capacity(capacity, routes, local)
+    send_rows, recv_rows = _buffer_rows(strategy, routes, ep, cap)
+
+    real_R = jnp.ones((routes,), jnp.bool_) if mask_T is None else jnp.repeat(mask_T, top_k)
+    sends = _plan_sends(expert_idx_TK.reshape(routes), real_R, num_experts, ep, cap)
+    # The count exchange: every rank's [P, El] kept counts, integers, not differentiated.
+    counts_PPE = lax.all_gather(sends.kept_PE, axis_name)
+    me = lax.axis_index(axis_name)
+    ex = _plan_exchange(counts_PPE.sum(axis=2), me, strategy, cap)
+
+    # Send buffer by gather (its transpose is a scatter-add into x): row i of block p is the
+    # j-th kept route to p in send order.
+    i_S = jnp.arange(send_rows, dtype=jnp.int32)
+    dest_S = _block_of(i_S, ex.send_offsets_P)
+    j_S = i_S - ex.send_offsets_P[dest_S]
+    valid_S = j_S < ex.send_sizes_P[dest_S]
+    kept_start_P = _exclusive_cumsum(ex.send_sizes_P)
+    route_S = sends.send_order_R[jnp.clip(kept_start_P[dest_S] + j_S, 0, routes - 1)]
+    send_x_SD = jnp.where(valid_S[:, None], x_TD[route_S // top_k], jnp.zeros((), x_TD.dtype))
+
+    recv_x_MD = _exchange_rows(send_x_SD, ex, out_rows=recv_rows, axis_name=axis_name, strategy=strategy)
+
+    regroup = _plan_regroup(counts_PPE[:, me, :], ex.recv_offsets_P, recv_rows)
+    packed_valid_M = jnp.arange(recv_rows) < jnp.sum(regroup.group_sizes_El)
+    # Padding rows are written as zeros here, whatever the receive buffer holds there.
+    packed_x_MD = jnp.where(packed_valid_M[:, None], recv_x_MD[regroup.packed_to_recv_M], jnp.zeros((), x_TD.dtype))
+
+    dest_R = jnp.minimum(sends.dest_R, ep - 1)  # invalid-id routes are masked by keep below
+    slot_R = sends.send_rank_R - kept_start_P[dest_R]
+    route_row_R = jnp.where(sends.keep_R, ex.send_offsets_P[dest_R] + slot_R, 0)
+    dropped = lax.psum(jnp.sum(sends.real_R & ~sends.keep_R, dtype=jnp.int32), axis_name)
+    plan = EPPlan(
+        strategy=strategy,
+        capacity=cap,
+        keep_TK=sends.keep_R.reshape(tokens, top_k),
+        dest_TK=sends.dest_R.reshape(tokens, top_k),
+        route_row_TK=route_row_R.reshape(tokens, top_k).astype(jnp.int32),
+        recv_valid_M=regroup.recv_valid_M,
+        recv_to_packed_M=regroup.recv_to_packed_M,
+        packed_to_recv_M=regroup.packed_to_recv_M,
+        group_sizes_El=regroup.group_sizes_El,
+        exchange=ex,
+        send_counts_P=sends.send_counts_P,
+        dropped=dropped,
+    )
+    return packed_x_MD, regroup.group_sizes_El, plan
+
+
+def ep_combine(packed_y_MD: jax.Array, weights_TK: jax.Array, plan: EPPlan, *, axis_name=EP_AXIS) -> jax.Array:
+    """Return expert outputs to their tokens' ranks and form `y_t = sum_k w_tk * y_tk`.
+
+    Args:
+      packed_y_MD: expert outputs in the packed layout `ep_dispatch` produced, `[M, D]`. Rows past
+        `sum(group_sizes)` are never read (they may hold anything, NaN included).
+      weights_TK: routing weights `[T, K]` of this rank's tokens.
+      plan: the `EPPlan` from the matching `ep_dispatch`.
+
+    Returns `y_TD` in `packed_y_MD.dtype`, summed over K in float32. Dropped routes contribute
+    zero. Differentiable in `packed_y_MD` and `weights_TK`.
+    """
+    tokens, top_k = plan.keep_TK.shape
+    if weights_TK.shape != (tokens, top_k):
+        raise ValueError(
+            f"weights_TK must be [T, K] = {(tokens, top_k)} like the dispatched expert_idx_TK; got "
+            f"shape {tuple(weights_TK.shape)}."
+        )
+    recv_rows = plan.recv_valid_M.shape[0]
+    if packed_y_MD.ndim != 2 or packed_y_MD.shape[0] != recv_rows:
+        raise ValueError(
+            f"packed_y_MD must be [M, D] with M = {recv_rows} packed rows from ep_dispatch; got shape "
+            f"{tuple(packed_y_MD.shape)}."
+        )
+    ep = plan.send_counts_P.shape[0]
+    routes = tokens * top_k
+    send_rows, _ = _buffer_rows(plan.strategy, routes, ep, plan.capacity)
+    zero = jnp.zeros((), packed_y_MD.dtype)
+
+    # Back to receive order, reading only valid rows so padding can never leak (where, not *).
+    back_MD = jnp.where(plan.recv_valid_M[:, None], packed_y_MD[plan.recv_to_packed_M], zero)
+    returned_SD = _exchange_rows(
+        back_MD, plan.exchange.reversed(), out_rows=send_rows, axis_name=axis_name, strategy=plan.strategy
+    )
+    keep_R = plan.keep_TK.reshape(routes)
+    y_RD = jnp.where(keep_R[:, None], returned_SD[plan.route_row_TK.reshape(routes)], zero)
+    y_TKD = y_RD.reshape(tokens, top_k, -1).astype(jnp.float32)
+    y_TD = jnp.sum(y_TKD * weights_TK.astype(jnp.float32)[:, :, None], axis=1)
+    return y_TD.astype(packed_y_MD.dtype)
+
+
+def ep_moe(
+    x_TD: jax.Array,
+    expert_idx_TK: jax.Array,
+    weights_TK: jax.Array,
+    expert_fn: Callable[[jax.Array, jax.Array], jax.Array],
+    *,
+    num_experts: int,
+    axis_name=EP_AXIS,
+    strategy: str = "padded",
+    capacity: int | None = None,
+    mask_T: jax.Array | None = None,
+) -> tuple[jax.Array, EPStats]:
+    """Dispatch, `packed_y_MD = expert_fn(packed_x_MD, group_sizes_El)`, combine.
+
+    `expert_fn` closes over this rank's LOCAL expert weights (the `[El, ...]` shard) and must map
+    the packed rows group by group (grouped-GEMM layout, e.g. `moe_jax.ops.grouped_linear`),
+    returning `[M, D_out]`; its rows past `sum(group_sizes_El)` are ignored.
+    `mask_T` (bool `[T]`) excludes padding tokens: they are not sent and their output is zero.
+    Returns `(y_TD, EPStats)`.
+    """
+    packed_x_MD, group_sizes_El, plan = ep_dispatch(
+        x_TD,
+        expert_idx_TK,
+        num_experts=num_experts,
+        axis_name=axis_name,
+        strategy=strategy,
+        capacity=capacity,
+        mask_T=mask_T,
+    )
+    packed_y_MD = expert_fn(packed_x_MD, group_sizes_El)
+    return ep_combine(packed_y_MD, weights_TK, plan, axis_name=axis_name), plan.stats()

@@ -1,0 +1,156 @@
+"""Pack token rows by expert for the grouped GEMM, and combine expert outputs back into tokens.
+
+Legend (shape suffixes): T tokens, D row width, K experts per token (top-k), R = T*K routes
+(route r = t*K + k is token t's k-th choice), E experts.
+
+`pack` sorts the R routes by expert (stable, so within an expert routes keep token order), which
+gives the grouped-GEMM layout: expert 0's rows, then expert 1's, ... with `group_sizes_E` rows
+each (the seed's section 2, "Packing"). Routes of masked tokens (and routes with an expert id
+outside `[0, E)`) are not counted in any group and sort past `sum(group_sizes_E)`: the grouped
+GEMM skips them and `gather_rows` zeroes them. `combine` is the reverse: every route reads its
+packed row through the inverse permutation and the K rows of a token are summed with the routing
+weights in float32.
+
+Everything is `jnp` with static shapes (R rows whatever the routing), traceable under `jit`, and
+differentiable in the float arrays: gathers transpose to scatter-adds, so gradients reach `x_TD`,
+`y_RD` and `weights_TK`; the integer `Packing` is not differentiated.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["Packing", "pack", "gather_rows", "combine"]
+
+
+class Packing(NamedTuple):
+    """Where each route sits in the packed, expert-grouped layout (all int32).
+
+    order_R: packed row i holds route `order_R[i]` (stable sort by expert; unpacked routes last).
+    token_R: token of packed row i (`order_R // K`).
+    inverse_R: packed row of route r (`order_R[inverse_R[r]] == r`).
+    group_sizes_E: rows per expert. Masked tokens' routes are not counted and sit past
+      `sum(group_sizes_E)`.
+    """
+
+    order_R: jax.Array
+    token_R: jax.Array
+    inverse_R: jax.Array
+    group_sizes_E: jax.Array
+
+
+def _check_num_experts(num_experts) -> int:
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts={num_experts!r}: must be an int >= 1.")
+    return num_experts
+
+
+def _check_mask(mask_T, num_tokens: int, fn: str) -> jax.Array | None:
+    if mask_T is None:
+        return None
+    mask_T = jnp.asarray(mask_T)
+    if mask_T.shape != (num_tokens,):
+        raise ValueError(
+            f"{fn}: mask_T must have shape ({num_tokens},) = [T] (True = real token); got "
+            f"{tuple(mask_T.shape)}. Flatten a [B, S] mask with mask.reshape(-1)."
+        )
+    return mask_T.astype(jnp.bool_)
+
+
+def pack(expert_idx_TK: jax.Array, num_experts: int, *, mask_T: jax.Array | None = None) -> Packing:
+    """Sort the T*K routes by expert.
+
+    Args:
+      expert_idx_TK: int `[T, K]` chosen experts.
+      num_experts: E.
+      mask_T: optional bool `[T]`, True for real tokens. Routes of other tokens are left out of
+        `group_sizes_E` and placed after every packed route (so are ids outside `[0, E)`).
+
+    Returns a `Packing`. `sum(group_sizes_E)` is the number of real routes.
+    """
+    num_experts = _check_num_experts(num_experts)
+    if expert_idx_TK.ndim != 2:
+        raise ValueError(f"pack: expert_idx_TK must be 2-D [T, K]; got shape {tuple(expert_idx_TK.shape)}.")
+    if not jnp.issubdtype(expert_idx_TK.dtype, jnp.integer):
+        raise TypeError(f"pack: expert_idx_TK must hold integer expert ids; got dtype {expert_idx_TK.dtype}.")
+    num_tokens, top_k = expert_idx_TK.shape
+    mask_T = _check_mask(mask_T, num_tokens, "pack")
+
+    expert_R = expert_idx_TK.reshape(-1).astype(jnp.int32)
+    packed_R = (expert_R >= 0) & (expert_R < num_experts)
+    if mask_T is not None:
+        packed_R &= jnp.repeat(mask_T, top_k)
+    # Unpacked routes get key E: they sort after every expert and fall out of the bincount.
+    key_R = jnp.where(packed_R, expert_R, num_experts)
+    order_R = jnp.argsort(key_R, stable=True).astype(jnp.int32)
+    inverse_R = jnp.zeros_like(order_R).at[order_R].set(jnp.arange(order_R.shape[0], dtype=jnp.int32))
+    group_sizes_E = jnp.zeros((num_experts,), jnp.int32).at[key_R].add(1, mode="drop")
+    return Packing(order_R=order_R, token_R=order_R // top_k, inverse_R=inverse_R, group_sizes_E=group_sizes_E)
+
+
+def _packed_rows(packing: Packing) -> jax.Array:
+    """bool `[R]`: packed row i belongs to an expert group (i < sum(group_sizes))."""
+    num_routes = packing.order_R.shape[0]
+    return jnp.arange(num_routes, dtype=jnp.int32) < jnp.sum(packing.group_sizes_E)
+
+
+def gather_rows(x_TD: jax.Array, packing: Packing) -> jax.Array:
+    """Packed rows `x_RD[i] = x_TD[token_R[i]]`; rows past `sum(group_sizes_E)` are zero.
+
+    The zeros are written with `where`, so whatever masked tokens hold (even NaN) never reaches
+    the packed rows, and their gradient is exactly zero.
+    """
+    if x_TD.ndim != 2:
+        raise ValueError(f"gather_rows: x_TD must be 2-D [T, D]; got shape {tuple(x_TD.shape)}.")
+    num_tokens, num_routes = x_TD.shape[0], packing.token_R.shape[0]
+    fits = num_routes == 0 if num_tokens == 0 else num_routes % num_tokens == 0
+    if not fits:
+        raise ValueError(
+            f"gather_rows: x_TD has {num_tokens} tokens but the packing has {num_routes} routes; "
+            "pack the same tokens' expert_idx_TK."
+        )
+    rows_RD = x_TD[packing.token_R]
+    return jnp.where(_packed_rows(packing)[:, None], rows_RD, jnp.zeros((), x_TD.dtype))
+
+
+def combine(
+    y_RD: jax.Array, weights_TK: jax.Array, packing: Packing, *, mask_T: jax.Array | None = None
+) -> jax.Array:
+    """Weighted sum of each token's K expert outputs: `y_t = sum_k w_tk * y_RD[inverse_R[t*K+k]]`.
+
+    Args:
+      y_RD: expert outputs in the packed layout `[R, D]`. Rows past `sum(group_sizes_E)` are never
+        read (they may hold anything, NaN included).
+      weights_TK: routing weights `[T, K]`.
+      packing: the `Packing` of the same routes.
+      mask_T: optional bool `[T]`; tokens with False get a zero output (as do routes `pack` left
+        out).
+
+    Returns `y_TD` in `y_RD.dtype`, accumulated in float32. Differentiable in `y_RD` and
+    `weights_TK`; unpacked routes and masked tokens get exactly zero gradient.
+    """
+    if y_RD.ndim != 2:
+        raise ValueError(f"combine: y_RD must be 2-D [R, D]; got shape {tuple(y_RD.shape)}.")
+    if weights_TK.ndim != 2:
+        raise ValueError(f"combine: weights_TK must be 2-D [T, K]; got shape {tuple(weights_TK.shape)}.")
+    num_tokens, top_k = weights_TK.shape
+    num_routes = packing.inverse_R.shape[0]
+    if num_tokens * top_k != num_routes or y_RD.shape[0] != num_routes:
+        raise ValueError(
+            f"combine: weights_TK {tuple(weights_TK.shape)} and y_RD {tuple(y_RD.shape)} must cover the "
+            f"packing's R = {num_routes} routes (T*K weights, R rows)."
+        )
+    mask_T = _check_mask(mask_T, num_tokens, "combine")
+
+    valid_R = packing.inverse_R < jnp.sum(packing.group_sizes_E)
+    if mask_T is not None:
+        valid_R &= jnp.repeat(mask_T, top_k)
+    valid_TK1 = valid_R.reshape(num_tokens, top_k, 1)
+    # Select before multiplying: w * garbage would send 0 * NaN into the weight gradient.
+    y_TKD = y_RD[packing.inverse_R].reshape(num_tokens, top_k, y_RD.shape[1]).astype(jnp.float32)
+    y_TKD = jnp.where(valid_TK1, y_TKD, 0.0)
+    w_TK1 = jnp.where(valid_TK1, weights_TK.astype(jnp.float32)[:, :, None], 0.0)
+    return jnp.sum(w_TK1 * y_TKD, axis=1).astype(y_RD.dtype)

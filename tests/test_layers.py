@@ -1,0 +1,410 @@
+"""moe_jax.layers.MoE on one device: output, every gradient and the statistics against the fp32
+dense reference (`moe_jax.dense_reference`), for each router, shared experts, LatentMoE, fused
+gate/up, masks, injected routing, bf16 compute, the Pallas backend, scanned layer stacks, the
+loss-free bias, and configuration errors.
+
+Legend: B batch, S sequence, T = B*S tokens, D model width, F expert hidden width, E experts,
+K top-k, L latent width.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from moe_jax import routing as R
+from moe_jax.dense_reference import LatentWeights, SwiGLUWeights, moe_reference, router_reference
+from moe_jax.experts import split_gate_up
+from moe_jax.layers import MoE, MoEStats, SelectionBias
+from moe_jax.ops.config import gmm_config
+from moe_jax.parallel import make_mesh
+from tests.helpers import TOL, assert_close, rel_err
+
+B, S, D, F, E, K, L = 2, 8, 8, 6, 8, 2, 4
+HI = jax.lax.Precision.HIGHEST
+
+
+# ----------------------------------------------------------------------------- reference helpers
+
+
+def flat_params(module) -> dict:
+    """{path tuple: array} of the module's nnx.Params."""
+    return {path: v.get_value() for path, v in nnx.to_flat_state(nnx.state(module, nnx.Param))}
+
+
+def reference_apply(p: dict, x, router, *, mask=None, routing=None, bias=None):
+    """fp32 reference output of an MoE with params `p` (`flat_params` layout); also returns the
+    routing and logits it used."""
+    x_T = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    logits = jnp.dot(x_T, p[("w_router",)].astype(jnp.float32).T, precision=HI)
+    if routing is None:
+        routing = router_reference(x, p[("w_router",)], router, selection_bias_E=bias)
+    if ("w_gate_up",) in p:
+        w_gate, w_up = split_gate_up(p[("w_gate_up",)])
+    else:
+        w_gate, w_up = p[("w_gate",)], p[("w_up",)]
+    shared = None
+    if ("shared", "w_gate") in p:
+        shared = SwiGLUWeights(*(p[("shared", n)] for n in ("w_gate", "w_up", "w_down")))
+    latent = None
+    if ("w_latent_down",) in p:
+        latent = LatentWeights(p[("w_latent_down",)], p[("w_latent_up",)])
+    y = moe_reference(x, routing, w_gate, w_up, p[("w_down",)], mask=mask, shared=shared, latent=latent)
+    return y, routing, logits
+
+
+def _module_loss(m, x, w_TK, cot, mask, routing):
+    inj = None if routing is None else routing._replace(weights_TK=w_TK)
+    y, stats = m(x, mask=mask, routing=inj)
+    return jnp.sum(y.astype(jnp.float32) * cot), (y, stats)
+
+
+# One jitted function for every test: a module config compiles once per input signature.
+_module_grad = nnx.jit(nnx.value_and_grad(_module_loss, argnums=(0, 1, 2), has_aux=True))
+
+
+def module_value_and_grads(module, x, cot, *, mask=None, routing=None):
+    """(y, stats, param grads {path: array}, dx, d routing.weights_TK or None), jitted."""
+    w_TK = jnp.zeros((1,)) if routing is None else routing.weights_TK
+    (_, (y, stats)), (g_params, dx, dw) = _module_grad(module, x, w_TK, cot, mask, routing)
+    grads = {path: v.get_value() for path, v in nnx.to_flat_state(g_params)}
+    return y, stats, grads, dx, (None if routing is None else dw)
+
+
+def reference_value_and_grads(module, x, cot, *, mask=None, routing=None):
+    p = flat_params(module)
+    bias = module.selection_bias[...]
+
+    def loss(p, x, w_TK):
+        inj = None if routing is None else routing._replace(weights_TK=w_TK)
+        y, _, _ = reference_apply(p, x, module.router, mask=mask, routing=inj, bias=bias)
+        return jnp.sum(y * cot), y
+
+    w_TK = jnp.zeros((1,)) if routing is None else routing.weights_TK
+    (_, y), (grads, dx, dw) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(p, x, w_TK)
+    return y, grads, dx, (None if routing is None else dw)
+
+
+def assert_matches_reference(module, x, *, mask=None, routing=None, dtype=jnp.float32, seed=0, tol=None):
+    """Output and every gradient (input, all params, injected weights) within `tol` relative
+    Frobenius error (default: the `dtype` tolerance of tests.helpers)."""
+    tol = TOL[jnp.dtype(dtype)] if tol is None else tol
+    cot = jax.random.normal(jax.random.PRNGKey(100 + seed), x.shape)
+    if mask is not None:
+        cot = jnp.where(mask[..., None], cot, 0.0)
+    y, stats, grads, dx, dw = module_value_and_grads(module, x, cot, mask=mask, routing=routing)
+    ref_y, ref_grads, ref_dx, ref_dw = reference_value_and_grads(module, x, cot, mask=mask, routing=routing)
+    assert y.shape == x.shape and y.dtype == jnp.dtype(dtype)
+    assert grads.keys() == ref_grads.keys()
+    pairs = {"y": (y, ref_y), "dx": (dx, ref_dx)}
+    pairs.update({"d" + ".".join(map(str, p)): (grads[p], ref_grads[p]) for p in grads})
+    if routing is not None:
+        pairs["d weights_TK"] = (dw, ref_dw)
+    errors = {name: rel_err(out, ref) for name, (out, ref) in pairs.items()}
+    assert max(errors.values()) <= tol, f"relative Frobenius errors above {tol:.0e}: " + str(
+        {k: f"{v:.2e}" for k, v in errors.items() if v > tol}
+    )
+    return y, stats
+
+
+def inputs(seed=0, shape=(B, S, D)):
+    return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32)
+
+
+def make(**kw):
+    kw.setdefault("backend", "xla")
+    return MoE(D, F, E, K, rngs=nnx.Rngs(kw.pop("seed", 0)), **kw)
+
+
+# ----------------------------------------------------------------------------- numerics
+
+
+def test_full_layer_matches_reference_with_stats():
+    """Default router, shared experts, LatentMoE, [B, S, D] input with a mask: output, every
+    gradient, and every statistic."""
+    m = make(num_shared_experts=2, shared_d_ff=5, latent_dim=L)
+    x = inputs(1)
+    mask = jnp.arange(B * S).reshape(B, S) % 5 != 3
+    _, stats = assert_matches_reference(m, x, mask=mask)
+    assert isinstance(stats, MoEStats)
+
+    @jax.jit
+    def expected_stats(p, x, mask):
+        _, routing, logits = reference_apply(p, x, m.router)
+        idx, probs, mask_T = routing.expert_idx_TK, routing.probs_TE, mask.reshape(-1)
+        return (
+            R.expert_counts(idx, E, mask_T=mask_T),
+            R.aux_loss(probs, idx, mask_T=mask_T),
+            R.seq_aux_loss(probs.reshape(B, S, E), idx.reshape(B, S, K), mask_BS=mask),
+            R.z_loss(logits, mask_T=mask_T),
+        )
+
+    counts, aux, seq_aux, z = expected_stats(flat_params(m), x, mask)
+    np.testing.assert_array_equal(stats.counts_E, counts)
+    assert int(stats.tokens) == int(mask.sum())
+    np.testing.assert_allclose(stats.aux_loss, aux, rtol=1e-6)
+    np.testing.assert_allclose(stats.seq_aux_loss, seq_aux, rtol=1e-6)
+    np.testing.assert_allclose(stats.z_loss, z, rtol=1e-6)
+    block_m = gmm_config(B * S * K, F, L, E).block_m
+    executed = sum(math.ceil(c / block_m) * block_m for c in np.asarray(counts))
+    assert int(stats.executed_rows) == executed
+    np.testing.assert_allclose(stats.padding_fraction, (executed - int(counts.sum())) / executed, rtol=1e-6)
+    assert int(stats.dropped) == 0
+    dtypes = (jnp.float32,) * 3 + (jnp.int32,) * 3 + (jnp.float32, jnp.int32)
+    assert len(stats) == len(dtypes) and all(jnp.asarray(a).dtype == d for a, d in zip(stats, dtypes))
+
+
+@pytest.mark.parametrize(
+    "router, extra",
+    [
+        (R.SelectedSoftmax(K), {}),
+        (R.SoftmaxTopK(K), {"fused_gate_up": True}),
+        (R.SigmoidGroupedTopK(K, n_group=4, topk_group=2, routed_scaling_factor=2.5), {"num_shared_experts": 1}),
+    ],
+    ids=["selected_softmax", "softmax_topk_fused", "sigmoid_grouped_shared"],
+)
+def test_each_router_matches_reference(router, extra):
+    m = make(router=router, **extra)
+    assert m.router is router
+    assert_matches_reference(m, inputs(2, (B * S, D)), seed=2)
+
+
+def test_injected_routing_reaches_weights():
+    """A routing from outside (parity/) skips the router; gradients reach its weights_TK; z_loss
+    is 0 and aux_loss reads the injected probabilities."""
+    m = make(latent_dim=L)
+    x = inputs(3)
+    rng = np.random.default_rng(3)
+    idx = np.stack([rng.choice(E, K, replace=False) for _ in range(B * S)]).astype(np.int32)
+    probs = jax.nn.softmax(jax.random.normal(jax.random.PRNGKey(4), (B * S, E)))
+    weights = jax.random.uniform(jax.random.PRNGKey(5), (B * S, K), minval=0.1, maxval=1.0)
+    routing = R.Routing(jnp.asarray(idx), weights, probs)
+    _, stats = assert_matches_reference(m, x, routing=routing)
+    assert float(stats.z_loss) == 0.0
+    np.testing.assert_allclose(stats.aux_loss, R.aux_loss(probs, jnp.asarray(idx)), rtol=1e-6)
+    np.testing.assert_array_equal(stats.counts_E, np.bincount(idx.reshape(-1), minlength=E))
+
+
+def test_masked_tokens_change_nothing():
+    """Padding tokens holding NaN or other values: real tokens' outputs, every gradient and the
+    statistics are bit-identical; padding outputs are 0 (no shared experts here)."""
+    m = make(latent_dim=L, router=R.SelectedSoftmax(K))
+    mask = jnp.asarray(np.random.default_rng(6).random((B, S)) < 0.6)
+    x = inputs(6)
+    x_nan = jnp.where(mask[..., None], x, jnp.nan)
+    x_other = jnp.where(mask[..., None], x, 100.0 * inputs(7))
+    cot = jnp.where(mask[..., None], jax.random.normal(jax.random.PRNGKey(8), x.shape), 0.0)
+    results = [module_value_and_grads(m, xi, cot, mask=mask) for xi in (x, x_nan, x_other)]
+    y0, stats0, grads0, dx0, _ = results[0]
+    np.testing.assert_array_equal(np.asarray(y0)[~np.asarray(mask)], 0.0)
+    for y, stats, grads, dx, _ in results[1:]:
+        np.testing.assert_array_equal(y, y0)
+        np.testing.assert_array_equal(dx, dx0)
+        for path in grads0:
+            np.testing.assert_array_equal(grads[path], grads0[path], err_msg=str(path))
+        for a, b in zip(stats, stats0):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "extra, tol",
+    [
+        ({"num_shared_experts": 1}, 1e-2),
+        # LatentMoE puts two more bf16 roundings in series with the experts' (the narrow
+        # projection and its cotangent), which takes single gradients to ~1.0-1.4e-2 against
+        # fp32 over seeds; the bound allows for that chain rather than a tuned seed.
+        ({"num_shared_experts": 1, "latent_dim": L}, 2e-2),
+    ],
+    ids=["shared", "shared_latent"],
+)
+def test_bf16_compute_with_fp32_params(extra, tol):
+    m = make(dtype=jnp.bfloat16, **extra)
+    assert all(v.dtype == jnp.float32 for v in flat_params(m).values())
+    assert_matches_reference(m, inputs(9), dtype=jnp.bfloat16, seed=9, tol=tol)
+
+
+def test_pallas_backend_matches_reference():
+    """The layer on the Pallas kernels (interpreted on CPU), small shape."""
+    m = MoE(D, F, 4, K, backend="pallas_triton", fused_gate_up=True, rngs=nnx.Rngs(10))
+    assert_matches_reference(m, inputs(10, (4, D)), seed=10)
+
+
+def test_fused_layer_holds_separate_weights():
+    """Same seed: the fused layer's w_gate_up is [w_gate; w_up] of the separate layer, so the two
+    compute the same function (fused == separate is checked in tests/test_experts.py)."""
+    sep, fused = make(seed=11), make(seed=11, fused_gate_up=True)
+    np.testing.assert_array_equal(fused.w_gate_up[...], jnp.concatenate([sep.w_gate[...], sep.w_up[...]], axis=1))
+    np.testing.assert_array_equal(fused.w_down[...], sep.w_down[...])
+
+
+def test_token_major_and_batched_inputs_agree():
+    m = make(seed=12)
+    x = inputs(12)
+    y3, stats3 = nnx.jit(lambda m, x: m(x))(m, x)
+    y2, stats2 = nnx.jit(lambda m, x: m(x))(m, x.reshape(B * S, D))
+    np.testing.assert_array_equal(y3.reshape(B * S, D), y2)
+    np.testing.assert_array_equal(stats3.counts_E, stats2.counts_E)
+    assert y3.shape == (B, S, D)
+
+
+# ----------------------------------------------------------------------------- module behaviour
+
+
+def test_params_layout_init_and_dtypes():
+    m = make(num_shared_experts=2, latent_dim=L, param_dtype=jnp.bfloat16)
+    shapes = {path: v.shape for path, v in flat_params(m).items()}
+    assert shapes == {
+        ("w_router",): (E, D),
+        ("w_gate",): (E, F, L),
+        ("w_up",): (E, F, L),
+        ("w_down",): (E, L, F),
+        ("w_latent_down",): (L, D),
+        ("w_latent_up",): (D, L),
+        ("shared", "w_gate"): (2 * F, D),
+        ("shared", "w_up"): (2 * F, D),
+        ("shared", "w_down"): (D, 2 * F),
+    }
+    assert all(v.dtype == jnp.bfloat16 for v in flat_params(m).values())
+    assert isinstance(m.selection_bias, SelectionBias) and not isinstance(m.selection_bias, nnx.Param)
+    assert m.selection_bias[...].dtype == jnp.float32 and not np.any(m.selection_bias[...])
+    # LeCun truncated normal on each weight's input axis (std ~ 1/sqrt(fan_in), bounded).
+    big = MoE(64, 48, 16, 2, rngs=nnx.Rngs(0))
+    for name, fan_in in (("w_router", 64), ("w_gate", 64), ("w_down", 48)):
+        w = np.asarray(getattr(big, name)[...])
+        assert abs(w.std() * math.sqrt(fan_in) - 1.0) < 0.05, name
+        assert np.abs(w).max() * math.sqrt(fan_in) < 2.3, name
+
+
+def test_dtype_defaults_to_input_dtype():
+    m = make(seed=13)
+    y, _ = nnx.jit(lambda m, x: m(x))(m, inputs(13).astype(jnp.bfloat16))
+    assert y.dtype == jnp.bfloat16
+
+
+def test_zero_tokens():
+    m = make(num_shared_experts=1, seed=16)
+    grad_fn = nnx.jit(nnx.grad(lambda m, x: jnp.sum(m(x)[0])))
+    for shape in ((0, S, D), (B, 0, D)):
+        y, stats = nnx.jit(lambda m, x: m(x))(m, jnp.ones(shape))
+        assert y.shape == shape
+        assert int(stats.tokens) == 0 and int(stats.executed_rows) == 0 and not np.any(stats.counts_E)
+        assert float(stats.aux_loss) == float(stats.seq_aux_loss) == float(stats.z_loss) == 0.0
+        grads = nnx.to_flat_state(grad_fn(m, jnp.ones(shape)))
+        assert all(not np.any(v.get_value()) for _, v in grads)
+
+
+def test_selection_bias_update_and_effect():
+    """update_selection_bias applies the loss-free rule; the bias changes which experts are
+    chosen (not the weights) and is not an optimizer-visible parameter."""
+    m = make(router=R.SelectedSoftmax(K), seed=14)
+    x = inputs(14)
+    forward = nnx.jit(lambda m, x: m(x))
+    _, stats = forward(m, x)
+    m.update_selection_bias(stats.counts_E, 0.5)
+    np.testing.assert_array_equal(
+        m.selection_bias[...], R.update_selection_bias(jnp.zeros(E), stats.counts_E, 0.5)
+    )
+    assert ("selection_bias",) not in flat_params(m)
+    m.selection_bias[...] = jnp.zeros(E).at[3].set(1e3)
+    _, stats = forward(m, x)
+    assert int(stats.counts_E[3]) == B * S  # every token now picks expert 3
+
+
+def test_scanned_two_layer_stack():
+    """nnx.vmap-created, nnx.scan-applied 2-layer stack equals applying the layers in turn."""
+
+    @nnx.split_rngs(splits=2)
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def create(rngs):
+        return MoE(D, F, E, K, backend="xla", rngs=rngs)
+
+    stack = create(nnx.Rngs(15))
+    x = inputs(15)
+
+    @nnx.jit
+    def run(stack, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+        def step(h, layer):
+            y, stats = layer(h)
+            return h + y, stats
+
+        return step(x, stack)
+
+    out, stats = run(stack, x)
+    assert stats.counts_E.shape == (2, E) and stats.aux_loss.shape == (2,)
+    graphdef, state = nnx.split(stack)
+    layer_fn = nnx.jit(lambda m, h: m(h))
+    h = x
+    for i in range(2):
+        y, st = layer_fn(nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state)), h)
+        np.testing.assert_array_equal(st.counts_E, stats.counts_E[i])
+        h = h + y
+    assert_close(out, h, jnp.float32, "scanned stack")
+
+    grads = nnx.jit(nnx.grad(lambda s, x: jnp.sum(run(s, x)[0] ** 2)))(stack, x)
+    g = nnx.to_flat_state(grads)
+    assert all(v.get_value().shape[0] == 2 and np.isfinite(v.get_value()).all() for _, v in g)
+    assert np.any(g[0][1].get_value()[0] != 0) and np.any(g[0][1].get_value()[1] != 0)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(top_k=9), ValueError, "top_k=9 exceeds num_experts=8"),
+        (dict(top_k=0), ValueError, "top_k"),
+        (dict(d_model=0), ValueError, "d_model"),
+        (dict(d_ff=-1), ValueError, "d_ff"),
+        (dict(num_experts=0), ValueError, "num_experts"),
+        (dict(latent_dim=0), ValueError, "latent_dim"),
+        (dict(num_shared_experts=-1), ValueError, "num_shared_experts"),
+        (dict(num_shared_experts=1, shared_d_ff=0), ValueError, "shared_d_ff"),
+        (dict(shared_d_ff=4), ValueError, "num_shared_experts=0"),
+        (dict(router=R.SoftmaxTopK(3)), ValueError, "router.top_k=3 differs from top_k=2"),
+        (dict(router="softmax"), TypeError, "router"),
+        (dict(router=R.SigmoidGroupedTopK(2, n_group=3, topk_group=1)), ValueError, "n_group=3 does not divide"),
+        (dict(backend="cuda"), ValueError, "backend"),
+        (dict(ep_strategy="dense"), ValueError, "ep_strategy"),
+        (dict(capacity_factor=0.0), ValueError, "capacity_factor"),
+        (dict(dtype=jnp.int32), TypeError, "dtype"),
+        (dict(num_experts=6, mesh="ep4"), TypeError, "mesh"),
+    ],
+)
+def test_bad_configs_raise(kwargs, error, match):
+    args = dict(d_model=D, d_ff=F, num_experts=E, top_k=K)
+    args.update(kwargs)
+    d_model, d_ff, num_experts, top_k = (args.pop(n) for n in ("d_model", "d_ff", "num_experts", "top_k"))
+    with pytest.raises(error, match=match):
+        MoE(d_model, d_ff, num_experts, top_k, rngs=nnx.Rngs(0), **args)
+
+
+def test_experts_not_divisible_by_ep_raises():
+    mesh = make_mesh(ep=4, data=1, devices=jax.devices()[:4])
+    with pytest.raises(ValueError, match="num_experts=6 is not divisible"):
+        MoE(D, F, 6, K, mesh=mesh, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda m: m(jnp.zeros((2, 3, D + 1))), "d_model"),
+        (lambda m: m(jnp.zeros((D,))), "d_model"),
+        (lambda m: m(jnp.zeros((2, 3, D)), mask=jnp.ones((3, 2), bool)), "mask"),
+        (
+            lambda m: m(
+                jnp.zeros((4, D)),
+                routing=R.Routing(jnp.zeros((4, 3), jnp.int32), jnp.zeros((4, 3)), jnp.zeros((4, E))),
+            ),
+            "expert_idx_TK",
+        ),
+    ],
+)
+def test_bad_call_arguments_raise(call, match):
+    with pytest.raises(ValueError, match=match):
+        call(make())
+

@@ -1,0 +1,183 @@
+"""moe_jax.permute: pack by expert, gather, combine (exact layout checks against numpy, round
+trips, masks, empty experts, zero tokens, gradients).
+
+Legend: T tokens, K top-k, E experts, D width, R = T*K routes.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moe_jax.permute import Packing, combine, gather_rows, pack
+
+SETTINGS = settings(derandomize=True, max_examples=12, deadline=None)
+
+
+@st.composite
+def routings(draw, max_tokens=9):
+    """(expert_idx_TK, mask_T, E): distinct experts per token, E up to 7 (so some are empty)."""
+    num_experts = draw(st.integers(1, 7))
+    top_k = draw(st.integers(1, min(3, num_experts)))
+    num_tokens = draw(st.integers(0, max_tokens))
+    seed = draw(st.integers(0, 2**16))
+    rng = np.random.default_rng(seed)
+    rows = [rng.choice(num_experts, size=top_k, replace=False) for _ in range(num_tokens)]
+    idx = np.asarray(rows, np.int32).reshape(num_tokens, top_k)
+    mask = rng.random(num_tokens) < draw(st.sampled_from([1.0, 0.7, 0.0]))
+    return idx, mask, num_experts
+
+
+def _numpy_packing(idx, mask, num_experts):
+    top_k = idx.shape[1]
+    key = np.where(np.repeat(mask, top_k), idx.reshape(-1), num_experts)
+    order = np.argsort(key, kind="stable")
+    return order, np.bincount(key, minlength=num_experts + 1)[:num_experts]
+
+
+@SETTINGS
+@given(routings())
+def test_pack_matches_numpy_stable_sort(case):
+    idx, mask, num_experts = case
+    p = jax.jit(pack, static_argnums=1)(jnp.asarray(idx), num_experts, mask_T=jnp.asarray(mask))
+    order, sizes = _numpy_packing(idx, mask, num_experts)
+    np.testing.assert_array_equal(p.order_R, order)
+    np.testing.assert_array_equal(p.group_sizes_E, sizes)
+    np.testing.assert_array_equal(p.token_R, order // idx.shape[1])
+    np.testing.assert_array_equal(np.asarray(p.order_R)[np.asarray(p.inverse_R)], np.arange(idx.size))
+    # Packed rows really are grouped: row i of the first sum(sizes) has expert of its group.
+    groups = np.repeat(np.arange(num_experts), sizes)
+    np.testing.assert_array_equal(idx.reshape(-1)[order[: sizes.sum()]], groups)
+    assert all(a.dtype == jnp.int32 for a in p)
+
+
+@SETTINGS
+@given(routings(), st.integers(1, 5))
+def test_gather_rows_zero_past_groups_even_for_nan_tokens(case, width):
+    idx, mask, num_experts = case
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((idx.shape[0], width)).astype(np.float32)
+    x[~mask] = np.nan  # masked tokens may hold anything
+    p = pack(jnp.asarray(idx), num_experts, mask_T=jnp.asarray(mask))
+    rows = np.asarray(gather_rows(jnp.asarray(x), p))
+    used = int(np.sum(p.group_sizes_E))
+    np.testing.assert_array_equal(rows[:used], x[np.asarray(p.token_R)[:used]])
+    np.testing.assert_array_equal(rows[used:], 0.0)
+
+
+@SETTINGS
+@given(routings())
+def test_round_trip_with_identity_experts_is_identity(case):
+    """Identity experts and weights summing to 1 (dyadic, so exact): combine(gather(x)) == x on
+    real tokens and 0 on masked ones."""
+    idx, mask, num_experts = case
+    num_tokens, top_k = idx.shape
+    rng = np.random.default_rng(1)
+    x = rng.integers(-50, 50, size=(num_tokens, 4)).astype(np.float32)
+    w = np.full((num_tokens, top_k), 1.0 / top_k if top_k != 3 else 0.25, np.float32)
+    if top_k == 3:
+        w[:, 0] = 0.5
+    p = pack(jnp.asarray(idx), num_experts, mask_T=jnp.asarray(mask))
+    y = combine(gather_rows(jnp.asarray(x), p), jnp.asarray(w), p, mask_T=jnp.asarray(mask))
+    np.testing.assert_array_equal(np.asarray(y), np.where(mask[:, None], x, 0.0))
+
+
+def test_combine_matches_direct_sum_and_gradients():
+    """y_t = sum_k w_tk y[inverse[t*K+k]], against a direct formula; gradients reach y_RD and
+    weights_TK; rows past sum(group_sizes) hold NaN and are never read."""
+    num_tokens, top_k, num_experts, width = 7, 2, 5, 3
+    rng = np.random.default_rng(2)
+    idx = np.stack([rng.choice(num_experts, 2, replace=False) for _ in range(num_tokens)]).astype(np.int32)
+    mask = np.array([1, 1, 0, 1, 1, 0, 1], bool)
+    p = pack(jnp.asarray(idx), num_experts, mask_T=jnp.asarray(mask))
+    used = int(np.sum(p.group_sizes_E))
+    y_rows = rng.standard_normal((num_tokens * top_k, width)).astype(np.float32)
+    y_rows[used:] = np.nan
+    w = rng.uniform(0.1, 1.0, (num_tokens, top_k)).astype(np.float32)
+    cot = rng.standard_normal((num_tokens, width)).astype(np.float32)
+
+    def loss(y_rows, w):
+        return jnp.sum(combine(y_rows, w, p) * cot)
+
+    (dy, dw) = jax.grad(loss, argnums=(0, 1))(jnp.asarray(y_rows), jnp.asarray(w))
+    inv = np.asarray(p.inverse_R).reshape(num_tokens, top_k)
+    per_route = np.where(mask[:, None, None], y_rows[inv], 0.0)  # [T, K, D]
+    expected = np.einsum("tk,tkd->td", w, np.nan_to_num(per_route))
+    np.testing.assert_allclose(np.asarray(combine(jnp.asarray(y_rows), jnp.asarray(w), p)), expected, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(dw), np.einsum("tkd,td->tk", np.nan_to_num(per_route), cot), rtol=1e-5)
+    expected_dy = np.zeros_like(y_rows)
+    for t in range(num_tokens):
+        for k in range(top_k):
+            if mask[t]:
+                expected_dy[inv[t, k]] = w[t, k] * cot[t]
+    np.testing.assert_allclose(np.asarray(dy), expected_dy, rtol=1e-6)
+    assert np.all(np.asarray(dw)[~mask] == 0.0)
+
+
+def test_combine_mask_argument_masks_tokens_packed_without_mask():
+    idx = jnp.asarray([[0, 1], [1, 2], [2, 0]], jnp.int32)
+    p = pack(idx, 3)
+    y_rows = jnp.arange(12, dtype=jnp.float32).reshape(6, 2) + 1.0
+    mask = jnp.asarray([True, False, True])
+    y = combine(y_rows, jnp.ones((3, 2)), p, mask_T=mask)
+    assert np.all(np.asarray(y)[1] == 0.0) and np.all(np.asarray(y)[[0, 2]] > 0)
+
+
+def test_combine_accumulates_in_fp32_and_keeps_dtype():
+    """bf16 rows whose sum would lose bits in a bf16 accumulator come out as the fp32 sum rounded
+    once."""
+    idx = jnp.asarray([[0, 1, 2]], jnp.int32)
+    p = pack(idx, 3)
+    y_rows = jnp.asarray([[256.0], [1.0], [1.0]], jnp.bfloat16)[p.inverse_R]
+    y = combine(y_rows, jnp.ones((1, 3), jnp.float32), p)
+    assert y.dtype == jnp.bfloat16
+    assert float(y[0, 0]) == 258.0  # bf16 sequential sum would give 256 + 1 -> 256, + 1 -> 256
+
+
+def test_empty_experts_and_invalid_ids_are_not_packed():
+    idx = jnp.asarray([[5, 0], [0, -1], [9, 5]], jnp.int32)  # E = 6: experts 1-4 empty; -1, 9 invalid
+    p = pack(idx, 6)
+    np.testing.assert_array_equal(p.group_sizes_E, [2, 0, 0, 0, 0, 2])
+    order = np.asarray(p.order_R)
+    np.testing.assert_array_equal(order[:4], [1, 2, 0, 5])  # expert 0 then expert 5, token order
+    y = combine(jnp.ones((6, 1)), jnp.ones((3, 2)), p)
+    np.testing.assert_array_equal(np.asarray(y)[:, 0], [2.0, 1.0, 1.0])
+
+
+def test_zero_tokens():
+    p = pack(jnp.zeros((0, 2), jnp.int32), 4, mask_T=jnp.zeros((0,), bool))
+    assert isinstance(p, Packing)
+    assert p.order_R.shape == (0,) and np.all(np.asarray(p.group_sizes_E) == 0)
+    rows = gather_rows(jnp.zeros((0, 3)), p)
+    assert rows.shape == (0, 3)
+    y = combine(rows, jnp.zeros((0, 2)), p)
+    assert y.shape == (0, 3)
+    dw = jax.grad(lambda w: jnp.sum(combine(rows, w, p)))(jnp.zeros((0, 2)))
+    assert dw.shape == (0, 2)
+
+
+def test_gather_rows_gradient_scatters_back_to_tokens():
+    idx = jnp.asarray([[1, 0], [1, 2]], jnp.int32)
+    mask = jnp.asarray([True, False])
+    p = pack(idx, 3, mask_T=mask)
+    x = jnp.asarray([[1.0, 2.0], [3.0, 4.0]])
+    dx = jax.grad(lambda x: jnp.sum(gather_rows(x, p) * 2.0))(x)
+    np.testing.assert_array_equal(np.asarray(dx), [[4.0, 4.0], [0.0, 0.0]])  # 2 routes x 2; masked 0
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: pack(jnp.zeros((2, 1), jnp.int32), 0), "num_experts"),
+        (lambda: pack(jnp.zeros((2,), jnp.int32), 3), "2-D"),
+        (lambda: pack(jnp.zeros((2, 1), jnp.float32), 3), "integer"),
+        (lambda: pack(jnp.zeros((2, 1), jnp.int32), 3, mask_T=jnp.ones((3,), bool)), "mask_T"),
+        (lambda: gather_rows(jnp.zeros((3, 2)), pack(jnp.zeros((2, 2), jnp.int32), 3)), "routes"),
+        (lambda: combine(jnp.zeros((4, 2)), jnp.ones((3, 2)), pack(jnp.zeros((2, 2), jnp.int32), 3)), "routes"),
+    ],
+)
+def test_bad_arguments_raise(call, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        call()
