@@ -1,0 +1,210 @@
+"""moe_jax.layers.MoE on a device mesh (forced CPU host devices, repo conftest: 8) against the
+same layer on one device over the full batch: outputs, statistics and every gradient (input,
+router, routed experts, shared experts, latent projections), for ep = 1 (data parallel) and
+ep = 2, 4 with data = 1, 2; hot experts, a rank without real tokens, and capacity drops counted
+exactly. fp32, padded exchange, backend "xla" (speed).
+
+Legend: N global tokens, T tokens per device, D width, E experts, El = E/P local experts,
+P ep size, K top-k, C capacity.
+"""
+
+import functools
+import math
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from moe_jax import routing as R
+from moe_jax.layers import MoE
+from moe_jax.ops.config import gmm_config
+from moe_jax.parallel import capacity_for, make_mesh
+from tests.helpers import assert_close
+from tests.test_layers import module_value_and_grads
+from tests.test_parallel_exchange import _emulated_ragged_all_to_all
+
+B, S, D, F, E, K, L = 2, 8, 8, 6, 8, 2, 4
+N = B * S
+
+
+# Up to ep * data = 8 devices: the accelerators when there are that many, else the forced CPU host
+# devices (a 1- or 2-GPU runner runs these on CPU; the real GPU meshes are covered by
+# benchmarks/ep.py --check and parity/tests/test_parity_ep.py).
+_DEVICES = jax.devices() if len(jax.devices()) >= 8 else jax.devices("cpu")
+
+
+@pytest.fixture(autouse=True)
+def _mesh_platform():
+    with jax.default_device(_DEVICES[0]):
+        yield
+
+
+def _mesh(ep, data):
+    return make_mesh(ep=ep, data=data, devices=_DEVICES[: ep * data])
+
+
+def _layer(mesh=None, **kw):
+    return MoE(
+        D, F, E, K, num_shared_experts=1, shared_d_ff=5, latent_dim=L, backend="xla", mesh=mesh,
+        rngs=nnx.Rngs(0), **kw,
+    )
+
+
+def _inputs(seed):
+    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+    x = jax.random.normal(k1, (B, S, D), jnp.float32)
+    cot = jax.random.normal(k2, (B, S, D), jnp.float32)
+    return x, cot
+
+
+def _assert_same(got, want, what=""):
+    """Mesh result vs single device: outputs and gradients to fp32 tolerance (the reductions run
+    in another order), integer statistics exactly."""
+    y, stats, grads, dx, dw = got
+    y0, stats0, grads0, dx0, dw0 = want
+    assert_close(y, y0, jnp.float32, what + "y")
+    assert_close(dx, dx0, jnp.float32, what + "dx")
+    assert grads.keys() == grads0.keys()
+    for path in grads:
+        assert_close(grads[path], grads0[path], jnp.float32, what + "d" + ".".join(map(str, path)))
+    if dw0 is not None:
+        assert_close(dw, dw0, jnp.float32, what + "d weights_TK")
+    np.testing.assert_array_equal(stats.counts_E, stats0.counts_E)
+    assert int(stats.tokens) == int(stats0.tokens)
+    for name in ("aux_loss", "seq_aux_loss", "z_loss"):
+        np.testing.assert_allclose(getattr(stats, name), getattr(stats0, name), rtol=1e-5, err_msg=name)
+
+
+def _per_device_executed(idx, mask, ep, data):
+    """numpy: rows all grouped GEMMs execute (dropless) at gmm_config's tile. One GEMM groups the
+    routes of a device's own tokens (ep = 1), or of its ep group's tokens for its El experts over
+    M = P*T*K packed rows (ep > 1)."""
+    tokens = N // (ep * data)
+    span, rows, groups = (tokens, tokens * K, E) if ep == 1 else (ep * tokens, ep * tokens * K, E // ep)
+    bm = gmm_config(rows, F, L, groups).block_m
+    total = 0
+    for start in range(0, N, span):
+        part = slice(start, start + span)
+        counts = np.bincount(idx[part][mask[part]].reshape(-1), minlength=E)
+        total += sum(math.ceil(c / bm) * bm for c in counts)
+    return total
+
+
+@pytest.mark.parametrize("ep, data", [(1, 4), (2, 1), (2, 2), (4, 1), (4, 2)])
+def test_router_path_matches_single_device(ep, data):
+    """Router inside the layer, padding mask: everything equals the single-device layer."""
+    mesh = _mesh(ep, data)
+    m = _layer(mesh)
+    assert m.w_gate[...].sharding.spec == PartitionSpec("ep", None, None)
+    for w in (m.w_router, m.w_latent_down, m.shared.w_gate):
+        assert w[...].sharding.spec == PartitionSpec(None, None)
+    assert m.w_gate.out_sharding == ("ep", None, None)
+    x, cot = _inputs(ep * 10 + data)
+    mask = (jnp.arange(N).reshape(B, S) * 7) % 5 != 0
+    cot = jnp.where(mask[..., None], cot, 0.0)
+    got = module_value_and_grads(m, x, cot, mask=mask)
+    want = module_value_and_grads(_layer(), x, cot, mask=mask)
+    _assert_same(got, want)
+    stats = got[1]
+    assert int(stats.dropped) == 0
+
+    # Executed rows are per device: each device's (ep = 1) or each rank's (ep > 1) grouped GEMM.
+    logits = jnp.dot(jnp.where(mask.reshape(-1, 1), x.reshape(N, D), 0.0), m.w_router[...].T, precision="highest")
+    idx = np.asarray(m.router.route(logits).expert_idx_TK)
+    expected = _per_device_executed(idx, np.asarray(mask).reshape(-1), ep, data)
+    assert int(stats.executed_rows) == expected
+    np.testing.assert_allclose(stats.padding_fraction, (expected - int(mask.sum()) * K) / expected, rtol=1e-6)
+
+
+def _injected(seed, experts_of_token):
+    rng = np.random.default_rng(seed)
+    idx = np.stack([experts_of_token(t, rng) for t in range(N)]).astype(np.int32)
+    probs = jax.nn.softmax(jax.random.normal(jax.random.PRNGKey(seed), (N, E)))
+    weights = jax.random.uniform(jax.random.PRNGKey(seed + 1), (N, K), minval=0.1, maxval=1.0)
+    return R.Routing(jnp.asarray(idx), weights, probs)
+
+
+def test_hot_experts_and_a_rank_without_real_tokens():
+    """Every token picks the same two experts, both on ep rank 0 (rank 1 computes nothing), and
+    the first device's tokens are all padding."""
+    mesh = _mesh(2, 2)
+    routing = _injected(1, lambda t, rng: [3, 1])
+    x, cot = _inputs(1)
+    mask = (jnp.arange(N) >= N // 4).reshape(B, S)  # device 0 holds tokens [0, N/4)
+    cot = jnp.where(mask[..., None], cot, 0.0)
+    got = module_value_and_grads(_layer(mesh), x, cot, mask=mask, routing=routing)
+    want = module_value_and_grads(_layer(), x, cot, mask=mask, routing=routing)
+    _assert_same(got, want)
+    assert int(got[1].dropped) == 0
+    np.testing.assert_array_equal(got[1].counts_E, np.eye(E, dtype=np.int32)[[3, 1]].sum(0) * int(mask.sum()))
+
+
+def _kept_routes(idx, mask, ep, data, capacity):
+    """numpy model of the capacity rule: per source device, per destination rank, the first C
+    real routes in (token, slot) order are kept."""
+    tokens = N // (ep * data)
+    keep = np.zeros(idx.shape, bool)
+    for dev in range(ep * data):
+        used = np.zeros(ep, int)
+        for t in range(dev * tokens, (dev + 1) * tokens):
+            for k in range(K):
+                dest = idx[t, k] // (E // ep)
+                if mask[t] and used[dest] < capacity:
+                    keep[t, k] = True
+                    used[dest] += 1
+    return keep
+
+
+@pytest.mark.parametrize("ep, data", [(2, 2), (4, 1)])
+def test_capacity_overflow_dropped_exactly(ep, data):
+    """Skewed routing over a capacity-factor-1 buffer: the drop count equals the numpy model, and
+    the output and gradients equal the single-device layer with the dropped routes removed."""
+    mesh = _mesh(ep, data)
+    hot = np.arange(E // ep)  # rank 0's experts
+
+    def skewed(t, rng):
+        first = rng.choice(hot)
+        return [first, rng.choice(np.setdiff1d(np.arange(E), [first]))]
+
+    routing = _injected(2 + ep, skewed)
+    x, cot = _inputs(2 + ep)
+    mask = np.ones(N, bool)
+    mask[[1, 6]] = False
+    tokens = N // (ep * data)
+    capacity = capacity_for(tokens, K, ep, 1.0)
+    keep = _kept_routes(np.asarray(routing.expert_idx_TK), mask, ep, data, capacity)
+    expected_dropped = int(mask.sum()) * K - int(keep.sum())
+    assert expected_dropped > 0  # the case must overflow
+
+    mask_BS = jnp.asarray(mask).reshape(B, S)
+    cot = jnp.where(mask_BS[..., None], cot, 0.0)
+    got = module_value_and_grads(_layer(mesh, capacity_factor=1.0), x, cot, mask=mask_BS, routing=routing)
+    assert int(got[1].dropped) == expected_dropped
+
+    kept_routing = routing._replace(weights_TK=jnp.where(keep, routing.weights_TK, 0.0))
+    want = list(module_value_and_grads(_layer(), x, cot, mask=mask_BS, routing=kept_routing))
+    # A dropped route never reaches its expert: its weight gradient is exactly zero, where the
+    # zero-weight reference still sees <expert output, dy>.
+    assert np.all(np.asarray(got[4])[~keep] == 0.0)
+    want[4] = jnp.where(keep, want[4], 0.0)
+    _assert_same(got, tuple(want))
+
+
+def test_ragged_strategy_matches_padded():
+    """The ragged exchange (XLA:CPU lacks ragged_all_to_all: run through the all_gather emulation
+    of tests/test_parallel_exchange.py, NaN in rows no sender writes) gives the padded results."""
+    mesh = _mesh(2, 2)
+    x, cot = _inputs(5)
+    mask = jnp.ones((B, S), bool).at[0, :3].set(False)
+    cot = jnp.where(mask[..., None], cot, 0.0)
+    padded = module_value_and_grads(_layer(mesh, capacity_factor=1.0), x, cot, mask=mask)
+    with mock.patch.object(
+        jax.lax, "ragged_all_to_all", functools.partial(_emulated_ragged_all_to_all, fill=jnp.nan)
+    ):
+        ragged = module_value_and_grads(_layer(mesh, capacity_factor=1.0, ep_strategy="ragged"), x, cot, mask=mask)
+    _assert_same(ragged, padded)
+    assert int(ragged[1].dropped) == int(padded[1].dropped)

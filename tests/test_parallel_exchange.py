@@ -1,0 +1,484 @@
+"""EP dispatch/combine on forced CPU host devices (repo conftest: 8 devices).
+
+Meshes come from `make_mesh` (EP 2 and 4, data 1 and 2); the functions under test run inside
+`jax.shard_map` and are compared with single-device references on the full batch, computed
+directly (per-token loop over k: w_tk * x_t @ W[e_tk]^T) and, for the layout, in numpy.
+A mesh uses GPUs when the host has enough of them (compiled kernels; with 2 GPUs the ragged
+strategy also runs on the real collective), else the forced host devices.
+
+The padded strategy runs here. XLA:CPU has no ragged_all_to_all, so the ragged strategy is
+(1) lowered for an H200 from this host, forward and backward, and (2) run numerically with
+`jax.lax.ragged_all_to_all` replaced by an emulation built from all_gather (checked against the
+example in JAX's docstring), which exercises its offsets, sizes and custom_vjp end to end. The
+emulation can fill every row the collective does not write with NaN, so a receive buffer whose
+padding is garbage must still give finite, correct outputs and gradients.
+
+Legend: N global tokens (= devices * T), T tokens per rank, K top-k, D width, O expert output
+width, E experts, El local experts, P ep size, C capacity, M packed rows.
+"""
+
+import functools
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from moe_jax.ops import grouped_linear
+from moe_jax.parallel import (
+    DATA_AXIS,
+    EP_AXIS,
+    activation_spec,
+    capacity_for,
+    check_mesh,
+    dense_spec,
+    ep_combine,
+    ep_dispatch,
+    ep_moe,
+    expert_spec,
+    make_mesh,
+)
+from tests.helpers import ON_GPU, assert_close
+
+ACT = activation_spec()
+T, D, O, E = 6, 8, 5, 8
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+HOST = jax.devices("cpu")  # 8 forced host devices on any machine
+
+
+def _mesh(ep, data):
+    n = ep * data
+    devices = jax.devices() if ON_GPU and len(jax.devices()) >= n else HOST
+    return make_mesh(ep=ep, data=data, devices=devices[:n])
+
+
+def _backend(mesh):
+    """Compiled kernels on a GPU mesh; lax.ragged_dot on host devices (also on a GPU host, where
+    "auto" would pick the GPU kernels)."""
+    return "auto" if mesh.devices.flat[0].platform == "gpu" else "xla"
+
+
+def _sharded(mesh, fn, in_specs, out_specs):
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False))
+
+
+def _exact_inputs(n, k, seed):
+    """Integer x and dyadic weights: every product and K-term sum is exact in fp32, so results
+    must match bit for bit whatever the summation order."""
+    rng = np.random.default_rng(seed)
+    x = rng.integers(-8, 9, size=(n, D)).astype(np.float32)
+    w = (rng.integers(1, 8, size=(n, k)) / 8).astype(np.float32)
+    return jnp.asarray(x), jnp.asarray(w)
+
+
+def _float_inputs(n, k, seed):
+    kx, kw, kW, kc = jax.random.split(jax.random.PRNGKey(seed), 4)
+    x = jax.random.normal(kx, (n, D), jnp.float32)
+    w = jax.random.uniform(kw, (n, k), jnp.float32, 0.1, 1.0)
+    W = jax.random.normal(kW, (E, O, D), jnp.float32) / np.sqrt(D)
+    cot = jax.random.normal(kc, (n, O), jnp.float32)
+    return x, w, W, cot
+
+
+def _routes(pattern, n, k, ep, data, seed):
+    """Global expert ids [N, K] for a routing pattern (distinct experts per token)."""
+    rng = np.random.default_rng(seed)
+    el = E // ep
+    allowed = [np.arange(E)] * n
+    if pattern == "skewed":
+        # Experts of rank 0 are hot: twice as likely as the rest.
+        p = np.where(np.arange(E) < el, 2.0, 1.0)
+        return np.stack([rng.choice(E, size=k, replace=False, p=p / p.sum()) for _ in range(n)]).astype(np.int32)
+    if pattern == "one_expert":
+        return np.full((n, k), E - 1, np.int32)
+    if pattern == "starved":
+        # Nobody uses expert 1 (a local expert with zero rows) or the last rank's experts (a rank
+        # that receives nothing); ep rank 1's own tokens all go to other ranks.
+        base = np.setdiff1d(np.arange(E), [1, *range(E - el, E)])
+        allowed = []
+        for t in range(n):
+            ep_rank = (t // T) % ep
+            allowed.append(base[base // el != 1] if ep_rank == 1 else base)
+    return np.stack([rng.choice(a, size=k, replace=False) for a in allowed]).astype(np.int32)
+
+
+def _np_dispatch(idx, ep, data, cap, mask=None):
+    """Numpy model of the contract: keep mask (per source, per destination, token order, first C
+    kept; masked tokens never sent), send counts per device, and each device's packed
+    (token, slot) rows + group sizes."""
+    n, k = idx.shape
+    el = E // ep
+    mask = np.ones(n, bool) if mask is None else mask
+    keep = np.zeros((n, k), bool)
+    send_counts = np.zeros((data * ep, ep), np.int32)
+    for dev in range(data * ep):
+        used = np.zeros(ep, int)
+        for t in range(dev * T, (dev + 1) * T):
+            if not mask[t]:
+                continue
+            for s in range(k):
+                q = idx[t, s] // el
+                send_counts[dev, q] += 1
+                if used[q] < cap:
+                    keep[t, s] = True
+                    used[q] += 1
+    packed = {}
+    for d in range(data):
+        for q in range(ep):
+            rows, sizes = [], []
+            for e in range(el):
+                before = len(rows)
+                for src in range(d * ep, (d + 1) * ep):
+                    for t in range(src * T, (src + 1) * T):
+                        rows += [(t, s) for s in range(k) if keep[t, s] and idx[t, s] == q * el + e]
+                sizes.append(len(rows) - before)
+            packed[d * ep + q] = (rows, sizes)
+    return keep, send_counts, packed
+
+
+def _reference(x, w, W, idx, keep):
+    """Single-device math on the full batch: y_t = sum_k keep_tk w_tk x_t @ W[e_tk]^T."""
+    y = 0.0
+    for s in range(idx.shape[1]):
+        h = jnp.einsum("td,tod->to", x, W[idx[:, s]], precision=HIGHEST)
+        y = y + jnp.where(keep[:, s, None], w[:, s, None] * h, 0.0)
+    return y
+
+
+def _ep_linear(mesh, *, strategy="padded", capacity=None, poison=False, masked=False):
+    """Jitted (loss, stats), grads of sum(y * cot) through ep_moe with one linear per expert."""
+
+    def body(x, idx, w, W, cot, mask):
+        def expert_fn(px, gs):
+            y = grouped_linear(px, W, gs, backend=_backend(mesh), precision=HIGHEST)
+            if poison:  # whatever sits past the valid rows must never be read
+                y = jnp.where((jnp.arange(px.shape[0]) < jnp.sum(gs))[:, None], y, jnp.nan)
+            return y
+
+        y, stats = ep_moe(
+            x, idx, w, expert_fn, num_experts=E, strategy=strategy, capacity=capacity, mask_T=mask if masked else None
+        )
+        loss = lax.psum(jnp.sum(y * cot), (DATA_AXIS, EP_AXIS))
+        return loss, y, stats.dropped[None], stats.recv_rows[None], stats.send_counts_P[None]
+
+    fn = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(ACT, ACT, ACT, expert_spec(), ACT, ACT),
+        out_specs=(dense_spec(), ACT, ACT, ACT, ACT),
+        check_vma=False,
+    )
+
+    def loss(x, w, W, idx, cot, mask):
+        value, *aux = fn(x, idx, w, W, cot, mask)
+        return value, aux
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+
+
+def _check_linear(mesh, pattern, *, k=2, capacity=None, strategy="padded", poison=False, mask=None, seed=0):
+    ep, data = mesh.shape[EP_AXIS], mesh.shape[DATA_AXIS]
+    n = ep * data * T
+    x, w, W, cot = _float_inputs(n, k, seed)
+    idx = _routes(pattern, n, k, ep, data, seed)
+    cap = T * k if capacity is None else min(capacity, T * k)
+    keep, send_counts, packed = _np_dispatch(idx, ep, data, cap, mask)
+    real = np.ones(n, bool) if mask is None else mask
+
+    fn = _ep_linear(mesh, strategy=strategy, capacity=capacity, poison=poison, masked=mask is not None)
+    (_, (y, dropped, recv_rows, got_counts)), grads = fn(x, w, W, jnp.asarray(idx), cot, jnp.asarray(real))
+    ref = jax.value_and_grad(lambda x, w, W: jnp.sum(_reference(x, w, W, idx, keep) * cot), argnums=(0, 1, 2))
+    _, ref_grads = ref(x, w, W)
+    assert_close(y, _reference(x, w, W, idx, keep), jnp.float32, "y")
+    for name, g, r in zip(("dx", "dweights", "dW"), grads, ref_grads):
+        assert_close(g, r, jnp.float32, name)
+    # Dropped routes get exactly zero weight gradient.
+    assert np.all(np.asarray(grads[1])[~keep] == 0)
+    group_drops = [(real[:, None] & ~keep)[d * ep * T : (d + 1) * ep * T].sum() for d in range(data)]
+    np.testing.assert_array_equal(np.asarray(dropped), np.repeat(group_drops, ep))
+    np.testing.assert_array_equal(np.asarray(recv_rows), [len(packed[r][0]) for r in range(ep * data)])
+    np.testing.assert_array_equal(np.asarray(got_counts), send_counts)
+    return keep, packed, (y, grads)
+
+
+def _emulated_ragged_all_to_all(
+    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name, axis_index_groups=None, fill=None
+):
+    """`jax.lax.ragged_all_to_all`'s documented semantics from all_gather, for XLA:CPU. A broken
+    contract (sizes that disagree with the senders', overlapping or out-of-range blocks) poisons
+    the whole result with NaN instead of raising, since nothing can raise under jit. With `fill`,
+    rows no sender writes hold `fill` instead of keeping `output`'s values."""
+    assert axis_index_groups is None
+    me = lax.axis_index(axis_name)
+    operand_all = lax.all_gather(operand, axis_name)  # [P, N, ...]
+    in_off, sizes, out_off = (lax.all_gather(a, axis_name)[:, me] for a in (input_offsets, send_sizes, output_offsets))
+    rows = jnp.arange(output.shape[0])
+    hit_PM = (rows >= out_off[:, None]) & (rows < (out_off + sizes)[:, None])
+    src = jnp.argmax(hit_PM, axis=0)
+    read = in_off[src] + rows - out_off[src]
+    result = jnp.where(
+        jnp.any(hit_PM, axis=0).reshape((-1,) + (1,) * (operand.ndim - 1)),
+        operand_all[src, jnp.clip(read, 0, operand.shape[0] - 1)],
+        output if fill is None else jnp.full_like(output, fill),
+    )
+    ok = (
+        jnp.all(sizes == recv_sizes)
+        & jnp.all(hit_PM.sum(axis=0) <= 1)
+        & jnp.all(in_off + sizes <= operand.shape[0])
+        & jnp.all(out_off + sizes <= output.shape[0])
+        & jnp.all((in_off >= 0) & (out_off >= 0) & (sizes >= 0))
+    )
+    return jnp.where(ok, result, jnp.nan)
+
+
+def _poisoned_ragged():
+    """Patch ragged_all_to_all with the emulation, NaN in every row no sender writes."""
+    return mock.patch.object(jax.lax, "ragged_all_to_all", functools.partial(_emulated_ragged_all_to_all, fill=jnp.nan))
+
+
+# ----------------------------------------------------------------------------- mesh
+
+
+def test_make_mesh_and_specs():
+    mesh = make_mesh(ep=4, devices=HOST)
+    assert mesh.axis_names == (DATA_AXIS, EP_AXIS) and dict(mesh.shape) == {DATA_AXIS: 2, EP_AXIS: 4}
+    assert dict(_mesh(2, 1).shape) == {DATA_AXIS: 1, EP_AXIS: 2}
+    assert check_mesh(mesh, 8) == 4
+    assert expert_spec() == PartitionSpec("ep")
+    assert dense_spec() == PartitionSpec()
+    assert activation_spec() == PartitionSpec(("data", "ep"))
+    with pytest.raises(ValueError, match="ep=3 does not divide the 8 devices"):
+        make_mesh(ep=3, devices=HOST)
+    with pytest.raises(ValueError, match="ep must be >= 1"):
+        make_mesh(ep=0, devices=HOST)
+    with pytest.raises(ValueError, match=r"data \* ep = 3 \* 2 = 6 but 8 devices"):
+        make_mesh(ep=2, data=3, devices=HOST)
+
+
+def test_check_mesh_errors():
+    no_ep = jax.sharding.Mesh(np.array(HOST[:4]), (DATA_AXIS,))
+    with pytest.raises(ValueError, match=r"mesh has axes \('data',\) but no 'ep' axis; build it with make_mesh\(ep=...\)"):
+        check_mesh(no_ep, 8)
+    with pytest.raises(ValueError, match="num_experts=6 is not divisible by the 'ep' axis size 4"):
+        check_mesh(make_mesh(ep=4, devices=HOST), 6)
+
+
+# ----------------------------------------------------------------------------- dispatch layout
+
+
+@pytest.mark.parametrize("ep,data,strategy", [(2, 1, "padded"), (4, 1, "padded"), (2, 2, "padded"), (4, 2, "padded"), (2, 2, "ragged")])
+def test_dispatch_layout_and_identity_round_trip(ep, data, strategy):
+    """Packed rows are exactly the contract's layout with zero padding, and identity experts give
+    back sum_k w_tk x_t bit for bit (ragged: emulated collective, unwritten rows NaN)."""
+    if strategy == "ragged":
+        with _poisoned_ragged():
+            return _check_layout_and_round_trip(ep, data, strategy)
+    _check_layout_and_round_trip(ep, data, strategy)
+
+
+def _check_layout_and_round_trip(ep, data, strategy):
+    mesh = _mesh(ep, data)
+    k, n = 2, ep * data * T
+    x, w = _exact_inputs(n, k, seed=ep + data)
+    idx = _routes("skewed", n, k, ep, data, seed=ep * data)
+
+    def body(x, idx, w):
+        packed_x, gs, plan = ep_dispatch(x, idx, num_experts=E, strategy=strategy)
+        y = ep_combine(packed_x, w, plan)
+        st = plan.stats()
+        return packed_x, gs, y, st.dropped[None], st.send_counts_P[None], st.recv_rows[None]
+
+    out = _sharded(mesh, body, (ACT, ACT, ACT), (ACT,) * 6)(x, jnp.asarray(idx), w)
+    packed_x, gs, y, dropped, send_counts, recv_rows = map(np.asarray, out)
+
+    keep, want_counts, packed = _np_dispatch(idx, ep, data, T * k)
+    m = ep * T * k  # dropless: a destination may receive every route of every source
+    assert packed_x.shape == (ep * data * m, D)
+    for dev in range(ep * data):
+        rows, sizes = packed[dev]
+        got = packed_x[dev * m : (dev + 1) * m]
+        np.testing.assert_array_equal(gs[dev * (E // ep) : (dev + 1) * (E // ep)], sizes)
+        np.testing.assert_array_equal(got[: len(rows)], np.asarray(x)[[t for t, _ in rows]])
+        np.testing.assert_array_equal(got[len(rows) :], 0.0)
+    assert keep.all()
+    np.testing.assert_array_equal(send_counts, want_counts)
+    np.testing.assert_array_equal(recv_rows, [len(packed[r][0]) for r in range(ep * data)])
+    np.testing.assert_array_equal(dropped, 0)
+    np.testing.assert_array_equal(y, np.sum(np.asarray(x)[:, None, :] * np.asarray(w)[:, :, None], axis=1))
+
+
+# ----------------------------------------------------------------------------- numerics vs single device
+
+
+@pytest.mark.parametrize("ep,data", [(4, 2), (2, 1)])
+def test_linear_experts_match_single_device(ep, data):
+    _check_linear(_mesh(ep, data), "skewed")
+
+
+@pytest.mark.parametrize("pattern,k", [("one_expert", 1), ("starved", 2)])
+def test_degenerate_routing(pattern, k):
+    """All routes to one expert; a rank whose tokens all leave it, a rank that receives nothing and
+    a local expert with zero rows."""
+    mesh = _mesh(4, 2)
+    keep, packed, _ = _check_linear(mesh, pattern, k=k)
+    assert keep.all()
+    sizes = np.array([packed[dev][1] for dev in range(8)])  # [device, El]
+    if pattern == "one_expert":
+        assert sizes[:, -1].tolist() == [0, 0, 0, 4 * T] * 2 and sizes.sum() == 8 * T
+    else:
+        # Expert 1 (local 1 of ep rank 0) is empty; ep rank 3 receives nothing; both data replicas.
+        assert (sizes[[0, 4], 1] == 0).all() and (sizes[[3, 7]] == 0).all() and (sizes[[0, 4], 0] > 0).all()
+
+
+def test_capacity_overflow_drops_exactly():
+    mesh = _mesh(4, 2)
+    capacity = 2  # 12 routes per rank over 4 destinations, rank 0's experts hot: overflow is certain
+    keep, _, _ = _check_linear(mesh, "skewed", capacity=capacity, seed=3)
+    assert 0 < (~keep).sum() < keep.size
+
+
+def test_masked_tokens_and_a_rank_without_tokens():
+    """Device 1 (ep rank 1 of data replica 0) has no real token and others have some padding:
+    masked routes are neither sent, counted nor dropped; their outputs and gradients are zero."""
+    mesh = _mesh(4, 2)
+    n = 8 * T
+    mask = np.random.default_rng(7).random(n) < 0.7
+    mask[T : 2 * T] = False
+    keep, packed, (y, (dx, dw, _)) = _check_linear(mesh, "skewed", capacity=3, mask=mask, seed=7)
+    assert not keep[~mask].any() and 0 < (~keep[mask]).sum()
+    np.testing.assert_array_equal(np.asarray(y)[~mask], 0.0)
+    np.testing.assert_array_equal(np.asarray(dx)[~mask], 0.0)
+    np.testing.assert_array_equal(np.asarray(dw)[~mask], 0.0)
+
+
+def test_nan_in_padding_rows_never_leaks():
+    """Expert outputs past sum(group_sizes) are NaN; outputs and all gradients stay finite and
+    correct (combine reads valid rows only, with `where`, not a multiply by a mask)."""
+    keep, packed, _ = _check_linear(_mesh(2, 2), "skewed", poison=True, seed=5)
+    # Dropless buffers: M = P*T*K rows per rank, far more than any rank receives here.
+    assert all(len(packed[dev][0]) < 2 * T * 2 for dev in range(4))
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_errors():
+    mesh = _mesh(4, 1)
+    x = jnp.zeros((4 * T, D))
+    idx = jnp.zeros((4 * T, 2), jnp.int32)
+
+    def trace(**kwargs):
+        idx_arg = kwargs.pop("idx", idx)
+        body = lambda x, i: ep_dispatch(x, i, **{"num_experts": E, **kwargs})[0]
+        return _sharded(mesh, body, (ACT, ACT), ACT).trace(x, idx_arg)
+
+    with pytest.raises(ValueError, match="num_experts=6 is not divisible by the ep axis size 4"):
+        trace(num_experts=6)
+    with pytest.raises(ValueError, match="capacity=0 is below one row per local expert"):
+        trace(capacity=0)
+    # El = 2 local experts per destination: one row per (source, destination) cannot serve both.
+    with pytest.raises(ValueError, match=r"capacity=1 is below one row per local expert: .* capacity must be >= 2"):
+        trace(capacity=1)
+    with pytest.raises(ValueError, match=r"mask_T must be bool \[T\] = \(6,\)"):
+        trace(mask_T=jnp.ones((5,), bool))
+    with pytest.raises(ValueError, match="unknown strategy 'dense'"):
+        trace(strategy="dense")
+    with pytest.raises(ValueError, match=r"expert_idx_TK must be \[T, K\] with T = x_TD.shape\[0\] = 6"):
+        trace(idx=jnp.zeros((4 * T + 4, 2), jnp.int32))
+    with pytest.raises(ValueError, match="is not bound: call EP dispatch/combine inside jax.shard_map"):
+        ep_dispatch(x, idx, num_experts=E)
+
+
+def test_capacity_for():
+    assert capacity_for(6, 2, 4, 1.0) == 3
+    assert capacity_for(6, 2, 4, 1.25) == 4
+    assert capacity_for(100, 1, 10, 1.1) == 11  # float noise does not round up to 12
+    assert capacity_for(6, 2, 4, 100.0) == 12  # never above the dropless T*K
+    assert capacity_for(1, 1, 64, 0.5) == 1  # never below one row
+    with pytest.raises(ValueError, match="capacity_factor must be a finite number > 0"):
+        capacity_for(6, 2, 4, 0.0)
+    with pytest.raises(ValueError, match="ep_size must be a positive int"):
+        capacity_for(6, 2, 0, 1.0)
+
+
+# ----------------------------------------------------------------------------- ragged strategy
+
+
+def test_ragged_emulation_matches_jax_docstring_example():
+    mesh = _mesh(2, 1)
+
+    def body(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes):
+        return _emulated_ragged_all_to_all(
+            operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=EP_AXIS
+        )
+
+    args = [
+        [[1, 2, 2], [3, 4, 0]],
+        [[0, 0, 0, 0], [0, 0, 0, 0]],
+        [[0, 1], [0, 1]],
+        [[1, 2], [1, 1]],
+        [[0, 0], [1, 2]],
+        [[1, 1], [2, 1]],
+    ]
+    args = [jnp.asarray(a, jnp.float32 if i < 2 else jnp.int32).reshape(-1) for i, a in enumerate(args)]
+    spec = PartitionSpec(EP_AXIS)
+    out = _sharded(mesh, body, (spec,) * 6, spec)(*args)
+    np.testing.assert_array_equal(np.asarray(out), [1, 3, 0, 0, 2, 2, 4, 0])
+
+
+@pytest.mark.parametrize("pattern,capacity,empty_rank", [("skewed", 2, False), ("starved", None, True)])
+def test_ragged_strategy_numerics_with_emulated_collective(pattern, capacity, empty_rank):
+    """The ragged path's planning, offsets and reverse-exchange custom_vjp, run on CPU, with NaN in
+    every receive-buffer row the collective leaves unwritten (forward and backward exchanges) and
+    in the expert outputs past the valid rows. The second case has a rank that sends nothing
+    (all its tokens masked) and one that receives nothing, so whole buffers stay NaN."""
+    mask = None
+    if empty_rank:
+        mask = np.ones(8 * T, bool)
+        mask[2 * T : 3 * T] = False
+    with _poisoned_ragged():
+        _check_linear(_mesh(4, 2), pattern, capacity=capacity, strategy="ragged", poison=True, mask=mask, seed=3)
+
+
+@pytest.mark.skipif(not ON_GPU or len(jax.devices()) < 2, reason="the real ragged_all_to_all needs 2 GPUs")
+@pytest.mark.parametrize("pattern,capacity", [("skewed", None), ("skewed", 4), ("starved", None)])
+def test_ragged_strategy_on_gpus(pattern, capacity):
+    """The real collective (XLA:GPU), forward and custom_vjp backward, against the reference."""
+    _check_linear(_mesh(2, 1), pattern, capacity=capacity, strategy="ragged", seed=4)
+
+
+def test_ragged_strategy_lowers_for_gpu():
+    """Forward and backward of the ragged path lower for an H200 from this CPU host, with four
+    ragged_all_to_all (dispatch, combine, and their reverse exchanges) and no JAX transpose, under
+    shard_map's varying-axes checks (check_vma, as the MoE layer runs it)."""
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
+    mesh = jax.sharding.AbstractMesh((2, 4), (DATA_AXIS, EP_AXIS), abstract_device=device)
+    k, n = 2, 8 * T
+
+    def body(x, idx, w, W):
+        W = lax.pcast(W, (DATA_AXIS,), to="varying")  # per-device weight gradients, psum'd over data
+        expert_fn = lambda px, gs: grouped_linear(px, W, gs, backend="xla")
+        y, stats = ep_moe(x, idx, w, expert_fn, num_experts=E, strategy="ragged", capacity=3)
+        # stats.dropped is an ep-group total: sum the data replicas' groups for a replicated result.
+        return lax.psum(jnp.sum(y), (DATA_AXIS, EP_AXIS)) + 0.0 * lax.psum(stats.dropped, DATA_AXIS)
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(ACT, ACT, ACT, expert_spec()), out_specs=dense_spec())
+    grad = jax.grad(fn, argnums=(0, 2, 3))
+
+    def aval(shape, dtype, spec):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
+
+    avals = (
+        aval((n, D), jnp.float32, ACT),
+        aval((n, k), jnp.int32, ACT),
+        aval((n, k), jnp.float32, ACT),
+        aval((E, O, D), jnp.float32, expert_spec()),
+    )
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(grad).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call @ragged_all_to_all") == 4
