@@ -22,9 +22,9 @@ for phase in "$@"; do
     run-quick) timeout "$limit" python3 -m benchmarks.gmm run --quick --json "$OUT/gmm_quick.json" 2>&1 | tee "$OUT/gmm_quick.log" | tail -30 ;;
     layer-time) timeout "$limit" python3 -m parity --time --tokens 4096 --d-model 2048 --d-ff 768 --experts 128 --top-k 8 --dtype bfloat16 --json "$OUT/layer_time.json" 2>&1 | tee "$OUT/layer_time.log" | tail -20 ;;
     example) timeout "$limit" python3 examples/train_moe.py --steps ${STEPS:-300} --out "$OUT/example" 2>&1 | tr '\r' '\n' | grep -v '^ *$' | tee "$OUT/example.log" | tail -25 ;;
-    ep-check) timeout "$limit" python3 -m benchmarks.ep --check 2>&1 | tee "$OUT/ep_check.log" | tail -30 ;;
+    ep-check) timeout "$limit" python3 -m benchmarks.ep --check --json "$OUT/ep_check.json" 2>&1 | tee "$OUT/ep_check.log" | tail -30 ;;
     ep-bench) timeout "$limit" python3 -m benchmarks.ep --json "$OUT/ep.json" 2>&1 | tee "$OUT/ep.log" | tail -30 ;;
-    parity-ep) timeout "$limit" python3 -m pytest parity/tests/test_parity_ep.py parity/tests/test_reference_ep.py -q -p no:cacheprovider 2>&1 | tee "$OUT/parity_ep.log" | tail -25 ;;
+    parity-ep) timeout "$limit" python3 -m pytest tests/test_parallel_exchange.py parity/tests/test_parity_ep.py parity/tests/test_reference_ep.py -q -p no:cacheprovider 2>&1 | tee "$OUT/parity_ep.log" | tail -25 ;;
     example-ep) timeout "$limit" python3 examples/train_moe.py --ep 2 --steps ${STEPS:-200} --out "$OUT/example_ep" 2>&1 | tr '\r' '\n' | grep -v '^ *$' | tee "$OUT/example_ep.log" | tail -25 ;;
     *) echo "unknown phase $name" ;;
   esac

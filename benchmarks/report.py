@@ -12,7 +12,7 @@ import json
 import sys
 
 PREFILL_IMPLS = ("ours", "torch", "ragged_dot", "mgpu", "seed_triton", "dense")
-FB_IMPLS = ("ours_fb", "torch_fb", "ragged_dot_fb")
+FB_IMPLS = ("ours_fb", "torch_fb")
 DECODE_IMPLS = ("ours", "ours_tiles_kernel", "torch", "ragged_dot")
 
 

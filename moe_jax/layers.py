@@ -288,6 +288,13 @@ class MoE(nnx.Module):
         self.precision = precision
         self.ep = self._check_mesh(mesh)
         self.mesh = mesh
+        if mesh is not None and backend == "pallas_triton" and mesh.devices.flat[0].platform != "gpu":
+            # JAX's Pallas interpreter pads with mesh-invariant constants, which shard_map's
+            # varying-axis check rejects; compiled GPU kernels are fine.
+            raise ValueError(
+                "backend='pallas_triton' on a mesh of CPU devices would run the kernels in interpret "
+                "mode inside shard_map, which JAX cannot do; use backend='auto' or 'xla' on CPU meshes."
+            )
         if ep_strategy not in STRATEGIES:
             raise ValueError(f"ep_strategy={ep_strategy!r}: use one of {STRATEGIES}.")
         self.ep_strategy = ep_strategy

@@ -27,6 +27,6 @@ def test_render_ratios_and_missing_peers():
     assert "# Grouped GEMM on NVIDIA H200 — 2026-11-30" in md
     # torch 1 ms vs ours 2 ms -> 0.50; a peer that did not run shows a dash.
     assert "| qwen3_gate_up | balanced | 256 | 500 | 1000 | – | – | – | – | 0.50 |" in md
-    assert "| qwen3_gate_up | balanced | 500 | 666 | – | 0.75 |" in md
+    assert "| qwen3_gate_up | balanced | 500 | 666 | 0.75 |" in md
     assert "| 8 | 40 | 200.0 | 100.0 | – | – | – | 2.00 | 0.50 |" in md
     assert "decode_T8: 0.50" in md

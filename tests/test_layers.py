@@ -383,6 +383,12 @@ def test_bad_configs_raise(kwargs, error, match):
         MoE(d_model, d_ff, num_experts, top_k, rngs=nnx.Rngs(0), **args)
 
 
+def test_pallas_backend_on_cpu_mesh_raises():
+    mesh = make_mesh(ep=2, data=1, devices=jax.devices("cpu")[:2])
+    with pytest.raises(ValueError, match="interpret mode inside shard_map"):
+        MoE(D, F, E, K, mesh=mesh, backend="pallas_triton", rngs=nnx.Rngs(0))
+
+
 def test_experts_not_divisible_by_ep_raises():
     mesh = make_mesh(ep=4, data=1, devices=jax.devices("cpu")[:4])
     with pytest.raises(ValueError, match="num_experts=6 is not divisible"):

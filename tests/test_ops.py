@@ -359,6 +359,41 @@ def test_kernels_lower_to_triton_for_h200(m, n, k, e, dtype):
     assert "__gpu$xla.gpu.triton" in text
 
 
+@pytest.mark.parametrize("m,e", [(64, 8), (16, 128)])  # row-tile and by-group (decode) kernels
+def test_kernels_lower_for_h200_inside_shard_map(m, e):
+    """The MoE layer runs the kernels inside `jax.shard_map(check_vma=True)` on a mesh: Pallas then
+    needs the output's varying mesh axes (this failed on 2 H200s on 2026-11-30). Forward and both
+    gradient kernels lower for a 2-GPU ep mesh, with the weights replicated then cast to varying as
+    the layer does. (Interpret mode on CPU cannot run there: JAX's Pallas interpreter pads with
+    invariant constants; `auto` picks the xla backend on CPU.)"""
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding, PartitionSpec
+
+    from tests.helpers import _verify_triton_modules
+
+    device = AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
+    mesh = AbstractMesh((2,), ("ep",), axis_types=(AxisType.Explicit,), abstract_device=device)
+
+    def body(x, w, gs):
+        w = jax.lax.pcast(w, ("ep",), to="varying")
+        return grouped_linear(x, w, gs, backend="pallas_triton")
+
+    layer = jax.shard_map(body, mesh=mesh, in_specs=(PartitionSpec("ep"), PartitionSpec(), PartitionSpec("ep")),
+                          out_specs=PartitionSpec("ep"))
+
+    def loss_and_grads(x, w, gs):
+        return jax.value_and_grad(lambda x, w: jnp.sum(layer(x, w, gs).astype(jnp.float32) ** 2), (0, 1))(x, w)
+
+    def sds(shape, dtype, spec):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+    args = (sds((2 * m, 64), jnp.bfloat16, PartitionSpec("ep")), sds((e, 32, 64), jnp.bfloat16, PartitionSpec()),
+            sds((2 * e,), jnp.int32, PartitionSpec("ep")))
+    with jax.sharding.use_abstract_mesh(mesh), _verify_triton_modules():
+        text = jax.jit(loss_and_grads).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert sorted(re.findall(r'name = "(moe_jax_\w+)"', text))[-1] == "moe_jax_tgmm"
+    assert len(re.findall(r'name = "(moe_jax_\w+)"', text)) == 3
+
+
 # ---------------------------------------------------------------------------------------------
 # Configs, backends and bad input
 

@@ -132,6 +132,22 @@ def gmm_pallas(
     )
 
 
+def _varying_like(out_shape: jax.ShapeDtypeStruct, inputs) -> tuple[jax.ShapeDtypeStruct, tuple]:
+    """Inside `jax.shard_map(check_vma=True)` (the MoE layer's mesh path) Pallas must be told over
+    which mesh axes its output varies: the union of the inputs' varying axes. The inputs are cast
+    to that union too, since the kernel reads them all as one per-device program. Outside
+    `shard_map` every input's set is empty and nothing changes."""
+    varying = frozenset().union(*(jax.typeof(x).manual_axis_type.varying for x in inputs))
+    if not varying:
+        return out_shape, inputs
+    inputs = tuple(
+        x if jax.typeof(x).manual_axis_type.varying == varying else jax.lax.pcast(x, tuple(varying - jax.typeof(x).manual_axis_type.varying), to="varying")
+        for x in inputs
+    )
+    mat = jax.sharding.ManualAxisType(varying=varying)
+    return jax.ShapeDtypeStruct(out_shape.shape, out_shape.dtype, manual_axis_type=mat), inputs
+
+
 def _launch(kernel, inputs, *, out_shape, grid, config: TileConfig, interpret: bool, name: str, out_init):
     """pallas_call with the project's compiler params. `out_init`, if given, is aliased as the
     output buffer: tests pass NaN there to prove that every output element gets written."""
@@ -146,6 +162,7 @@ def _launch(kernel, inputs, *, out_shape, grid, config: TileConfig, interpret: b
         def call_kernel(*refs):
             return kernel(*refs[:-2], refs[-1])  # drop the aliased input ref
 
+    out_shape, inputs = _varying_like(out_shape, inputs)
     return pl.pallas_call(
         call_kernel,
         out_shape=out_shape,
