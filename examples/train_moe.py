@@ -51,6 +51,7 @@ from tqdm.auto import tqdm
 
 from moe_jax import routing
 from moe_jax.layers import MoE
+from moe_jax.ops.backends import resolve_backend
 from moe_jax.parallel import activation_spec, make_mesh
 
 VOCAB_SIZE = 256  # bytes
@@ -735,6 +736,7 @@ def run(args: argparse.Namespace) -> dict:
         f"corpus: {source}, {len(split.train):,} train / {len(split.val):,} val bytes | "
         f"devices: {jax.device_count()} x {jax.devices()[0].platform}"
         + (f" | mesh {dict(mesh.shape)}" if mesh is not None else "")
+        + f" | grouped GEMM: {resolve_backend(args.backend)}"
     )
 
     with Checkpoints(out / "checkpoints") as ckpt:
