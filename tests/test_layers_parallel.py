@@ -24,7 +24,7 @@ from moe_jax.layers import MoE
 from moe_jax.ops.config import gmm_config
 from moe_jax.parallel import capacity_for, make_mesh
 from tests.helpers import assert_close
-from tests.test_layers import module_value_and_grads
+from tests.test_layers import flat_params, module_value_and_grads
 from tests.test_parallel_exchange import _emulated_ragged_all_to_all
 
 B, S, D, F, E, K, L = 2, 8, 8, 6, 8, 2, 4
@@ -208,3 +208,59 @@ def test_ragged_strategy_matches_padded():
         ragged = module_value_and_grads(_layer(mesh, capacity_factor=1.0, ep_strategy="ragged"), x, cot, mask=mask)
     _assert_same(ragged, padded)
     assert int(ragged[1].dropped) == int(padded[1].dropped)
+
+
+def _stack(mesh):
+    """Two `_layer` configs stacked on a leading layer axis (nnx.vmap over split keys, as in
+    tests/test_layers.py::test_scanned_two_layer_stack); equal keys give equal params with or
+    without a mesh."""
+
+    @nnx.split_rngs(splits=2)
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def create(rngs):
+        return MoE(
+            D, F, E, K, num_shared_experts=1, shared_d_ff=5, latent_dim=L, backend="xla", mesh=mesh, rngs=rngs
+        )
+
+    return create(nnx.Rngs(21))
+
+
+def _scanned_loss(stack, x, cot):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+    def step(h, layer):
+        y, stats = layer(h)
+        return h + y, stats
+
+    out, stats = step(x, stack)
+    return jnp.sum(out * cot), (out, stats)
+
+
+_scanned_grad = nnx.jit(nnx.value_and_grad(_scanned_loss, argnums=(0, 1), has_aux=True))
+
+
+def test_scanned_stack_on_mesh_matches_single_device():
+    """An nnx.scan over a vmap-built 2-layer stack of ep = 2, data = 2 layers: the stacked expert
+    weights stay split over "ep" behind the layer axis, and the output, per-layer counts and every
+    gradient (input, each stacked param) equal the same stack without a mesh."""
+    mesh = _mesh(2, 2)
+    stack, stack0 = _stack(mesh), _stack(None)
+    params, params0 = flat_params(stack), flat_params(stack0)
+    assert params.keys() == params0.keys()
+    for path in params0:
+        np.testing.assert_array_equal(params[path], params0[path])
+    assert stack.w_gate[...].sharding.spec == PartitionSpec(None, "ep")
+    assert not np.array_equal(params0[("w_gate",)][0], params0[("w_gate",)][1])  # two distinct layers
+
+    x, cot = _inputs(21)
+    (_, (y, stats)), (grads, dx) = _scanned_grad(stack, x, cot)
+    (_, (y0, stats0)), (grads0, dx0) = _scanned_grad(stack0, x, cot)
+    assert_close(y, y0, jnp.float32, "y")
+    assert_close(dx, dx0, jnp.float32, "dx")
+    assert stats.counts_E.shape == (2, E)
+    np.testing.assert_array_equal(stats.counts_E, stats0.counts_E)
+    grads, grads0 = dict(nnx.to_flat_state(grads)), dict(nnx.to_flat_state(grads0))
+    assert grads.keys() == params0.keys() == grads0.keys()
+    for path in grads0:
+        g, g0 = grads[path].get_value(), grads0[path].get_value()
+        assert g.shape == params0[path].shape
+        assert_close(g, g0, jnp.float32, "d" + ".".join(map(str, path)))

@@ -1,0 +1,39 @@
+"""`benchmarks.ep` runs its CPU smoke mode end to end (2 host devices, gloo, padded strategy):
+the benchmark and the GPU check share these code paths, so they cannot rot unnoticed in CI."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("mode", [["--check"], []], ids=["check", "bench"])
+def test_cpu_smoke(tmp_path, mode):
+    out = tmp_path / "ep.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)  # the benchmark sets its own host-device count per worker
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.ep", "--cpu-smoke", *mode, "--json", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    payload = json.loads(out.read_text())
+    assert payload["cpu_smoke"] is True
+    if mode:
+        assert payload["mode"] == "check"
+        checks = [c for worker in payload["results"].values() for c in worker["checks"]]
+        assert {c["case"] for c in checks} >= {"zipf padded C=dropless", "one_rank padded C=dropless"}
+        assert all(c["ok"] for c in checks), checks
+        assert any(c["dropped"] > 0 for c in checks)  # the capacity cases really drop
+    else:
+        assert payload["mode"] == "bench"
+        variants = {(r["side"], r["strategy"]) for r in payload["records"]}
+        # gloo stands in for NCCL on CPU; the ragged strategies need a GPU.
+        assert variants == {("nccl", "nccl"), ("ours", "padded"), ("ours", "padded cf=1.25"),
+                            ("torch-ref", "torch-ref"), ("xla", "all_to_all")}
+        assert all(r["seconds"] > 0 for r in payload["records"])
