@@ -230,7 +230,9 @@ class MoE(nnx.Module):
       mesh: a `make_mesh` mesh for data/expert parallelism (see the module docstring).
       ep_strategy: EP exchange strategy, `"padded"` or `"ragged"` (GPU only).
       capacity_factor: with ep > 1, rows per (source, destination) rank pair are capped at
-        `capacity_for(tokens_per_device, K, ep, capacity_factor)`; None is dropless. Without
+        `capacity_for(tokens_per_device, K, ep, capacity_factor)`, but never below one row per
+        local expert, `min(E / ep, tokens_per_device * K)` (small decode batches); dropped routes
+        are counted in `MoEStats.dropped`; None is dropless. Without
         expert parallelism nothing is exchanged, so nothing is dropped and it has no effect.
       rngs: parameter initialisation keys.
 
@@ -517,19 +519,19 @@ class MoE(nnx.Module):
         num_tokens, top_k = idx_TK.shape
         capacity = None
         if self.capacity_factor is not None:
-            capacity = capacity_for(num_tokens, top_k, self.ep, self.capacity_factor)
-        # Masked tokens' routes get an id outside [0, E): ep_dispatch never delivers them. It counts
-        # them as dropped, so they are taken off the drop count below.
-        idx_TK = jnp.where(mask_T[:, None], idx_TK, self.num_experts)
+            # Small batches (decode) would get under one row per local expert, which ep_dispatch
+            # rejects as meaningless; the layer keeps that floor instead.
+            floor = min(self.num_experts // self.ep, num_tokens * top_k)
+            capacity = max(capacity_for(num_tokens, top_k, self.ep, self.capacity_factor), floor)
+        # Masked tokens are never sent and never count as dropped.
         packed_MD, sizes_El, plan = ep_dispatch(
             x_TD, idx_TK, num_experts=self.num_experts, axis_name=EP_AXIS, strategy=self.ep_strategy,
-            capacity=capacity,
+            capacity=capacity, mask_T=mask_T,
         )
         weights = _varying(weights, (DATA_AXIS,))
         y_TD = ep_combine(self._experts(packed_MD, sizes_El, weights), w_TK, plan, axis_name=EP_AXIS)
         executed = lax.psum(self._executed_rows(sizes_El, packed_MD.shape[0]), MESH_AXES)
         rows = lax.psum(jnp.sum(sizes_El), MESH_AXES)
-        masked_routes = lax.psum(jnp.sum(~mask_T, dtype=jnp.int32) * top_k, MESH_AXES)
         # plan.dropped is already the ep-group total; the groups of the data replicas add up.
-        dropped = lax.psum(plan.dropped, DATA_AXIS) - masked_routes
+        dropped = lax.psum(plan.dropped, DATA_AXIS)
         return y_TD, executed, rows, dropped

@@ -159,10 +159,12 @@ def _kept_routes(idx, mask, ep, data, capacity):
     return keep
 
 
-@pytest.mark.parametrize("ep, data", [(2, 2), (4, 1)])
-def test_capacity_overflow_dropped_exactly(ep, data):
-    """Skewed routing over a capacity-factor-1 buffer: the drop count equals the numpy model, and
-    the output and gradients equal the single-device layer with the dropped routes removed."""
+@pytest.mark.parametrize("ep, data, factor", [(2, 2, 1.0), (4, 1, 1.0), (4, 1, 0.25)])
+def test_capacity_overflow_dropped_exactly(ep, data, factor):
+    """Skewed routing over a capacity-factor buffer: the drop count equals the numpy model, and
+    the output and gradients equal the single-device layer with the dropped routes removed. At
+    factor 0.25 `capacity_for` gives less than one row per local expert; the layer keeps that
+    floor (C = E/ep) rather than failing."""
     mesh = _mesh(ep, data)
     hot = np.arange(E // ep)  # rank 0's experts
 
@@ -175,14 +177,14 @@ def test_capacity_overflow_dropped_exactly(ep, data):
     mask = np.ones(N, bool)
     mask[[1, 6]] = False
     tokens = N // (ep * data)
-    capacity = capacity_for(tokens, K, ep, 1.0)
+    capacity = max(capacity_for(tokens, K, ep, factor), min(E // ep, tokens * K))
     keep = _kept_routes(np.asarray(routing.expert_idx_TK), mask, ep, data, capacity)
     expected_dropped = int(mask.sum()) * K - int(keep.sum())
     assert expected_dropped > 0  # the case must overflow
 
     mask_BS = jnp.asarray(mask).reshape(B, S)
     cot = jnp.where(mask_BS[..., None], cot, 0.0)
-    got = module_value_and_grads(_layer(mesh, capacity_factor=1.0), x, cot, mask=mask_BS, routing=routing)
+    got = module_value_and_grads(_layer(mesh, capacity_factor=factor), x, cot, mask=mask_BS, routing=routing)
     assert int(got[1].dropped) == expected_dropped
 
     kept_routing = routing._replace(weights_TK=jnp.where(keep, routing.weights_TK, 0.0))
