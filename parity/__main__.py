@@ -14,7 +14,7 @@ import os
 import pathlib
 import sys
 
-# Kept in sync with parity.harness (not imported here so that --help stays instant).
+# Kept in sync with parity.config (not imported here so that --help stays instant).
 DTYPES = ("float32", "bfloat16")
 SKEWS = ("balanced", "zipf", "one_hot", "empty")
 ROUTERS = ("selected_softmax", "softmax_topk", "sigmoid_grouped")

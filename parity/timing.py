@@ -23,14 +23,17 @@ import time
 import jax
 import torch
 
-from parity import harness
+from parity.config import ParityConfig
+from parity.ours import make_our_step
+from parity.problem import build_problem
+from parity.theirs import reference_operands, reference_step
 
 
 @dataclasses.dataclass(frozen=True)
 class TimingResult:
     """Medians in milliseconds of one forward+backward step on each side."""
 
-    config: harness.ParityConfig
+    config: ParityConfig
     torch_ms: float
     ours_ms: float
     iters: int
@@ -63,7 +66,7 @@ class TimingResult:
         }
 
 
-def step_flops(config: harness.ParityConfig) -> float:
+def step_flops(config: ParityConfig) -> float:
     """Useful FLOPs of one forward+backward step (each GEMM: 2mnk forward, 4mnk backward)."""
     t, d = config.tokens, config.d_model
     gemm_mnk = 3 * t * config.top_k * config.routed_width * config.d_ff
@@ -80,15 +83,15 @@ def gpu_available() -> bool:
 
 
 def _time_torch(config, problem, *, warmup: int, iters: int) -> float:
-    ops = harness.reference_operands(config, problem, torch.device("cuda"))
+    ops = reference_operands(config, problem, torch.device("cuda"))
     for _ in range(warmup):
-        harness.reference_step(config, ops)
+        reference_step(config, ops)
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        harness.reference_step(config, ops)
+        reference_step(config, ops)
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
@@ -96,7 +99,7 @@ def _time_torch(config, problem, *, warmup: int, iters: int) -> float:
 
 
 def _time_ours(config, problem, *, warmup: int, iters: int) -> float:
-    step, args = harness.make_our_step(config, problem)
+    step, args = make_our_step(config, problem)
     for _ in range(max(warmup, 1)):  # the first call compiles
         jax.block_until_ready(step(*args))
     times = []
@@ -107,7 +110,7 @@ def _time_ours(config, problem, *, warmup: int, iters: int) -> float:
     return statistics.median(times)
 
 
-def time_layers(config: harness.ParityConfig, *, warmup: int = 3, iters: int = 20) -> TimingResult:
+def time_layers(config: ParityConfig, *, warmup: int = 3, iters: int = 20) -> TimingResult:
     """Median forward+backward step time of the torch reference and of our layer on `config`.
 
     GPU only: raises RuntimeError unless both torch and jax see a CUDA GPU.
@@ -120,7 +123,7 @@ def time_layers(config: harness.ParityConfig, *, warmup: int = 3, iters: int = 2
         )
     if iters < 1 or warmup < 0:
         raise ValueError(f"iters={iters} must be >= 1 and warmup={warmup} >= 0.")
-    problem = harness.build_problem(config)
+    problem = build_problem(config)
     torch_ms = _time_torch(config, problem, warmup=warmup, iters=iters)
     ours_ms = _time_ours(config, problem, warmup=warmup, iters=iters)
     return TimingResult(
