@@ -228,7 +228,9 @@ class MoE(nnx.Module):
       backend: grouped-GEMM backend (`"auto"`, `"pallas_triton"`, `"xla"`).
       precision: dot precision for the expert/shared/latent GEMMs (default: HIGHEST for fp32).
       mesh: a `make_mesh` mesh for data/expert parallelism (see the module docstring).
-      ep_strategy: EP exchange strategy, `"padded"` or `"ragged"` (GPU only).
+      ep_strategy: EP exchange strategy, `"padded"` (default, fastest measured) or `"ragged"`
+        (GPU only; slow unless XLA's ragged all-to-all decomposer flag is set, see
+        `moe_jax.parallel.exchange`).
       capacity_factor: with ep > 1, rows per (source, destination) rank pair are capped at
         `capacity_for(tokens_per_device, K, ep, capacity_factor)`, but never below one row per
         local expert, `min(E / ep, tokens_per_device * K)` (small decode batches); dropped routes
