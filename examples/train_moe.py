@@ -52,6 +52,7 @@ from tqdm.auto import tqdm
 from moe_jax import routing
 from moe_jax.layers import MoE
 from moe_jax.ops.backends import resolve_backend
+from moe_jax.padding import per_rank_padding
 from moe_jax.parallel import activation_spec, make_mesh
 
 VOCAB_SIZE = 256  # bytes
@@ -597,22 +598,27 @@ class Checkpoints:
 # ----------------------------------------------------------------------------------- logging
 
 
-def history_record(step: int, m: StepMetrics, top_k: int) -> dict:
+def history_record(step: int, m: StepMetrics, top_k: int, ep: int) -> dict:
     """One JSON-able record of a step's (host) metrics."""
     layers = []
     for i in range(len(m.aux_L)):
         routes = max(int(m.tokens_L[i]) * top_k, 1)
-        layers.append(
-            {
-                "aux": float(m.aux_L[i]),
-                "seq_aux": float(m.seq_aux_L[i]),
-                "z": float(m.z_L[i]),
-                # fraction of routes per expert; 1/E each when balanced
-                "load": [round(float(c) / routes, 6) for c in m.counts_LE[i]],
-                "padding_fraction": float(m.padding_L[i]),
-                "dropped": int(m.dropped_L[i]),
-            }
-        )
+        layer = {
+            "aux": float(m.aux_L[i]),
+            "seq_aux": float(m.seq_aux_L[i]),
+            "z": float(m.z_L[i]),
+            # fraction of routes per expert; 1/E each when balanced
+            "load": [round(float(c) / routes, 6) for c in m.counts_LE[i]],
+            "padding_fraction": float(m.padding_L[i]),
+            "dropped": int(m.dropped_L[i]),
+        }
+        if ep > 1:
+            # The slowest EP rank sets the layer's latency: its routed rows over the mean rank's
+            # (contiguous placement, E/ep experts per rank; tile 1 = rows, before tile padding).
+            ranks = per_rank_padding(np.asarray(m.counts_LE[i]), 1, num_ranks=ep)
+            layer["rank_rows"] = [int(r) for r in ranks.useful_R]
+            layer["rank_imbalance"] = float(ranks.imbalance)
+        layers.append(layer)
     return {
         "step": step, "loss": float(m.loss), "ce": float(m.ce), "lr": float(m.lr),
         "grad_norm": float(m.grad_norm), "layers": layers,
@@ -631,6 +637,7 @@ def format_log(record: dict, tokens_per_s: float) -> str:
             f"    layer {i}: aux {layer['aux']:.3f} seq_aux {layer['seq_aux']:.3f} z {layer['z']:.3f} | "
             f"load min {load.min():.3f} max {load.max():.3f} cv {cv:.3f} | "
             f"padding {layer['padding_fraction']:.3f} | dropped {layer['dropped']}"
+            + (f" | rank rows max/mean {layer['rank_imbalance']:.2f}" if "rank_imbalance" in layer else "")
         )
     return "\n".join(lines)
 
@@ -795,7 +802,7 @@ def _train(args, split: Split, mesh, ckpt: Checkpoints, resume_from: int | None,
 
     def collect() -> None:
         # One host transfer per log interval keeps the device queue full in between.
-        history.extend(history_record(done, m, args.top_k) for done, m in jax.device_get(pending))
+        history.extend(history_record(done, m, args.top_k, args.ep or 1) for done, m in jax.device_get(pending))
         pending.clear()
 
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="train", disable=not is_main)

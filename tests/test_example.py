@@ -222,7 +222,17 @@ def test_ep2_on_two_host_devices_matches_single_device(tmp_path, single_device_c
         _run_example(EP_ARGS + ["--ep", "2", "--out", str(out)], host_devices=2, log=tmp_path / "ep.log")
     )
     assert "mesh {'data': 1, 'ep': 2}" in output
-    np.testing.assert_allclose(_ce(_metrics(out)), single_device_ce, rtol=1e-4)
+    assert "rank rows max/mean" in output
+    metrics = _metrics(out)
+    np.testing.assert_allclose(_ce(metrics), single_device_ce, rtol=1e-4)
+    # Per-rank rows: the two ranks' expert halves, summing to all real routes of the step.
+    for record in metrics["history"]:
+        for layer in record["layers"]:
+            half = len(layer["load"]) // 2
+            load = np.asarray(layer["load"])
+            rows = np.asarray(layer["rank_rows"])
+            np.testing.assert_allclose(rows / rows.sum(), [load[:half].sum(), load[half:].sum()], atol=1e-5)
+            assert layer["rank_imbalance"] == pytest.approx(rows.max() / rows.mean())
 
 
 def test_two_processes_with_jax_distributed_match_single_device(tmp_path, single_device_ce):
