@@ -50,9 +50,11 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from moe_jax import routing
-from moe_jax.layers import MoE
+from moe_jax.layers import MoE, MoEStats
+from moe_jax.ops.backends import BACKENDS as GEMM_BACKENDS
 from moe_jax.ops.backends import resolve_backend
 from moe_jax.padding import per_rank_padding
+from moe_jax.parallel import STRATEGIES as EP_STRATEGIES
 from moe_jax.parallel import activation_spec, make_mesh
 
 VOCAB_SIZE = 256  # bytes
@@ -88,9 +90,8 @@ DEFAULT_CORPUS_FILES = tuple(
 
 ROUTERS = ("selected_softmax", "softmax_topk", "sigmoid_grouped")
 BALANCE_METHODS = ("aux", "seq_aux", "loss_free", "none")
-BACKENDS = ("auto", "pallas_triton", "xla")
+BACKENDS = ("auto", *GEMM_BACKENDS)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-EP_STRATEGIES = ("padded", "ragged")
 
 # Architecture fields a checkpoint must agree with on --resume.
 _ARCH_FIELDS = (
@@ -102,38 +103,28 @@ _ARCH_FIELDS = (
 # ----------------------------------------------------------------------------------- CLI
 
 
-def _nonnegative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
-    return value
+def _number_type(convert: type, *, positive: bool):
+    """An argparse `type` for a finite `convert(text)` (`int` or `float`) >= 0, or > 0 if `positive`."""
+    noun, qualifier = ("an integer", "") if convert is int else ("a number", "a finite number ")
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+        if not 0 <= value < math.inf:
+            raise argparse.ArgumentTypeError(f"{value} must be {qualifier}>= 0")
+        if positive and value == 0:
+            raise argparse.ArgumentTypeError(f"{value} must be {'>= 1' if convert is int else '> 0'}")
+        return value
+
+    return parse
 
 
-def _positive_int(text: str) -> int:
-    value = _nonnegative_int(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError("0 must be >= 1")
-    return value
-
-
-def _nonnegative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0.0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"{value} must be a finite number >= 0")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = _nonnegative_float(text)
-    if value == 0.0:
-        raise argparse.ArgumentTypeError("must be > 0")
-    return value
+_nonnegative_int = _number_type(int, positive=False)
+_positive_int = _number_type(int, positive=True)
+_nonnegative_float = _number_type(float, positive=False)
+_positive_float = _number_type(float, positive=True)
 
 
 def _fraction(text: str) -> float:
@@ -436,15 +427,9 @@ class StepMetrics(NamedTuple):
 
     loss: jax.Array  # total objective
     ce: jax.Array  # next-byte cross-entropy (nats)
-    aux_L: jax.Array  # aux_loss per layer (logged whatever --balance is)
-    seq_aux_L: jax.Array
-    z_L: jax.Array
-    counts_LE: jax.Array  # routes per expert
-    tokens_L: jax.Array
-    padding_L: jax.Array  # padding fraction of the grouped GEMM at its tile height
-    dropped_L: jax.Array  # routes dropped by EP capacity
     grad_norm: jax.Array
     lr: jax.Array
+    stats: MoEStats  # per layer, stacked: counts_E [L, E], scalars [L] (all logged whatever --balance is)
 
 
 def make_schedule(args) -> optax.Schedule:
@@ -497,11 +482,7 @@ def make_train_step(args):
         if balance == "loss_free":
             for block, counts_E in zip(model.blocks, stats.counts_E):
                 block.moe.update_selection_bias(counts_E, bias_rate)
-        return StepMetrics(
-            loss=loss, ce=ce, aux_L=stats.aux_loss, seq_aux_L=stats.seq_aux_loss, z_L=stats.z_loss,
-            counts_LE=stats.counts_E, tokens_L=stats.tokens, padding_L=stats.padding_fraction,
-            dropped_L=stats.dropped, grad_norm=optax.tree.norm(grads), lr=schedule(step),
-        )
+        return StepMetrics(loss=loss, ce=ce, grad_norm=optax.tree.norm(grads), lr=schedule(step), stats=stats)
 
     return train_step
 
@@ -540,12 +521,13 @@ def build_mesh(args):
         return None
     if args.ep_strategy == "ragged" and jax.default_backend() == "cpu":
         raise SystemExit("--ep-strategy ragged needs a GPU (XLA:CPU has no ragged_all_to_all); use padded")
-    n = jax.device_count()
-    if n % args.ep:
-        raise SystemExit(f"--ep {args.ep} must divide the {n} devices (use --host-devices on CPU)")
-    if args.batch % n:
-        raise SystemExit(f"--batch {args.batch} must be a multiple of the {n} devices (it is split over all)")
-    return make_mesh(ep=args.ep)
+    try:
+        mesh = make_mesh(ep=args.ep)
+    except ValueError as error:
+        raise SystemExit(f"--ep {args.ep}: {error} (use --host-devices on CPU)") from None
+    if args.batch % mesh.size:
+        raise SystemExit(f"--batch {args.batch} must be a multiple of the {mesh.size} devices (it is split over all)")
+    return mesh
 
 
 def to_device(array: np.ndarray, mesh):
@@ -598,24 +580,23 @@ class Checkpoints:
 # ----------------------------------------------------------------------------------- logging
 
 
-def history_record(step: int, m: StepMetrics, top_k: int, ep: int) -> dict:
+def history_record(step: int, m: StepMetrics, ep: int) -> dict:
     """One JSON-able record of a step's (host) metrics."""
     layers = []
-    for i in range(len(m.aux_L)):
-        routes = max(int(m.tokens_L[i]) * top_k, 1)
+    for i, counts_E in enumerate(np.asarray(m.stats.counts_E)):
         layer = {
-            "aux": float(m.aux_L[i]),
-            "seq_aux": float(m.seq_aux_L[i]),
-            "z": float(m.z_L[i]),
+            "aux": float(m.stats.aux_loss[i]),
+            "seq_aux": float(m.stats.seq_aux_loss[i]),
+            "z": float(m.stats.z_loss[i]),
             # fraction of routes per expert; 1/E each when balanced
-            "load": [round(float(c) / routes, 6) for c in m.counts_LE[i]],
-            "padding_fraction": float(m.padding_L[i]),
-            "dropped": int(m.dropped_L[i]),
+            "load": [round(float(c), 6) for c in counts_E / max(counts_E.sum(), 1)],
+            "padding_fraction": float(m.stats.padding_fraction[i]),
+            "dropped": int(m.stats.dropped[i]),
         }
         if ep > 1:
             # The slowest EP rank sets the layer's latency: its routed rows over the mean rank's
             # (contiguous placement, E/ep experts per rank; tile 1 = rows, before tile padding).
-            ranks = per_rank_padding(np.asarray(m.counts_LE[i]), 1, num_ranks=ep)
+            ranks = per_rank_padding(counts_E, 1, num_ranks=ep)
             layer["rank_rows"] = [int(r) for r in ranks.useful_R]
             layer["rank_imbalance"] = float(ranks.imbalance)
         layers.append(layer)
@@ -802,7 +783,7 @@ def _train(args, split: Split, mesh, ckpt: Checkpoints, resume_from: int | None,
 
     def collect() -> None:
         # One host transfer per log interval keeps the device queue full in between.
-        history.extend(history_record(done, m, args.top_k, args.ep or 1) for done, m in jax.device_get(pending))
+        history.extend(history_record(done, m, args.ep or 1) for done, m in jax.device_get(pending))
         pending.clear()
 
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="train", disable=not is_main)

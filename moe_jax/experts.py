@@ -44,14 +44,18 @@ def fuse_gate_up(w_gate_EFD: jax.Array, w_up_EFD: jax.Array) -> jax.Array:
     return jnp.concatenate([w_gate_EFD, w_up_EFD], axis=1)
 
 
-def split_gate_up(w_gate_up_E2FD: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """`w_gate_up_E2FD` `[E, 2F, D]` -> `(w_gate_EFD, w_up_EFD)` (rows `[:F]` and `[F:]`)."""
+def _fused_hidden(w_gate_up_E2FD: jax.Array) -> int:
+    """F of a fused `[E, 2F, D]` gate/up weight (ValueError unless 3-D with an even middle axis)."""
     if w_gate_up_E2FD.ndim != 3 or w_gate_up_E2FD.shape[1] % 2:
         raise ValueError(
-            f"split_gate_up: w_gate_up_E2FD must be [E, 2F, D] with an even middle axis; got "
-            f"{tuple(w_gate_up_E2FD.shape)}."
+            f"w_gate_up_E2FD must be [E, 2F, D] with an even middle axis; got {tuple(w_gate_up_E2FD.shape)}."
         )
-    hidden = w_gate_up_E2FD.shape[1] // 2
+    return w_gate_up_E2FD.shape[1] // 2
+
+
+def split_gate_up(w_gate_up_E2FD: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`w_gate_up_E2FD` `[E, 2F, D]` -> `(w_gate_EFD, w_up_EFD)` (rows `[:F]` and `[F:]`)."""
+    hidden = _fused_hidden(w_gate_up_E2FD)
     return w_gate_up_E2FD[:, :hidden], w_gate_up_E2FD[:, hidden:]
 
 
@@ -122,12 +126,8 @@ def swiglu_experts_fused(
     `swiglu_experts` on `split_gate_up(w_gate_up_E2FD)`.
     """
     _check_gate_up(x_MD, w_gate_up_E2FD, "w_gate_up_E2FD")
-    if w_gate_up_E2FD.shape[1] % 2:
-        raise ValueError(
-            f"w_gate_up_E2FD must be [E, 2F, D] with an even middle axis; got {tuple(w_gate_up_E2FD.shape)}."
-        )
-    num_experts, hidden = w_gate_up_E2FD.shape[0], w_gate_up_E2FD.shape[1] // 2
-    _check_down(x_MD, w_down_EDF, num_experts, hidden)
+    hidden = _fused_hidden(w_gate_up_E2FD)
+    _check_down(x_MD, w_down_EDF, w_gate_up_E2FD.shape[0], hidden)
     gate_up_M2F = grouped_linear(x_MD, w_gate_up_E2FD, group_sizes_E, backend=backend, precision=precision)
     h_MF = _swiglu(gate_up_M2F[:, :hidden], gate_up_M2F[:, hidden:])
     return grouped_linear(h_MF, w_down_EDF, group_sizes_E, backend=backend, precision=precision)

@@ -43,7 +43,7 @@ from jax.sharding import Mesh
 
 from moe_jax import routing as routing_lib
 from moe_jax.experts import fuse_gate_up, swiglu_experts, swiglu_experts_fused
-from moe_jax.ops.backends import BACKENDS
+from moe_jax.ops.backends import resolve_backend
 from moe_jax.ops.config import gmm_config
 from moe_jax.padding import tile_padding
 from moe_jax.parallel.exchange import STRATEGIES, capacity_for, ep_combine, ep_dispatch
@@ -286,8 +286,7 @@ class MoE(nnx.Module):
         self.fused_gate_up = fused_gate_up
         self.dtype = _float_dtype("dtype", dtype, allow_none=True)
         param_dtype = _float_dtype("param_dtype", param_dtype, allow_none=False)
-        if backend != "auto" and backend not in BACKENDS:
-            raise ValueError(f"backend={backend!r}: use 'auto', " + ", ".join(repr(b) for b in BACKENDS) + ".")
+        resolve_backend(backend)  # ValueError naming the choices for an unknown backend
         self.backend = backend
         self.precision = precision
         self.ep = self._check_mesh(mesh)

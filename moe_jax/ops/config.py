@@ -60,18 +60,11 @@ class TileConfig:
             raise ValueError(f"TileConfig.by_group={self.by_group!r}: must be a bool.")
 
 
-def _pow2_at_least(x: int, lo: int, hi: int) -> int:
-    p = lo
-    while p < x and p < hi:
-        p *= 2
-    return p
-
-
 def gmm_config(m: int, n: int, k: int, num_groups: int) -> TileConfig:
     """Forward/input-gradient config for `lhs[m,k] x rhs[num_groups, n, k]`.
 
-    Shape classes by mean rows per group `m / num_groups` (H200 sweep, 2026-11-29,
-    `benchmarks/results/`):
+    Shape classes by mean rows per group `m / num_groups` (H200 sweep of 2026-11-29 with
+    `python -m benchmarks.gmm tune`):
     - decode (<= 16): bytes are weights; the group-major kernel needs no schedule kernels before
       it, and narrow column blocks give every SM weight blocks to stream.
     - small prefill (<= 64): `block_m` near the mean group so fewer rows are padding.
