@@ -62,6 +62,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from moe_jax.parallel.mesh import EP_AXIS
+from moe_jax.permute import pack
 
 __all__ = [
     "STRATEGIES",
@@ -132,12 +133,9 @@ class EPPlan(NamedTuple):
     strategy, capacity: static; the exchange strategy and C.
     keep_TK: bool, route (t, k) was delivered (False: masked token, dropped by capacity or
         invalid expert id).
-    dest_TK: int32, destination ep rank of each route (P for an invalid expert id or masked token).
     route_row_TK: int32, row of each kept route in the send buffer (0 where not kept).
     recv_valid_M: bool, receive-buffer row holds a route.
     recv_to_packed_M: int32, packed row of each valid receive row (0 where not valid).
-    packed_to_recv_M: int32, the regroup permutation: receive row feeding each packed row (0 past
-        `sum(group_sizes_El)`).
     group_sizes_El: int32, packed rows of each local expert.
     exchange: `BlockExchange` of the dispatch direction (combine uses `exchange.reversed()`).
     send_counts_P: int32, routes addressed to each rank before dropping.
@@ -147,11 +145,9 @@ class EPPlan(NamedTuple):
     strategy: str
     capacity: int
     keep_TK: jax.Array
-    dest_TK: jax.Array
     route_row_TK: jax.Array
     recv_valid_M: jax.Array
     recv_to_packed_M: jax.Array
-    packed_to_recv_M: jax.Array
     group_sizes_El: jax.Array
     exchange: BlockExchange
     send_counts_P: jax.Array
@@ -282,15 +278,6 @@ def _exclusive_cumsum(a, axis: int = 0):
     return jnp.cumsum(a, axis=axis) - a
 
 
-def _bincount(ids, length: int):
-    """Counts of each id in [0, length); other ids are ignored."""
-    return jnp.zeros((length,), jnp.int32).at[ids].add(1, mode="drop")
-
-
-def _inverse_permutation(perm):
-    return jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype))
-
-
 def _block_of(rows, offsets_P):
     """Block p owning each row of a buffer whose blocks start at the nondecreasing `offsets_P`
     (the last block starting at or before the row, so empty blocks are skipped)."""
@@ -304,7 +291,6 @@ class _SendPlan(NamedTuple):
     """Sender-side, purely local decisions (no collectives)."""
 
     keep_R: jax.Array  # bool, route kept
-    real_R: jax.Array  # bool, route of a real (unmasked) token
     dest_R: jax.Array  # int32, destination rank (P for an invalid expert id or a masked token)
     kept_PE: jax.Array  # [P, El] int32, kept routes per (destination, local expert)
     send_counts_P: jax.Array  # int32, routes per destination before dropping
@@ -313,32 +299,31 @@ class _SendPlan(NamedTuple):
 
 
 def _plan_sends(expert_R, real_R, num_experts: int, ep: int, capacity: int) -> _SendPlan:
+    """Both orderings are `moe_jax.permute.pack` (stable sort by a key, ids outside the key range
+    left out of the counts and sorted last) with one route per "token"."""
     local = num_experts // ep
     expert_R = expert_R.astype(jnp.int32)
     valid_R = real_R & (expert_R >= 0) & (expert_R < num_experts)
     # Invalid ids and masked tokens go to a bin past the ranks: never sent, never counted.
     dest_R = jnp.where(valid_R, expert_R // local, ep)
-    send_counts_P = _bincount(dest_R, ep)
 
-    # Position of each route within its destination, in token order (stable sort keeps r order).
-    by_dest_R = jnp.argsort(dest_R, stable=True)
-    dest_start = _exclusive_cumsum(_bincount(dest_R, ep + 1))
-    pos_R = _inverse_permutation(by_dest_R.astype(jnp.int32)) - dest_start[dest_R]
+    # Position of each route within its destination, in token order (the sort is stable). Routes
+    # in the bin past the ranks get a meaningless position (clamped offset); keep_R masks them.
+    by_dest = pack(dest_R[:, None], ep)
+    dest_start_P = _exclusive_cumsum(by_dest.group_sizes_E)
+    pos_R = by_dest.inverse_R - dest_start_P[jnp.minimum(dest_R, ep - 1)]
     keep_R = valid_R & (pos_R < capacity)
 
     # expert = dest * El + local, so sorting kept routes by expert id orders them by (destination,
     # local expert) and, being stable, by token within an expert; dropped routes sort last.
-    kept_expert_R = jnp.where(keep_R, expert_R, num_experts)
-    kept_PE = _bincount(kept_expert_R, num_experts).reshape(ep, local)
-    send_order_R = jnp.argsort(kept_expert_R, stable=True).astype(jnp.int32)
+    by_expert = pack(jnp.where(keep_R, expert_R, num_experts)[:, None], num_experts)
     return _SendPlan(
         keep_R=keep_R,
-        real_R=real_R,
-        dest_R=dest_R.astype(jnp.int32),
-        kept_PE=kept_PE,
-        send_counts_P=send_counts_P,
-        send_order_R=send_order_R,
-        send_rank_R=_inverse_permutation(send_order_R),
+        dest_R=dest_R,
+        kept_PE=by_expert.group_sizes_E.reshape(ep, local),
+        send_counts_P=by_dest.group_sizes_E,
+        send_order_R=by_expert.order_R,
+        send_rank_R=by_expert.inverse_R,
     )
 
 
@@ -511,16 +496,14 @@ def ep_dispatch(
     dest_R = jnp.minimum(sends.dest_R, ep - 1)  # invalid-id routes are masked by keep below
     slot_R = sends.send_rank_R - kept_start_P[dest_R]
     route_row_R = jnp.where(sends.keep_R, ex.send_offsets_P[dest_R] + slot_R, 0)
-    dropped = lax.psum(jnp.sum(sends.real_R & ~sends.keep_R, dtype=jnp.int32), axis_name)
+    dropped = lax.psum(jnp.sum(real_R & ~sends.keep_R, dtype=jnp.int32), axis_name)
     plan = EPPlan(
         strategy=strategy,
         capacity=cap,
         keep_TK=sends.keep_R.reshape(tokens, top_k),
-        dest_TK=sends.dest_R.reshape(tokens, top_k),
         route_row_TK=route_row_R.reshape(tokens, top_k).astype(jnp.int32),
         recv_valid_M=regroup.recv_valid_M,
         recv_to_packed_M=regroup.recv_to_packed_M,
-        packed_to_recv_M=regroup.packed_to_recv_M,
         group_sizes_El=regroup.group_sizes_El,
         exchange=ex,
         send_counts_P=sends.send_counts_P,
