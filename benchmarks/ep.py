@@ -29,10 +29,11 @@ iteration, so the planning cannot be hoisted out of the loop); torch runs `reps`
 Both: median over trials of wall time / reps, after a warm-up, synchronised on the device.
 
 Check (`--check`). On the 2-GPU mesh, both strategies (and ragged once more under the decomposer
-flag) run `ep_moe` with SwiGLU experts in fp32, HIGHEST, dropless and with a capacity that drops,
-on zipf routing and on "all routes to one rank"; the output and the gradients w.r.t. x, the
-routing weights and the three expert weights must match the single-device MoE of the whole batch
-(weights of dropped routes zeroed) within 1e-5 relative Frobenius error, and both strategies must
+flag) run dispatch, SwiGLU experts and combine in fp32, HIGHEST, dropless and with a capacity that
+drops, on zipf routing and on "all routes to one rank"; the output and the gradients w.r.t. x, the
+routing weights and the three expert weights must match `moe_jax.dense_reference.moe_reference`
+of the whole batch on one device (weights of dropped routes zeroed) within 1e-5 relative
+Frobenius error, and both strategies must
 drop the same routes. It also reports, as a finding, whether `jax.grad` through a raw
 `jax.lax.ragged_all_to_all` (JAX's own transpose, which our exchanges never use: they carry a
 custom_vjp whose backward is the reverse exchange) matches the exact gradient, for operand rows
@@ -49,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -136,9 +138,11 @@ def make_routing(kind: str, ranks: int, tokens: int, experts: int, top_k: int, s
     return idx.astype(np.int32), weights.astype(np.float32)
 
 
-def send_counts(idx_TK: np.ndarray, experts: int, ranks: int) -> np.ndarray:
-    """Routes one rank sends to each ep rank (dropless)."""
-    return np.bincount(idx_TK.reshape(-1) // (experts // ranks), minlength=ranks)
+def send_counts(idx_NK: np.ndarray, experts: int, ranks: int) -> np.ndarray:
+    """`[src, dst]` routes ep rank src sends to ep rank dst (dropless), from `make_routing`'s
+    rank-major `[ranks*T, K]` expert ids."""
+    dest_PR = idx_NK.reshape(ranks, -1) // (experts // ranks)
+    return np.stack([np.bincount(d, minlength=ranks) for d in dest_PR])
 
 
 def _reps(payload_bytes: float, smoke: bool) -> int:
@@ -157,6 +161,7 @@ def _jax_bench(shapes, labels, smoke: bool) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
+    from benchmarks.timing import time_compiled
     from moe_jax.parallel import activation_spec, make_mesh
 
     mesh = make_mesh(ep=RANKS, data=1, devices=jax.devices()[:RANKS])
@@ -167,12 +172,11 @@ def _jax_bench(shapes, labels, smoke: bool) -> list[dict]:
         compiled = {}
         for routing in ROUTINGS:
             idx, weights = make_routing(routing, RANKS, shape.tokens, shape.experts, shape.top_k)
-            counts_PP = np.stack([send_counts(idx[r * shape.tokens:(r + 1) * shape.tokens], shape.experts, RANKS)
-                                  for r in range(RANKS)])
+            counts_PP = send_counts(idx, shape.experts, RANKS)
             x = jax.random.normal(jax.random.PRNGKey(0), (RANKS * shape.tokens, shape.d_model), jnp.bfloat16)
-            inputs = dict(ours=(put(x), put(idx), put(weights)), collective=(put(x), put(counts_PP)))
+            inputs = dict(ours=(put(x), put(idx), put(weights)), xla=(put(x), put(counts_PP)))
             for label in labels:
-                side = "ours" if label.split("+")[0] in ("padded", "ragged") or "cf=" in label else "xla"
+                side = "ours" if label.split("+")[0].split(" ")[0] in ("padded", "ragged") else "xla"
                 record = dict(side=side, strategy=label, shape=shape.describe(), d_model=shape.d_model,
                               routing=routing)
                 try:
@@ -180,7 +184,9 @@ def _jax_bench(shapes, labels, smoke: bool) -> list[dict]:
                         build = _jax_loop if side == "ours" else _collective_loop
                         compiled[label] = build(mesh, shape, label, smoke)
                     run, reps = compiled[label]
-                    seconds, kept = _time_jax(run, inputs["ours" if side == "ours" else "collective"], reps, smoke)
+                    args = inputs[side]
+                    kept = int(run(*args)[1])  # compiles
+                    seconds = time_compiled(lambda: run(*args), reps, trials=2 if smoke else 5)
                     record.update(seconds=seconds, rows_per_rank=kept / RANKS, dropped=routes * RANKS - kept,
                                   reps=reps)
                 except Exception as err:  # a variant that cannot run is reported, not fatal
@@ -262,18 +268,6 @@ def _collective_loop(mesh, shape: Shape, label: str, smoke: bool):
     return jax.jit(fn), reps
 
 
-def _time_jax(run, args, reps: int, smoke: bool) -> tuple[float, int]:
-    import jax
-
-    y, kept = jax.block_until_ready(run(*args))  # compile + warm-up
-    samples = []
-    for _ in range(2 if smoke else 5):
-        t0 = time.perf_counter()
-        jax.block_until_ready(run(*args))
-        samples.append((time.perf_counter() - t0) / reps)
-    return statistics.median(samples), int(kept)
-
-
 # ----------------------------------------------------------------------------- torch worker
 
 
@@ -295,9 +289,8 @@ def _torch_rank(rank: int, world: int, shapes, smoke: bool) -> list[dict]:
             x = torch.randn(shape.tokens, shape.d_model, generator=gen).to(device, torch.bfloat16)
             idx = torch.as_tensor(idx_all[mine], device=device).long()
             w = torch.as_tensor(w_all[mine], device=device)
-            sends = send_counts(idx_all[mine], shape.experts, world).tolist()
-            recvs = [int(send_counts(idx_all[r * shape.tokens:(r + 1) * shape.tokens], shape.experts, world)[rank])
-                     for r in range(world)]
+            counts_PP = send_counts(idx_all, shape.experts, world)
+            sends, recvs = counts_PP[rank].tolist(), counts_PP[:, rank].tolist()
             routes = shape.tokens * shape.top_k
             send_buf = x.repeat_interleave(shape.top_k, dim=0)  # one row per route; contents do not matter
             recv_buf = send_buf.new_empty(sum(recvs), shape.d_model)
@@ -362,6 +355,7 @@ def _jax_check(strategies, size: CheckSize, raw_ragged: bool) -> dict:
     from jax import lax
     from jax.sharding import PartitionSpec
 
+    from moe_jax.dense_reference import moe_reference
     from moe_jax.experts import swiglu_experts
     from moe_jax.parallel import (
         EP_AXIS,
@@ -372,7 +366,7 @@ def _jax_check(strategies, size: CheckSize, raw_ragged: bool) -> dict:
         expert_spec,
         make_mesh,
     )
-    from moe_jax.permute import combine, gather_rows, pack
+    from moe_jax.routing import Routing
 
     hi = lax.Precision.HIGHEST
     mesh = make_mesh(ep=RANKS, data=1, devices=jax.devices()[:RANKS])
@@ -388,18 +382,13 @@ def _jax_check(strategies, size: CheckSize, raw_ragged: bool) -> dict:
     # Half the balanced load: zipf and one-rank routing must overflow it.
     small_cap = max(capacity_for(size.tokens, k, RANKS, 0.5), e // RANKS)
 
-    cache = {}
-
+    @functools.cache
     def ep_loss(strategy, capacity):
-        if (strategy, capacity) in cache:
-            return cache[strategy, capacity]
-
+        # ep_dispatch/ep_combine rather than ep_moe: the check needs the plan's keep_TK.
         def body(x, idx, w, cot, wg, wu, wd):
-            def expert_fn(rows, sizes):
-                return swiglu_experts(rows, sizes, wg, wu, wd, backend="xla", precision=hi)
-
             packed, sizes, plan = ep_dispatch(x, idx, num_experts=e, strategy=strategy, capacity=capacity)
-            y = ep_combine(expert_fn(packed, sizes), w, plan)
+            y_rows = swiglu_experts(packed, sizes, wg, wu, wd, backend="xla", precision=hi)
+            y = ep_combine(y_rows, w, plan)
             return lax.psum(jnp.sum(y * cot), EP_AXIS), y, plan.keep_TK
 
         fn = jax.shard_map(body, mesh=mesh, in_specs=(act, act, act, act) + (expert_spec(),) * 3,
@@ -409,16 +398,12 @@ def _jax_check(strategies, size: CheckSize, raw_ragged: bool) -> dict:
             value, y, keep = fn(x, idx, w, cot, wg, wu, wd)
             return value, (y, keep)
 
-        cache[strategy, capacity] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
-        return cache[strategy, capacity]
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True))
 
     @jax.jit
     def single_device(x, w, wg, wu, wd, idx, cot, keep):
         def loss(x, w, wg, wu, wd):
-            packing = pack(idx, e)
-            y_rows = swiglu_experts(gather_rows(x, packing), packing.group_sizes_E, wg, wu, wd,
-                                    backend="xla", precision=hi)
-            y = combine(y_rows, w * keep, packing)
+            y = moe_reference(x, Routing(idx, w * keep, None), wg, wu, wd)
             return jnp.sum(y * cot), y
 
         return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(x, w, wg, wu, wd)
@@ -606,18 +591,18 @@ def _environment(kind: str) -> dict:
 
 def _table(records: list[dict]) -> str:
     nccl = {(r["shape"], r["routing"]): r["seconds"] for r in records if r["side"] == "nccl" and "seconds" in r}
-    lines = [f"{'shape':<36} {'routing':<9} {'impl':<17} {'time us':>10} {'GB/s/GPU':>9} {'x NCCL':>7} "
+    lines = [f"{'shape':<36} {'routing':<9} {'impl':<28} {'time us':>10} {'GB/s/GPU':>9} {'x NCCL':>7} "
              f"{'dropped':>8}"]
     order = {"nccl": 0, "torch-ref": 1, "xla": 2, "ours": 3}
     for r in sorted(records, key=lambda r: (r["shape"], r["routing"], order[r["side"]], r["strategy"])):
         name = f"{r['side']} {r['strategy']}" if r["side"] in ("ours", "xla") else r["strategy"]
         if "error" in r:
-            lines.append(f"{r['shape']:<36} {r['routing']:<9} {name:<17} failed: {r['error'][:60]}")
+            lines.append(f"{r['shape']:<36} {r['routing']:<9} {name:<28} failed: {r['error'][:60]}")
             continue
         gbps = 2 * r["rows_per_rank"] * r["d_model"] * 2 / r["seconds"] / 1e9  # bf16: 2 bytes
         base = nccl.get((r["shape"], r["routing"]))
         ratio = f"{r['seconds'] / base:7.2f}" if base else f"{'-':>7}"
-        lines.append(f"{r['shape']:<36} {r['routing']:<9} {name:<17} {r['seconds'] * 1e6:10.1f} {gbps:9.1f} "
+        lines.append(f"{r['shape']:<36} {r['routing']:<9} {name:<28} {r['seconds'] * 1e6:10.1f} {gbps:9.1f} "
                      f"{ratio} {int(r['dropped']):8d}")
     return "\n".join(lines)
 

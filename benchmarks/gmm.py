@@ -166,17 +166,26 @@ def _decode_jobs(case: Case):
     ]
 
 
+def _torch_offsets(counts: np.ndarray):
+    """`torch._grouped_mm`'s `offs`: the end row of each group, int32 on the GPU."""
+    torch = _torch()
+    return torch.as_tensor(np.cumsum(counts), dtype=torch.int32, device="cuda")
+
+
+def _err_vs_torch(case: Case, w, tx, tw, offs) -> float:
+    """Relative error of our forward (`case`'s fwd config) against `torch._grouped_mm` on `w`."""
+    ty = _torch()._grouped_mm(tx, tw.transpose(-2, -1), offs=offs)
+    y = jax.jit(lambda x, w, gs: gmm(x, w, gs, config=case.configs.get("fwd")))(case.inputs["x"], w, case.inputs["gs"])
+    return _rel(y, ty.float().cpu().numpy())
+
+
 def _torch_prefill(case: Case, quick: bool):
     torch = _torch()
-    shape, counts = case.shape, case.counts
+    shape = case.shape
     tx, tw, tdy = (_to_torch(case.inputs[k]) for k in ("x", "w", "dy"))
-    offs = torch.as_tensor(np.cumsum(counts), dtype=torch.int32, device="cuda")
+    offs = _torch_offsets(case.counts)
     reps = _reps(shape.m * shape.n * 2, cap=10)
-    ty = torch._grouped_mm(tx, tw.transpose(-2, -1), offs=offs)
-    y = jax.jit(lambda x, w, gs: gmm(x, w, gs, config=case.configs.get("fwd")))(
-        case.inputs["x"], case.inputs["w"], case.inputs["gs"])
-    case.rec["rel_err_vs_torch"] = _rel(y, jnp.asarray(ty.float().cpu().numpy()))
-    del ty, y
+    case.rec["rel_err_vs_torch"] = _err_vs_torch(case, case.inputs["w"], tx, tw, offs)
     t = case.times
     t["torch"] = time_torch(lambda: torch._grouped_mm(tx, tw.transpose(-2, -1), offs=offs), [()], reps=reps)
     txg = tx.detach().clone().requires_grad_(True)
@@ -200,13 +209,10 @@ def _torch_prefill(case: Case, quick: bool):
 
 def _torch_decode(case: Case):
     torch = _torch()
-    offs = torch.as_tensor(np.cumsum(case.counts), dtype=torch.int32, device="cuda")
+    offs = _torch_offsets(case.counts)
     tx = _to_torch(case.inputs["x"])
     tws = [_to_torch(w) for w in case.inputs["ws"]]
-    ty = torch._grouped_mm(tx, tws[0].transpose(-2, -1), offs=offs)
-    cfg = case.configs.get("fwd")
-    y = jax.jit(lambda x, w, gs: gmm(x, w, gs, config=cfg))(case.inputs["x"], case.inputs["ws"][0], case.inputs["gs"])
-    case.rec["rel_err_vs_torch"] = _rel(y, jnp.asarray(ty.float().cpu().numpy()))
+    case.rec["rel_err_vs_torch"] = _err_vs_torch(case, case.inputs["ws"][0], tx, tws[0], offs)
     case.times["torch"] = time_torch(lambda w: torch._grouped_mm(tx, w.transpose(-2, -1), offs=offs),
                                      [(w,) for w in tws], reps=40)
 
@@ -244,16 +250,18 @@ def _print_decode(case: Case, copy_tbps: float):
           f"err {case.rec.get('rel_err_vs_torch', float('nan')):.1e}", flush=True)
 
 
-def _compile_all(jobs):
-    def build(job):
-        _, key, fn, arg_sets, reps = job
+def _compile_all(specs):
+    """`compile_jax(fn, arg_sets, reps=reps)` of every `(fn, arg_sets, reps)` in `specs`, in
+    parallel threads; an exception in place of the executable where one does not compile."""
+    def build(spec):
+        fn, arg_sets, reps = spec
         try:
             return compile_jax(fn, arg_sets, reps=reps)
-        except Exception as e:  # a peer that cannot compile a shape is reported, not fatal
+        except Exception as e:  # a peer or candidate that cannot compile a shape is reported, not fatal
             return e
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 8)) as pool:
-        return list(pool.map(build, jobs))
+        return list(pool.map(build, specs))
 
 
 def cmd_run(args):
@@ -277,10 +285,8 @@ def cmd_run(args):
                             configs={k: dataclasses.astuple(v) for k, v in case.configs.items()})
             cases.append(case)
             jobs += [(case, *j) for j in _prefill_jobs(case)]
-    shape0 = S.decode_shape(1)
-    key = jax.random.PRNGKey(7)
-    ws = [(jax.random.normal(k, (shape0.e, shape0.n, shape0.k), jnp.bfloat16) / math.sqrt(shape0.k)).astype(jnp.bfloat16)
-          for k in jax.random.split(key, 4)]  # rotated: one bucket's active experts fit in L2
+    # Every bucket shares these weights, rotated over 4 copies: one bucket's active experts fit in L2.
+    _, ws, _, _ = _inputs(S.decode_shape(1), S.decode_counts(1), seed=7, weight_sets=4)
     for tokens in S.DECODE_TOKENS:
         shape = S.decode_shape(tokens)
         counts = S.decode_counts(tokens)
@@ -293,7 +299,7 @@ def cmd_run(args):
         cases.append(case)
         jobs += [(case, *j) for j in _decode_jobs(case)]
     print(f"compiling {len(jobs)} JAX executables ...", flush=True)
-    built = _compile_all(jobs)
+    built = _compile_all([job[2:] for job in jobs])
     for (case, key, *_), b in zip(jobs, built):
         if isinstance(b, Exception):
             print(f"    [skipped] {case.shape.name} {case.skew} {key}: {type(b).__name__}: {str(b).splitlines()[0][:150]}")
@@ -395,17 +401,9 @@ def cmd_tune(args):
             jobs.append((dict(shape=shape.name, kernel="fwd", config=dataclasses.astuple(c)),
                          lambda x, w, gs, c=c: gmm(x, w, gs, config=c), [(x, w, gs) for w in ws], 40, shape))
 
-    def build(job):
-        label, fn, arg_sets, reps, _ = job
-        try:
-            return compile_jax(fn, arg_sets, reps=reps)
-        except Exception as e:
-            return e
-
     print(f"compiling {len(jobs)} candidates ...", flush=True)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 8)) as pool:
-        built = list(pool.map(build, jobs))
-    for (label, fn, arg_sets, reps, shape), b in zip(jobs, built):
+    built = _compile_all([job[1:4] for job in jobs])
+    for (label, *_, shape), b in zip(jobs, built):
         if isinstance(b, Exception):
             rows.append({**label, "seconds": None, "error": f"{type(b).__name__}: {str(b)[:200]}"})
             continue

@@ -50,7 +50,8 @@ def _touch(out):
 
 
 def time_compiled(run: Callable[[], Any], reps: int, *, trials: int = 7) -> float:
-    """Median seconds per call of a `compile_jax` executable, after two warm-up runs."""
+    """Median seconds per call of `run()`, which makes `reps` calls (a `compile_jax` executable or
+    any jitted loop), after two warm-up runs."""
     jax.block_until_ready(run())
     jax.block_until_ready(run())
     samples = []
@@ -59,12 +60,6 @@ def time_compiled(run: Callable[[], Any], reps: int, *, trials: int = 7) -> floa
         jax.block_until_ready(run())
         samples.append((time.perf_counter() - t0) / reps)
     return statistics.median(samples)
-
-
-def time_jax(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, reps: int = 20, trials: int = 7) -> float:
-    """Median seconds per call of `fn(*args)`, cycling through `arg_sets`."""
-    run, reps = compile_jax(fn, arg_sets, reps=reps)
-    return time_compiled(run, reps, trials=trials)
 
 
 def time_torch(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, reps: int = 20, trials: int = 7,
