@@ -14,12 +14,9 @@ import os
 import pathlib
 import sys
 
-# Kept in sync with parity.config (not imported here so that --help stays instant).
-DTYPES = ("float32", "bfloat16")
-SKEWS = ("balanced", "zipf", "one_hot", "empty")
-ROUTERS = ("selected_softmax", "softmax_topk", "sigmoid_grouped")
-BACKENDS = ("auto", "pallas_triton", "xla")
-EP_STRATEGIES = ("padded", "ragged")
+# parity.config imports neither jax nor torch: --help stays instant and the environment can
+# still be prepared before jax starts.
+from parity.config import BACKENDS, DTYPES, EP_STRATEGIES, ROUTERS, SKEWS
 
 EPILOG = """\
 examples:

@@ -38,9 +38,10 @@ class ParityConfig:
     latent_dim: LatentMoE width of the routed experts (None: they work at d_model).
     backend: `moe_jax` GEMM backend of our side ("auto": Pallas/Triton on GPU, XLA elsewhere).
     ep_size: expert-parallel size of our side: >1 runs the layer on a `("data", "ep")` mesh of
-      ep_size devices (data=1), exchanging rows with `ep_strategy` ("padded" everywhere, "ragged"
-      GPU only). The reference side stays on one device: the torch EP reference is checked against
-      it by parity/tests/test_reference_ep.py, so one-device parity carries over.
+      ep_size devices (data=1; host CPUs when the GPUs are too few, see `parity.ours.ep_mesh`),
+      exchanging rows with `ep_strategy` ("padded" everywhere, "ragged" on GPUs only). The
+      reference side stays on one device: the torch EP reference is checked against it by
+      parity/tests/test_reference_ep.py, so one-device parity carries over.
     """
 
     tokens: int = 64

@@ -42,7 +42,8 @@ products). bf16 runs the layer in bf16 (params and activations; products accumul
 both sides); routing weights and router math are fp32 on both sides.
 
 Devices: torch runs on CUDA when available (kernels compiled), else on CPU with its kernels under
-Triton's interpreter (importing `parity.reference` selects it). jax runs on its default device.
+Triton's interpreter (importing `parity.reference` selects it). jax runs on its default device;
+with `ep_size > 1` on ep_size of its devices, else on the host's CPU devices (`ep_mesh`).
 """
 
 from __future__ import annotations

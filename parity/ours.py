@@ -10,7 +10,7 @@ every parameter; with `ep_size > 1` the layer runs expert-parallel on a mesh (`e
 `run_router_ours` runs the configuration's `moe_jax.routing` router on the problem's logits.
 
 Precision: fp32 runs with `Precision.HIGHEST` passed to the layer; bf16 runs the layer in bf16
-(params and activations). jax runs on its default device.
+(params and activations). jax runs on its default device, or on the mesh `ep_mesh` picks.
 """
 
 from __future__ import annotations
@@ -45,19 +45,33 @@ def jax_precision(config: ParityConfig):
 
 
 def ep_mesh(config: ParityConfig):
-    """The `("data", "ep")` mesh of `config.ep_size` devices (data=1), or None for ep_size=1."""
+    """The `("data", "ep")` mesh of `config.ep_size` devices (data=1), or None for ep_size=1.
+
+    Devices: the default platform's when it has ep_size of them, else the host's CPU devices
+    (forced by XLA_FLAGS=--xla_force_host_platform_device_count, which the root conftest and
+    `python -m parity` set), as tests/test_layers_parallel.py does: a one-GPU host then runs the
+    EP layer on CPU, where backend "auto" picks XLA and only the "padded" exchange exists.
+    """
     if config.ep_size == 1:
         return None
     from moe_jax.parallel import make_mesh
 
-    devices = jax.devices()
-    if len(devices) < config.ep_size:
-        raise ValueError(
-            f"ep_size={config.ep_size} needs {config.ep_size} devices but jax sees {len(devices)}; "
-            f"on CPU set XLA_FLAGS=--xla_force_host_platform_device_count={config.ep_size} before "
-            "jax starts (python -m parity does so), or lower ep_size."
-        )
-    return make_mesh(ep=config.ep_size, data=1, devices=devices[: config.ep_size])
+    for devices in (jax.devices(), jax.devices("cpu")):
+        if len(devices) >= config.ep_size:
+            return make_mesh(ep=config.ep_size, data=1, devices=devices[: config.ep_size])
+    raise ValueError(
+        f"ep_size={config.ep_size} needs {config.ep_size} devices but jax sees {jax.device_count()} "
+        f"{jax.default_backend()} and {len(jax.devices('cpu'))} CPU devices; set "
+        f"XLA_FLAGS=--xla_force_host_platform_device_count={config.ep_size} before jax starts "
+        "(python -m parity does so), or lower ep_size."
+    )
+
+
+def _on_mesh_platform(mesh):
+    """Context that puts arrays made without a sharding on `mesh`'s first device (jax's default
+    device without a mesh): a CPU mesh in a GPU process (see `ep_mesh`) must get its inputs and
+    its selection bias on the CPU, where the jitted step then moves them across the mesh."""
+    return jax.default_device(None if mesh is None else mesh.devices.flat[0])
 
 
 def make_layer(config: ParityConfig, params: dict[str, np.ndarray]):
@@ -69,6 +83,7 @@ def make_layer(config: ParityConfig, params: dict[str, np.ndarray]):
     from moe_jax.layers import MoE
 
     dtype = jnp.dtype(config.dtype)
+    mesh = ep_mesh(config)
     model = nnx.eval_shape(lambda: MoE(
         config.d_model, config.d_ff, config.num_experts, config.top_k,
         router=jax_router(config),
@@ -80,11 +95,12 @@ def make_layer(config: ParityConfig, params: dict[str, np.ndarray]):
         param_dtype=dtype,
         backend=config.backend,
         precision=jax_precision(config),
-        mesh=ep_mesh(config),
+        mesh=mesh,
         ep_strategy=config.ep_strategy,
         rngs=nnx.Rngs(config.seed),
     ))
-    load_state(model, params)
+    with _on_mesh_platform(mesh):
+        load_state(model, params)
     return model
 
 
@@ -129,7 +145,8 @@ def make_our_step(config: ParityConfig, problem: ParityProblem):
     It returns `{name: array}` keyed like `layer_tensor_names`. Kept separate from `run_ours` so
     that timing can call the same compiled function repeatedly.
     """
-    graphdef, params, rest = nnx.split(make_layer(config, problem.params), nnx.Param, ...)
+    model = make_layer(config, problem.params)
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     dtype = jnp.dtype(config.dtype)
 
     def step(params, x_TD, weights_TK, expert_idx_TK, probs_TE, dy_TD):
@@ -145,14 +162,15 @@ def make_our_step(config: ParityConfig, problem: ParityProblem):
             out[grad_name(_path_name(path))] = var[...]
         return out
 
-    args = (
-        params,
-        jnp.asarray(problem.x_TD, dtype),
-        jnp.asarray(problem.weights_TK),
-        jnp.asarray(problem.expert_idx_TK),
-        jnp.asarray(problem.probs_TE),
-        jnp.asarray(problem.dy_TD, dtype),
-    )
+    with _on_mesh_platform(model.mesh):
+        args = (
+            params,
+            jnp.asarray(problem.x_TD, dtype),
+            jnp.asarray(problem.weights_TK),
+            jnp.asarray(problem.expert_idx_TK),
+            jnp.asarray(problem.probs_TE),
+            jnp.asarray(problem.dy_TD, dtype),
+        )
     return jax.jit(step), args
 
 

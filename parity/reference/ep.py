@@ -281,8 +281,7 @@ def ep_dispatch(
 
     # 4. The receive buffer is source-major; grouped GEMM needs each local expert contiguous.
     #    Stable, so one expert's rows stay in source-rank order, then source token order.
-    recv_expert = recv_meta[:, META_LOCAL_EXPERT]
-    expert_order = torch.argsort(recv_expert, stable=True)
+    expert_order = torch.argsort(recv_meta[:, META_LOCAL_EXPERT], stable=True)
     recv_x = recv_x[expert_order]
     recv_meta = recv_meta[expert_order]
     recv_expert = recv_meta[:, META_LOCAL_EXPERT].contiguous()

@@ -42,11 +42,14 @@ from jax.sharding import NamedSharding
 from moe_jax.layers import MoE
 from moe_jax.parallel import activation_spec, make_mesh
 from moe_jax.routing import Routing, SelectedSoftmax
+from parity.ours import load_state
 from parity.reference import route_selected_softmax, router_logits
 from parity.reference.ep import ep_moe_forward, make_parallel_groups, reduce_gradients
 from parity.reference.launch import rank_device, run_ranks
+from tests.helpers import rel_err
 
 TOL = 1e-5  # fp32, DESIGN.md
+PARAMS = ("w_router", "w_gate", "w_up", "w_down")  # the layer's nnx.Params, as Problem fields
 
 
 class Sizes(NamedTuple):
@@ -206,15 +209,6 @@ def _mesh(world: int, ep: int):
     return make_mesh(ep=ep, data=world // ep, devices=devices[:world])
 
 
-def _load(model: MoE, prob: Problem) -> None:
-    """Overwrite every nnx.Param with the problem's value, keeping the layer's sharding."""
-    state = nnx.state(model, nnx.Param)
-    for path, var in nnx.to_flat_state(state):
-        (name,) = path
-        var.set_value(jax.device_put(getattr(prob, name), var.get_value().sharding))
-    nnx.update(model, state)
-
-
 def our_results(world: int, ep: int, case: str, strategy: str) -> dict:
     """Our layer on the mesh: output, d x, d routing weights, every parameter gradient (global)."""
     sz = sizes_for(world)
@@ -232,7 +226,7 @@ def our_results(world: int, ep: int, case: str, strategy: str) -> dict:
         ep_strategy=strategy,
         rngs=nnx.Rngs(0),
     )
-    _load(model, prob)
+    load_state(model, {name: getattr(prob, name) for name in PARAMS})
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     act = NamedSharding(mesh, activation_spec())
     put = lambda a: jax.device_put(a, act)  # noqa: E731
@@ -256,13 +250,6 @@ def our_results(world: int, ep: int, case: str, strategy: str) -> dict:
 # ------------------------------------------------------------------------------------------
 
 
-def rel_err(out: np.ndarray, ref: np.ndarray) -> float:
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    assert out.shape == ref.shape, (out.shape, ref.shape)
-    scale = np.linalg.norm(ref)
-    return float(np.linalg.norm(out - ref) / (scale if scale > 0 else 1.0))
-
-
 def compare(world: int, ep: int, case: str, strategy: str, ref_ranks: list[dict]) -> list[str]:
     """Every mismatch between our layer and the reference ranks, as readable lines."""
     sz = sizes_for(world)
@@ -271,9 +258,9 @@ def compare(world: int, ep: int, case: str, strategy: str, ref_ranks: list[dict]
     failures = []
 
     def check(what, got, want):
-        got_np = np.asarray(got)
-        err = rel_err(got_np, want)
-        if not np.isfinite(got_np).all() or err > TOL:
+        if not np.isfinite(got).all():
+            failures.append(f"W={world} ep={ep} {case}/{strategy}: {what} is not finite")
+        elif (err := rel_err(got, want)) > TOL:
             failures.append(f"W={world} ep={ep} {case}/{strategy}: {what} rel err {err:.2e} > {TOL:g}")
 
     if ours["dropped"] != 0:
