@@ -419,6 +419,19 @@ def test_backend_resolution():
         resolve_backend("cutlass")
 
 
+def test_auto_backend_follows_the_mesh_platform(monkeypatch):
+    """In a GPU process, code traced for a mesh of CPU devices (a CPU EP mesh on a one-GPU host,
+    as `parity/` builds) must not get Pallas: its interpreter cannot run inside shard_map."""
+    from moe_jax.ops import backends
+
+    monkeypatch.setattr(backends.jax, "default_backend", lambda: "gpu")
+    assert resolve_backend("auto") == "pallas_triton"
+    cpu_mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:1]), ("ep",))
+    with jax.sharding.use_abstract_mesh(cpu_mesh.abstract_mesh):
+        assert resolve_backend("auto") == "xla"
+        assert not backends._on_gpu()
+
+
 def test_bad_input_errors():
     x = jnp.ones((10, 8), jnp.float32)
     w = jnp.ones((2, 4, 8), jnp.float32)

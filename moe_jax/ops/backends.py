@@ -33,12 +33,17 @@ class GemmBackend(NamedTuple):
     tgmm: Callable[..., jax.Array]
 
 
-def _on_gpu() -> bool:
-    """Whether we are compiling for a GPU: the abstract mesh's device when one is set (AOT
-    lowering for a GPU from a CPU host), else the default backend. Elsewhere kernels interpret."""
+def _platform() -> str:
+    """The platform we are compiling for: the abstract mesh's device when one is set (inside
+    `shard_map`, or AOT lowering for a GPU from a CPU host), else the default backend. A mesh of
+    CPU devices in a GPU process therefore counts as CPU."""
     device = jax.sharding.get_abstract_mesh().abstract_device
-    platform = device.platform if device is not None else jax.default_backend()
-    return platform in ("gpu", "cuda", "rocm")
+    return device.platform if device is not None else jax.default_backend()
+
+
+def _on_gpu() -> bool:
+    """Whether kernels compile for a GPU; elsewhere they interpret."""
+    return _platform() in ("gpu", "cuda", "rocm")
 
 
 def _pallas_gmm(lhs, rhs, group_sizes, *, transpose_rhs, config: TileConfig | None, out_dtype, precision):
@@ -112,11 +117,13 @@ _announced: set[tuple[str, str]] = set()
 def resolve_backend(backend: str) -> str:
     """Name of the backend `backend` stands for; `auto` is `pallas_triton` on GPU, else `xla`.
 
-    `auto` logs its pick once per platform on the `moe_jax` logger (INFO).
+    The platform is the one being compiled for (see `_platform`): inside `shard_map` over CPU
+    devices of a GPU process, `auto` is `xla`. `auto` logs its pick once per platform on the
+    `moe_jax` logger (INFO).
     """
     if backend == "auto":
-        platform = "gpu" if _on_gpu() else jax.default_backend()
-        picked = "pallas_triton" if platform == "gpu" else "xla"
+        platform = _platform()
+        picked = "pallas_triton" if _on_gpu() else "xla"
         if (platform, picked) not in _announced:
             _announced.add((platform, picked))
             _log.info("moe_jax: backend='auto' picked %r on platform %r", picked, platform)

@@ -3,7 +3,7 @@
 A `TileConfig` fixes everything the Triton compiler needs that is not a shape: block sizes, warps,
 pipeline stages and the swizzle width. Configs are chosen per *shape class* from a small static
 table (`gmm_config`, `tgmm_config`), never by autotuning at call time: the table was filled by
-`python -m moe_jax.bench tune` on an H200 (see `benchmarks/results/`).
+`python -m benchmarks.gmm tune` on an H200 (see `benchmarks/results/`).
 """
 
 from __future__ import annotations
@@ -66,14 +66,17 @@ def gmm_config(m: int, n: int, k: int, num_groups: int) -> TileConfig:
     Shape classes by mean rows per group `m / num_groups` (H200 sweep of 2026-11-29 with
     `python -m benchmarks.gmm tune`):
     - decode (<= 16): bytes are weights; the group-major kernel needs no schedule kernels before
-      it, and narrow column blocks give every SM weight blocks to stream.
+      it, and narrow column blocks give every SM weight blocks to stream: 32 columns while fewer
+      than two rows per group (8 of 128 experts active at one token), 64 from there (H200 sweep of
+      2026-11-30 over T = 1, 8, 32, 128 tokens at top-8 of 128 experts, both kernels).
     - small prefill (<= 64): `block_m` near the mean group so fewer rows are padding.
     - prefill: 128x256x64 tiles, 8 warps, 4 stages was best or within 3% of best on all four
       model shapes (Qwen3 gate+up and down, Mixtral, DeepSeek-V3), forward and input gradient.
     """
     rows = m / max(num_groups, 1)
     if rows <= 16:
-        return TileConfig(block_m=16, block_n=32, block_k=256, num_warps=4, num_stages=3, group_m=1, by_group=True)
+        bn = 32 if rows < 2 else 64
+        return TileConfig(block_m=16, block_n=bn, block_k=256, num_warps=4, num_stages=3, group_m=1, by_group=True)
     if rows <= 64:
         return TileConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4, group_m=8)
     bn = 256 if n >= 1024 else 128

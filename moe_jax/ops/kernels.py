@@ -179,32 +179,38 @@ def _pow2_at_least(x: int) -> int:
 
 
 def _gmm_by_group_kernel(
-    sizes_ref, lhs_ref, rhs_ref, out_ref, *, num_groups: int, num_fill: int, m: int, n: int, k: int,
-    config: TileConfig, transpose_rhs: bool, precision,
+    sizes_ref, lhs_ref, rhs_ref, out_ref, *, num_groups: int, num_slots: int, num_fill: int, m: int,
+    n: int, k: int, config: TileConfig, transpose_rhs: bool, precision,
 ):
     bm = config.block_m
     num_n = _cdiv(n, config.block_n)
     pid = pl.program_id(0)
     slot, n_blk = pid // num_n, pid % num_n
     n0 = pl.multiple_of(n_blk * config.block_n, config.block_n)
-    # Each program finds its group's rows from the raw sizes (one vector load and two sums), so
-    # the launch needs no schedule arrays: nothing runs before this kernel.
+    # Each program finds its group's rows from the raw sizes (one vector load, a cumsum and a few
+    # sums), so the launch needs no schedule arrays: nothing runs before this kernel.
     e_pad = max(16, _pow2_at_least(num_groups))
     idx = jnp.arange(e_pad, dtype=jnp.int32)
     sizes = jnp.maximum(_load(sizes_ref.at[pl.ds(0, e_pad)], idx < num_groups), 0)
-    is_group = slot < num_groups
-    before = jnp.minimum(jnp.sum(jnp.where(idx < slot, sizes, 0)), m)
+    # Slot j < num_slots serves the j-th group with rows (at most min(E, M) groups have any), so
+    # at decode every group program has work and none of the E - active idle ones is launched.
+    active_before = jnp.cumsum((sizes > 0).astype(jnp.int32))  # inclusive count of active groups
+    group = jnp.sum((active_before <= slot).astype(jnp.int32))  # index of the slot-th active group
+    is_group = (slot < num_slots) & (group < num_groups)
+    before = jnp.minimum(jnp.sum(jnp.where(idx < group, sizes, 0)), m)
     total = jnp.minimum(jnp.sum(sizes), m)
-    group_end = jnp.minimum(before + jnp.sum(jnp.where(idx == slot, sizes, 0)), m)
-    # Group programs walk their group's row tiles; the `num_fill` fill programs share the rows
-    # past the last group, tile j going to fill program j % num_fill.
+    group_end = jnp.minimum(before + jnp.sum(jnp.where(idx == group, sizes, 0)), m)
+    # Group programs walk their group's row tiles; the `num_fill` fill programs (slots past
+    # `num_slots`) share the rows past the last group, tile j going to fill program j % num_fill.
+    # Slots without an active group walk nothing.
     # Selects on int32 values only: a select of two Python literals lowers to i1 in Triton.
-    first = jnp.where(is_group, before, total + (slot - num_groups) * bm)
-    end = jnp.where(is_group, group_end, jnp.int32(m))
+    is_fill = slot >= num_slots
+    first = jnp.where(is_group, before, total + (slot - num_slots) * bm)
+    end = jnp.where(is_group, group_end, jnp.where(is_fill, jnp.int32(m), first))
     stride = (1 + (1 - is_group.astype(jnp.int32)) * (num_fill - 1)) * bm
     tiles = jnp.maximum(end - first + stride - 1, 0) // stride
     k_steps = is_group.astype(jnp.int32) * _cdiv(k, config.block_k)
-    group = jnp.minimum(slot, num_groups - 1)
+    group = jnp.minimum(group, num_groups - 1)
 
     def tile(j, carry):
         start = first + j * stride
@@ -221,21 +227,24 @@ def gmm_by_group_pallas(
     config: TileConfig, out_dtype, precision, interpret: bool, num_fill: int = 8,
     out_init: jax.Array | None = None,
 ) -> jax.Array:
-    """Launch the group-major kernel: one program per (group, column block) walks that group's
-    row tiles, plus `num_fill` programs per column block that zero the rows past the last group.
+    """Launch the group-major kernel: one program per (active-group slot, column block) walks
+    that group's row tiles, plus `num_fill` programs per column block that zero the rows past the
+    last group. There are `min(E, M)` slots: slot j serves the j-th group with rows.
 
     For decode-sized problems (a few rows per group): no schedule is built on device, the launch
-    is the only kernel, and inactive groups' programs exit at once. Under heavy skew a hot group
-    is walked by few programs, so prefill uses `gmm_pallas`. Expects validated shapes.
+    is the only kernel, and only as many group programs as rows can exist (8 of 128 experts at one
+    token, top-8). Under heavy skew a hot group is walked by few programs, so prefill uses
+    `gmm_pallas`. Expects validated shapes.
     """
     m, k = lhs.shape
     num_groups = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    num_slots = min(num_groups, m)
     num_fill = max(1, min(num_fill, _cdiv(m, config.block_m)))
-    grid = ((num_groups + num_fill) * _cdiv(n, config.block_n),)
+    grid = ((num_slots + num_fill) * _cdiv(n, config.block_n),)
     kernel = functools.partial(
-        _gmm_by_group_kernel, num_groups=num_groups, num_fill=num_fill, m=m, n=n, k=k, config=config,
-        transpose_rhs=transpose_rhs, precision=precision,
+        _gmm_by_group_kernel, num_groups=num_groups, num_slots=num_slots, num_fill=num_fill, m=m, n=n,
+        k=k, config=config, transpose_rhs=transpose_rhs, precision=precision,
     )
     return _launch(
         kernel, (group_sizes.astype(jnp.int32), lhs, rhs),
