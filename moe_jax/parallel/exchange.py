@@ -62,7 +62,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from moe_jax.parallel.mesh import EP_AXIS
-from moe_jax.permute import pack
 
 __all__ = [
     "STRATEGIES",
@@ -278,10 +277,22 @@ def _exclusive_cumsum(a, axis: int = 0):
     return jnp.cumsum(a, axis=axis) - a
 
 
+def _bincount(ids, length: int):
+    """Counts of each id in [0, length); other ids are ignored."""
+    return jnp.zeros((length,), jnp.int32).at[ids].add(1, mode="drop")
+
+
+def _inverse_permutation(perm):
+    return jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype))
+
+
 def _block_of(rows, offsets_P):
     """Block p owning each row of a buffer whose blocks start at the nondecreasing `offsets_P`
-    (the last block starting at or before the row, so empty blocks are skipped)."""
-    return (jnp.searchsorted(offsets_P, rows, side="right") - 1).astype(jnp.int32)
+    (the last block starting at or before the row, so empty blocks are skipped).
+
+    A dense `[rows, P]` comparison, one fused elementwise kernel: `jnp.searchsorted` would be a
+    while loop, a sequence of launches on GPU, for a handful of ranks."""
+    return (jnp.sum(offsets_P[None, :] <= rows[:, None], axis=1, dtype=jnp.int32) - 1).astype(jnp.int32)
 
 
 # ----------------------------------------------------------------------------- planning
@@ -299,31 +310,34 @@ class _SendPlan(NamedTuple):
 
 
 def _plan_sends(expert_R, real_R, num_experts: int, ep: int, capacity: int) -> _SendPlan:
-    """Both orderings are `moe_jax.permute.pack` (stable sort by a key, ids outside the key range
-    left out of the counts and sorted last) with one route per "token"."""
+    """Two stable argsorts, their inverse permutations and bincounts, written out rather than
+    through `moe_jax.permute.pack`: on 2 H200s (jax 0.11.2) the `pack` form of the same sorts
+    made a decode dispatch+combine take 462 us instead of 224 us (benchmarks/results/
+    2026-11-30-h200x2-ep-breakdown.md)."""
     local = num_experts // ep
     expert_R = expert_R.astype(jnp.int32)
     valid_R = real_R & (expert_R >= 0) & (expert_R < num_experts)
     # Invalid ids and masked tokens go to a bin past the ranks: never sent, never counted.
     dest_R = jnp.where(valid_R, expert_R // local, ep)
+    send_counts_P = _bincount(dest_R, ep)
 
-    # Position of each route within its destination, in token order (the sort is stable). Routes
-    # in the bin past the ranks get a meaningless position (clamped offset); keep_R masks them.
-    by_dest = pack(dest_R[:, None], ep)
-    dest_start_P = _exclusive_cumsum(by_dest.group_sizes_E)
-    pos_R = by_dest.inverse_R - dest_start_P[jnp.minimum(dest_R, ep - 1)]
+    # Position of each route within its destination, in token order (stable sort keeps r order).
+    by_dest_R = jnp.argsort(dest_R, stable=True)
+    dest_start = _exclusive_cumsum(_bincount(dest_R, ep + 1))
+    pos_R = _inverse_permutation(by_dest_R.astype(jnp.int32)) - dest_start[dest_R]
     keep_R = valid_R & (pos_R < capacity)
 
     # expert = dest * El + local, so sorting kept routes by expert id orders them by (destination,
     # local expert) and, being stable, by token within an expert; dropped routes sort last.
-    by_expert = pack(jnp.where(keep_R, expert_R, num_experts)[:, None], num_experts)
+    kept_expert_R = jnp.where(keep_R, expert_R, num_experts)
+    send_order_R = jnp.argsort(kept_expert_R, stable=True).astype(jnp.int32)
     return _SendPlan(
         keep_R=keep_R,
-        dest_R=dest_R,
-        kept_PE=by_expert.group_sizes_E.reshape(ep, local),
-        send_counts_P=by_dest.group_sizes_E,
-        send_order_R=by_expert.order_R,
-        send_rank_R=by_expert.inverse_R,
+        dest_R=dest_R.astype(jnp.int32),
+        kept_PE=_bincount(kept_expert_R, num_experts).reshape(ep, local),
+        send_counts_P=send_counts_P,
+        send_order_R=send_order_R,
+        send_rank_R=_inverse_permutation(send_order_R),
     )
 
 
