@@ -1,6 +1,6 @@
 """Expert-parallel dispatch + combine: benchmark and correctness check on 2 GPUs.
 
-    python -m benchmarks.ep [--json PATH]        # the table (2 GPUs)
+    python -m benchmarks.ep [--skip-ragged] [--json PATH]  # the table (2 GPUs)
     python -m benchmarks.ep --check              # forward/gradient checks on the GPU mesh
     python -m benchmarks.ep --cpu-smoke [--check] # the same code paths at tiny sizes on 2 host devices
 
@@ -59,6 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from unittest import mock
 
 import numpy as np
 
@@ -204,12 +205,22 @@ def _jax_loop(mesh, shape: Shape, label: str, smoke: bool):
 
     from moe_jax.parallel import EP_AXIS, activation_spec, capacity_for, ep_combine, ep_dispatch
 
+    from moe_jax.parallel import exchange
+
     strategy = label.split("+")[0].split(" ")[0]
     capacity = capacity_for(shape.tokens, shape.top_k, RANKS, CAPACITY_FACTOR) if "cf=" in label else None
     act = activation_spec()
     reps = _reps(2 * shape.tokens * shape.top_k * shape.d_model * 2, smoke)
+    # "no-a2a": the same planning, gathers and combine with the row collective replaced by the
+    # identity (same buffer shape under "padded"): what our code costs around the collective.
+    no_a2a = label.endswith("no-a2a")
+    move = (lambda rows, *a, **k: rows) if no_a2a else exchange._move_rows  # noqa: E731
 
     def body(x, idx, w):
+        with mock.patch.object(exchange, "_move_rows", move):
+            return _body(x, idx, w)
+
+    def _body(x, idx, w):
         def one(_, carry):
             x, idx, w = lax.optimization_barrier(carry)  # keep the planning inside the loop
             packed, _, plan = ep_dispatch(x, idx, num_experts=shape.experts, strategy=strategy, capacity=capacity)
@@ -227,7 +238,7 @@ def _jax_loop(mesh, shape: Shape, label: str, smoke: bool):
 
 def _collective_loop(mesh, shape: Shape, label: str, smoke: bool):
     """The bare exchanges, there and back, `reps` times: `all_to_all` of the dropless padded
-    buffer ([P*R, D] per rank, as our padded strategy moves) or `ragged_all_to_all` with this
+    buffer ([P*R, D] per rank, as our padded strategy moves; [P*C, D] with "cf=" in `label`) or `ragged_all_to_all` with this
     routing's exact block sizes (counts_PP[src, dst], offsets from it). Nothing else runs.
     `(x, counts_PP) -> (buffer, routes moved per iteration)`."""
     import jax
@@ -235,11 +246,13 @@ def _collective_loop(mesh, shape: Shape, label: str, smoke: bool):
     from jax import lax
     from jax.sharding import PartitionSpec
 
-    from moe_jax.parallel import EP_AXIS, activation_spec
+    from moe_jax.parallel import EP_AXIS, activation_spec, capacity_for
 
     routes = shape.tokens * shape.top_k
     reps = _reps(2 * routes * shape.d_model * 2, smoke)
     ragged = label.startswith("ragged")
+    # "all_to_all cf=1.25": blocks of our capacity C instead of the dropless R rows.
+    block = capacity_for(shape.tokens, shape.top_k, RANKS, CAPACITY_FACTOR) if "cf=" in label else routes
 
     def body(x, counts):
         counts = counts.reshape(RANKS, RANKS)  # every rank sees the whole [src, dst] matrix
@@ -258,8 +271,8 @@ def _collective_loop(mesh, shape: Shape, label: str, smoke: bool):
                 return lax.ragged_all_to_all(recv, jnp.zeros_like(buf), *back, axis_name=EP_AXIS)
             return lax.all_to_all(lax.all_to_all(buf, EP_AXIS, 0, 0, tiled=True), EP_AXIS, 0, 0, tiled=True)
 
-        if not ragged:  # dropless padded layout: P blocks of R rows
-            send = jnp.tile(send, (RANKS, 1))
+        if not ragged:  # padded layout: P blocks of R rows (dropless) or C rows
+            send = jnp.tile(send[:block], (RANKS, 1))
         out = lax.fori_loop(0, reps, one, send)
         return out[:1], jnp.asarray(RANKS * routes, jnp.int32)
 
@@ -559,10 +572,12 @@ def _worker(kind: str, variant: str, smoke: bool, out: str) -> None:
     if kind == "jax-bench":
         if variant == "decomposer":
             labels = ["ragged+decomp", "ragged_all_to_all+decomp"]
-        elif smoke:  # XLA:CPU has no ragged_all_to_all
-            labels = ["padded", f"padded cf={CAPACITY_FACTOR}", "all_to_all"]
+        elif smoke or variant == "padded":  # XLA:CPU has no ragged_all_to_all
+            labels = ["padded", f"padded cf={CAPACITY_FACTOR}", f"padded cf={CAPACITY_FACTOR} no-a2a", "all_to_all",
+                      f"all_to_all cf={CAPACITY_FACTOR}"]
         else:
-            labels = ["padded", f"padded cf={CAPACITY_FACTOR}", "ragged", "all_to_all", "ragged_all_to_all"]
+            labels = ["padded", f"padded cf={CAPACITY_FACTOR}", f"padded cf={CAPACITY_FACTOR} no-a2a", "ragged",
+                      "all_to_all", f"all_to_all cf={CAPACITY_FACTOR}", "ragged_all_to_all"]
         result = dict(records=_jax_bench(shapes, labels, smoke))
     elif kind == "torch-bench":
         result = dict(records=_torch_bench(shapes, smoke))
@@ -611,6 +626,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="forward/gradient checks instead of timing")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on 2 host devices, padded only")
+    parser.add_argument("--skip-ragged", action="store_true",
+                        help="time the padded strategy and all_to_all only (ragged_all_to_all takes minutes)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--variant", default="default", help=argparse.SUPPRESS)
@@ -638,7 +655,8 @@ def main(argv=None) -> int:
         payload = dict(mode="check", cpu_smoke=smoke, results=results)
     else:
         records = []
-        for kind, variant in [("jax-bench", v) for v in variants] + [("torch-bench", "default")]:
+        jax_variants = ["padded"] if args.skip_ragged else variants
+        for kind, variant in [("jax-bench", v) for v in jax_variants] + [("torch-bench", "default")]:
             result = _run_worker(kind, variant, smoke)
             if "error" in result:
                 print(f"  {result['error']}", flush=True)

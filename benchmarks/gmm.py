@@ -1,7 +1,7 @@
 """Grouped-GEMM benchmark and tile-config sweep (GPU only).
 
     python -m benchmarks.gmm run  [--quick] [--json PATH]   # the table, peers side by side
-    python -m benchmarks.gmm tune [--quick] [--json PATH]   # sweep TileConfigs per shape class
+    python -m benchmarks.gmm tune [--quick] [--only {all,prefill,decode}] [--json PATH]  # sweep TileConfigs
 
 `run` times, on the same inputs in one process: our `gmm` (Pallas/Triton) forward and
 forward+backward, `jax.lax.ragged_dot`, JAX's Mosaic GPU example `ragged_dot_mgpu` (forward),
@@ -127,7 +127,7 @@ def _mgpu(x, w, gs):
 
 
 def _prefill_jobs(case: Case):
-    x, w, dy, w_ekn, gs = (case.inputs[k] for k in ("x", "w", "dy", "w_ekn", "gs"))
+    x, w, dy, gs = (case.inputs[k] for k in ("x", "w", "dy", "gs"))
     cfg = case.configs
     fwd, dgrad, wgrad = cfg.get("fwd"), cfg.get("dgrad"), cfg.get("wgrad")
     reps = _reps(case.shape.m * case.shape.n * 2, cap=10)
@@ -137,17 +137,24 @@ def _prefill_jobs(case: Case):
                                                      wgrad_config=wgrad), x, w)
         return (y, *vjp(dy))
 
+    # Forward+backward keeps two calls' outputs alive, weight gradient included (14 GiB at the
+    # DeepSeek-V3 shape: three of them ran out of memory on 2026-11-30).
+    fb_reps = max(2, min(reps // 3, _reps(case.shape.e * case.shape.n * case.shape.k * 2)))
     jobs = [
         ("ours", lambda x, w, gs: gmm(x, w, gs, config=fwd), [(x, w, gs)], reps),
-        ("ours_fb", ours_fb, [(x, w, gs, dy)], max(2, reps // 3)),
+        ("ours_fb", ours_fb, [(x, w, gs, dy)], fb_reps),
         ("mgpu", _mgpu, [(x, w, gs)], reps),
     ]
     # XLA's ragged_dot can materialise a dense [E, M, K] masked operand (16 GiB at the Qwen3
     # shape, 112 GiB at the DeepSeek-V3 one: out of memory on 2026-11-30), and its backward more;
     # it runs forward only, where that operand fits.
-    if case.shape.e * case.shape.m * case.shape.k * x.dtype.itemsize <= RAGGED_DOT_MAX_BYTES:
-        jobs.append(("ragged_dot", jax.lax.ragged_dot, [(x, w_ekn, gs)], 2))
+    if _ragged_dot_fits(case.shape):
+        jobs.append(("ragged_dot", jax.lax.ragged_dot, [(x, case.inputs["w_ekn"], gs)], 2))
     return jobs
+
+
+def _ragged_dot_fits(shape: S.GemmShape) -> bool:
+    return shape.e * shape.m * shape.k * 2 <= RAGGED_DOT_MAX_BYTES
 
 
 def _decode_jobs(case: Case):
@@ -273,7 +280,7 @@ def cmd_run(args):
     jobs = []
     for shape in (S.PREFILL[:1] if args.quick else S.PREFILL):
         x, (w,), dy, _ = _inputs(shape, S.balanced_counts(shape.m, shape.e))
-        w_ekn = jnp.swapaxes(w, 1, 2)
+        w_ekn = jnp.swapaxes(w, 1, 2) if _ragged_dot_fits(shape) else None  # a copy: 14 GiB at DeepSeek-V3
         for skew in ("balanced", "zipf"):
             counts = S.balanced_counts(shape.m, shape.e) if skew == "balanced" else S.zipf_counts(
                 shape.m, shape.e, cap=shape.tokens)
@@ -370,16 +377,18 @@ TGMM_CANDIDATES = [
     TileConfig(64, 64, 128, 4, 3, 1), TileConfig(128, 128, 128, 8, 3, 1), TileConfig(64, 256, 128, 8, 3, 1),
     TileConfig(32, 64, 64, 4, 4, 1), TileConfig(64, 128, 128, 8, 4, 1), TileConfig(32, 128, 64, 4, 4, 1),
 ]
-DECODE_CANDIDATES = [
-    TileConfig(16, 64, 128, 4, 4, 1), TileConfig(16, 32, 128, 4, 4, 1), TileConfig(16, 64, 256, 4, 3, 1),
-    TileConfig(16, 128, 128, 4, 4, 1), TileConfig(16, 64, 64, 4, 6, 1), TileConfig(16, 32, 256, 4, 3, 1),
-    TileConfig(32, 64, 128, 4, 4, 1), TileConfig(16, 64, 128, 2, 4, 1), TileConfig(16, 128, 64, 4, 5, 1),
+_DECODE_TILES = [
+    TileConfig(16, 32, 256, 4, 3, 1), TileConfig(16, 64, 128, 4, 4, 1), TileConfig(16, 64, 256, 4, 3, 1),
+    TileConfig(16, 16, 256, 4, 3, 1), TileConfig(16, 32, 512, 4, 3, 1), TileConfig(16, 128, 128, 4, 4, 1),
 ]
+# Each decode tile shape with both kernels: the row-tile schedule and the group-major launch.
+DECODE_CANDIDATES = [c for t in _DECODE_TILES for c in (t, dataclasses.replace(t, by_group=True))]
 
 
 def cmd_tune(args):
     rows: list = []
-    prefill = S.PREFILL[:2] if args.quick else S.PREFILL
+    prefill = () if args.only == "decode" else S.PREFILL[:2] if args.quick else S.PREFILL
+    decode = () if args.only == "prefill" else S.DECODE_TOKENS
     jobs = []  # (label dict, fn, arg_sets, reps)
     for shape in prefill:
         counts = S.balanced_counts(shape.m, shape.e)
@@ -394,12 +403,12 @@ def cmd_tune(args):
         for c in TGMM_CANDIDATES:
             jobs.append((dict(shape=shape.name, kernel="wgrad", config=dataclasses.astuple(c)),
                          lambda x, dy, gs, c=c: tgmm(x, dy, gs, config=c), [(x, dy, gs)], wreps, shape))
-    for tokens in S.DECODE_TOKENS:
+    for tokens in decode:
         shape = S.decode_shape(tokens)
         x, ws, _, gs = _inputs(shape, S.decode_counts(tokens), weight_sets=4)
         for c in DECODE_CANDIDATES:
             jobs.append((dict(shape=shape.name, kernel="fwd", config=dataclasses.astuple(c)),
-                         lambda x, w, gs, c=c: gmm(x, w, gs, config=c), [(x, w, gs) for w in ws], 40, shape))
+                         lambda x, w, gs, c=c: gmm(x, w, gs, config=c), [(x, w, gs) for w in ws], 20, shape))
 
     print(f"compiling {len(jobs)} candidates ...", flush=True)
     built = _compile_all([job[1:4] for job in jobs])
@@ -454,6 +463,8 @@ def main(argv=None):
         q = sub.add_parser(name)
         q.add_argument("--quick", action="store_true", help="fewer shapes and peers")
         q.add_argument("--json", default=None, help="write full results here")
+    sub.choices["tune"].add_argument("--only", choices=("all", "prefill", "decode"), default="all",
+                                     help="sweep only the prefill shapes or only the decode buckets")
     sub.choices["run"].add_argument("--configs", default=None,
                                     help="a `tune` JSON: use its best config per shape and kernel instead of the table")
     args = p.parse_args(argv)
