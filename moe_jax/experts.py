@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from moe_jax.ops import grouped_linear
 from moe_jax.ops.backends import BackendName
-from moe_jax.ops.reference import row_groups
+from moe_jax.ops.reference import gmm_reference
 
 __all__ = [
     "fuse_gate_up",
@@ -30,8 +30,6 @@ __all__ = [
     "swiglu_experts_fused",
     "swiglu_experts_reference",
 ]
-
-_HI = jax.lax.Precision.HIGHEST
 
 
 def fuse_gate_up(w_gate_EFD: jax.Array, w_up_EFD: jax.Array) -> jax.Array:
@@ -140,19 +138,10 @@ def swiglu_experts_reference(
     w_up_EFD: jax.Array,
     w_down_EDF: jax.Array,
 ) -> jax.Array:
-    """fp32 reference of `swiglu_experts`: a loop over experts in plain `jnp` (HIGHEST precision).
-
-    Each expert's FFN is applied to every row and kept only on its own rows, so the result
-    (`[M, D]` float32, zero past `sum(group_sizes_E)`) and its gradients come from ordinary dense
-    autodiff, independent of the grouped GEMMs. Small shapes only (E full passes over M rows).
-    """
-    num_experts = w_gate_EFD.shape[0]
-    group_M = row_groups(group_sizes_E, x_MD.shape[0])
-    x_MD = x_MD.astype(jnp.float32)
-    y_MD = jnp.zeros(x_MD.shape[:1] + w_down_EDF.shape[1:2], jnp.float32)
-    for e in range(num_experts):
-        gate_MF = jnp.dot(x_MD, w_gate_EFD[e].astype(jnp.float32).T, precision=_HI)
-        up_MF = jnp.dot(x_MD, w_up_EFD[e].astype(jnp.float32).T, precision=_HI)
-        out_MD = jnp.dot(jax.nn.silu(gate_MF) * up_MF, w_down_EDF[e].astype(jnp.float32).T, precision=_HI)
-        y_MD = jnp.where((group_M == e)[:, None], out_MD, y_MD)
-    return y_MD
+    """fp32 reference of `swiglu_experts` through `moe_jax.ops.gmm_reference` (plain `jnp`,
+    HIGHEST precision): `[M, D]` float32, zero past `sum(group_sizes_E)`, and its gradients come
+    from ordinary dense autodiff, independent of the grouped GEMMs. Small shapes only (it
+    gathers one weight matrix per row)."""
+    gate_MF = gmm_reference(x_MD, w_gate_EFD, group_sizes_E)
+    up_MF = gmm_reference(x_MD, w_up_EFD, group_sizes_E)
+    return gmm_reference(jax.nn.silu(gate_MF) * up_MF, w_down_EDF, group_sizes_E)

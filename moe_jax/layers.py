@@ -45,11 +45,12 @@ from moe_jax import routing as routing_lib
 from moe_jax.experts import fuse_gate_up, swiglu_experts, swiglu_experts_fused
 from moe_jax.ops.backends import resolve_backend
 from moe_jax.ops.config import gmm_config
-from moe_jax.padding import tile_padding
-from moe_jax.parallel.exchange import STRATEGIES, capacity_for, ep_combine, ep_dispatch
+from moe_jax.padding import executed_rows
+from moe_jax.parallel.exchange import STRATEGIES, capacity_for, check_capacity_factor, ep_combine, ep_dispatch
 from moe_jax.parallel.mesh import (
-    DATA_AXIS,
+    DENSE_DP_AXES,
     EP_AXIS,
+    EXPERT_DP_AXES,
     MESH_AXES,
     activation_spec,
     check_mesh,
@@ -232,8 +233,8 @@ class MoE(nnx.Module):
         (GPU only; slow unless XLA's ragged all-to-all decomposer flag is set, see
         `moe_jax.parallel.exchange`).
       capacity_factor: with ep > 1, rows per (source, destination) rank pair are capped at
-        `capacity_for(tokens_per_device, K, ep, capacity_factor)`, but never below one row per
-        local expert, `min(E / ep, tokens_per_device * K)` (small decode batches); dropped routes
+        `capacity_for(tokens_per_device, K, ep, capacity_factor, local_experts=E // ep)`, never
+        below one row per local expert (small decode batches hit that floor); dropped routes
         are counted in `MoEStats.dropped`; None is dropless. Without
         expert parallelism nothing is exchanged, so nothing is dropped and it has no effect.
       rngs: parameter initialisation keys.
@@ -302,7 +303,7 @@ class MoE(nnx.Module):
             raise ValueError(f"ep_strategy={ep_strategy!r}: use one of {STRATEGIES}.")
         self.ep_strategy = ep_strategy
         if capacity_factor is not None:
-            capacity_for(1, 1, 1, capacity_factor)  # validates the factor (ValueError otherwise)
+            check_capacity_factor(capacity_factor)
         self.capacity_factor = capacity_factor
 
         e, f, d = self.num_experts, self.d_ff, self.d_model
@@ -481,13 +482,13 @@ class MoE(nnx.Module):
         """Rows the grouped GEMM runs at the tile height `gmm_config` picks for this shape."""
         gate_up_cols = 2 * self.d_ff if self.fused_gate_up else self.d_ff
         block_m = gmm_config(num_rows, gate_up_cols, self.latent_dim or self.d_model, group_sizes.shape[0]).block_m
-        return tile_padding(group_sizes, block_m).executed
+        return jnp.sum(executed_rows(group_sizes, block_m), dtype=jnp.int32)
 
     def _local(self, x_TD, idx_TK, w_TK, mask_T, weights):
         """Stage 3 on one device's tokens with all E experts: pack, grouped SwiGLU, combine."""
         packing = pack(idx_TK, self.num_experts, mask_T=mask_T)
         y_RD = self._experts(gather_rows(x_TD, packing), packing.group_sizes_E, weights)
-        y_TD = combine(y_RD, w_TK, packing, mask_T=mask_T)
+        y_TD = combine(y_RD, w_TK, packing)  # pack(mask_T=...) already left masked routes out
         sizes = packing.group_sizes_E
         return y_TD, self._executed_rows(sizes, idx_TK.size), jnp.sum(sizes)
 
@@ -511,7 +512,7 @@ class MoE(nnx.Module):
 
     def _dp_body(self, x_TD, idx_TK, w_TK, mask_T, *weights):
         """Stage 3 with ep = 1 (inside shard_map): each device runs all experts on its tokens."""
-        weights = _varying(weights, MESH_AXES)
+        weights = _varying(weights, DENSE_DP_AXES)  # replicated: gradients sum over every device
         y_TD, executed, rows = self._local(x_TD, idx_TK, w_TK, mask_T, weights)
         return y_TD, lax.psum(executed, MESH_AXES), lax.psum(rows, MESH_AXES), jnp.zeros((), jnp.int32)
 
@@ -520,19 +521,17 @@ class MoE(nnx.Module):
         num_tokens, top_k = idx_TK.shape
         capacity = None
         if self.capacity_factor is not None:
-            # Small batches (decode) would get under one row per local expert, which ep_dispatch
-            # rejects as meaningless; the layer keeps that floor instead.
-            floor = min(self.num_experts // self.ep, num_tokens * top_k)
-            capacity = max(capacity_for(num_tokens, top_k, self.ep, self.capacity_factor), floor)
+            capacity = capacity_for(num_tokens, top_k, self.ep, self.capacity_factor,
+                                    local_experts=self.num_experts // self.ep)
         # Masked tokens are never sent and never count as dropped.
         packed_MD, sizes_El, plan = ep_dispatch(
             x_TD, idx_TK, num_experts=self.num_experts, axis_name=EP_AXIS, strategy=self.ep_strategy,
             capacity=capacity, mask_T=mask_T,
         )
-        weights = _varying(weights, (DATA_AXIS,))
+        weights = _varying(weights, EXPERT_DP_AXES)  # an ep shard's replicas sum its gradients
         y_TD = ep_combine(self._experts(packed_MD, sizes_El, weights), w_TK, plan, axis_name=EP_AXIS)
         executed = lax.psum(self._executed_rows(sizes_El, packed_MD.shape[0]), MESH_AXES)
         rows = lax.psum(jnp.sum(sizes_El), MESH_AXES)
         # plan.dropped is already the ep-group total; the groups of the data replicas add up.
-        dropped = lax.psum(plan.dropped, DATA_AXIS)
+        dropped = lax.psum(plan.dropped, EXPERT_DP_AXES)
         return y_TD, executed, rows, dropped

@@ -43,6 +43,7 @@ __all__ = [
     "RankPadding",
     "CapacityPadding",
     "CommPadding",
+    "executed_rows",
     "tile_padding",
     "per_rank_padding",
     "capacity_padding",
@@ -229,8 +230,10 @@ def _safe_div(num, den):
     return jnp.where(den > 0, num / jnp.where(den > 0, den, 1.0), 0.0)
 
 
-def _executed_rows(t, tile: int):
-    """q * ceil(t / q) per entry; written without `t + q - 1`, so it cannot overflow early."""
+def executed_rows(t, tile: int):
+    """Rows a grouped GEMM with `tile`-row tiles runs per expert: q * ceil(t / q) per entry of
+    the counts `t` (numpy or jax, traced too; no checks, no host copy). Written without
+    `t + q - 1`, so it cannot overflow early."""
     return -(-t // tile) * tile
 
 
@@ -250,9 +253,9 @@ def tile_padding(counts_E, tile: int) -> PaddingStats:
     t, host = _int_vector(counts_E, "counts_E")
     num_experts = t.shape[0]
     if host is not None:
-        _check_total(int(_executed_rows(host, tile).sum()), "executed rows P", "counts_E and tile")
+        _check_total(int(executed_rows(host, tile).sum()), "executed rows P", "counts_E and tile")
 
-    executed_E = _executed_rows(t, tile)
+    executed_E = executed_rows(t, tile)
     useful = jnp.sum(t, dtype=jnp.int32)
     executed = jnp.sum(executed_E, dtype=jnp.int32)
     padded = executed - useful
@@ -287,7 +290,7 @@ def per_rank_padding(counts_E, tile: int, *, expert_rank_E=None, num_ranks: int 
     t, host = _int_vector(counts_E, "counts_E")
     num_experts = t.shape[0]
     if host is not None:
-        _check_total(int(_executed_rows(host, tile).sum()), "executed rows P", "counts_E and tile")
+        _check_total(int(executed_rows(host, tile).sum()), "executed rows P", "counts_E and tile")
 
     if expert_rank_E is None:
         if num_ranks is None:
@@ -323,7 +326,7 @@ def per_rank_padding(counts_E, tile: int, *, expert_rank_E=None, num_ranks: int 
                 if top >= num_ranks:
                     raise ValueError(f"expert_rank_E has rank {top}, outside [0, num_ranks = {num_ranks})")
 
-    executed_E = _executed_rows(t, tile)
+    executed_E = executed_rows(t, tile)
     useful_R = jax.ops.segment_sum(t, rank_E, num_segments=num_ranks).astype(jnp.int32)
     executed_R = jax.ops.segment_sum(executed_E, rank_E, num_segments=num_ranks).astype(jnp.int32)
     padded_R = executed_R - useful_R

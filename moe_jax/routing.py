@@ -342,11 +342,10 @@ def expert_counts(
         raise ValueError("expert_counts: expert_idx_TK must have a trailing K axis, got a scalar.")
     real = _real_mask(mask_T, expert_idx_TK.shape[:-1], "mask_T", "expert_counts")
     ones_TK = jnp.broadcast_to(real[..., None], expert_idx_TK.shape).astype(jnp.int32)
-    return (
-        jnp.zeros((num_experts,), jnp.int32)
-        .at[expert_idx_TK.reshape(-1)]
-        .add(ones_TK.reshape(-1), mode="drop")
-    )
+    # mode="drop" drops only ids >= E; a negative id would wrap to E + id, so map it past E first.
+    in_range = (expert_idx_TK >= 0) & (expert_idx_TK < num_experts)
+    ids = jnp.where(in_range, expert_idx_TK, num_experts).reshape(-1)
+    return jnp.zeros((num_experts,), jnp.int32).at[ids].add(ones_TK.reshape(-1), mode="drop")
 
 
 def aux_loss(probs_TE: jax.Array, expert_idx_TK: jax.Array, *, mask_T: jax.Array | None = None) -> jax.Array:

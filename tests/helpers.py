@@ -30,14 +30,23 @@ def assert_close(out, ref, dtype, what=""):
     assert err <= tol, f"{what}: rel Frobenius error {err:.3e} > {tol:.0e} ({jnp.dtype(dtype).name})"
 
 
-def lower_for_gpu(fn, *avals, device_kind: str = "NVIDIA H200") -> str:
+def h200_mesh(shape: tuple[int, ...], names: tuple[str, ...], *, axis_types=None,
+              device_kind: str = "NVIDIA H200") -> jax.sharding.AbstractMesh:
+    """Abstract mesh of `shape` over axes `names` on CUDA devices of `device_kind`: lowers for GPUs
+    this host does not have (`axis_types` as `jax.sharding.AbstractMesh` takes them)."""
+    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform="cuda")
+    return jax.sharding.AbstractMesh(shape, names, axis_types, abstract_device=device)
+
+
+def lower_for_gpu(fn, *avals, mesh: jax.sharding.AbstractMesh | None = None) -> str:
     """StableHLO text of `fn` lowered for a CUDA GPU from this (possibly CPU-only) host.
 
-    Pallas kernels go through the full Pallas -> Triton IR lowering, so unsupported primitives,
-    non-power-of-two blocks or bad indexing fail here, in CI, without a GPU.
+    `mesh` (from `h200_mesh`; default one H200) is the abstract mesh the lowering runs under; avals
+    sharded over it need it. Pallas kernels go through the full Pallas -> Triton IR lowering and
+    the MLIR verifier, so unsupported primitives, non-power-of-two blocks or bad indexing fail
+    here, in CI, without a GPU.
     """
-    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform="cuda")
-    mesh = jax.sharding.AbstractMesh((1,), ("aot",), abstract_device=device)
+    mesh = h200_mesh((1,), ("aot",)) if mesh is None else mesh
     with jax.sharding.use_abstract_mesh(mesh), _verify_triton_modules():
         return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
 

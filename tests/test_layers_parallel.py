@@ -163,8 +163,8 @@ def _kept_routes(idx, mask, ep, data, capacity):
 def test_capacity_overflow_dropped_exactly(ep, data, factor):
     """Skewed routing over a capacity-factor buffer: the drop count equals the numpy model, and
     the output and gradients equal the single-device layer with the dropped routes removed. At
-    factor 0.25 `capacity_for` gives less than one row per local expert; the layer keeps that
-    floor (C = E/ep) rather than failing."""
+    factor 0.25 the balanced share is less than one row per local expert; `capacity_for` keeps
+    that floor (C = E/ep) rather than failing."""
     mesh = _mesh(ep, data)
     hot = np.arange(E // ep)  # rank 0's experts
 
@@ -177,7 +177,7 @@ def test_capacity_overflow_dropped_exactly(ep, data, factor):
     mask = np.ones(N, bool)
     mask[[1, 6]] = False
     tokens = N // (ep * data)
-    capacity = max(capacity_for(tokens, K, ep, factor), min(E // ep, tokens * K))
+    capacity = capacity_for(tokens, K, ep, factor, local_experts=E // ep)
     keep = _kept_routes(np.asarray(routing.expert_idx_TK), mask, ep, data, capacity)
     expected_dropped = int(mask.sum()) * K - int(keep.sum())
     assert expected_dropped > 0  # the case must overflow

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 
 from moe_jax.ops import (
     TileConfig,
+    clamp_group_sizes,
     gmm,
     gmm_config,
     gmm_reference,
@@ -27,7 +28,7 @@ from moe_jax.ops import (
     tgmm_config,
     tgmm_reference,
 )
-from tests.helpers import ON_GPU, assert_close, lower_for_gpu, rel_err
+from tests.helpers import ON_GPU, assert_close, h200_mesh, lower_for_gpu, rel_err
 
 BACKENDS = ["pallas_triton", "xla"]
 DTYPES = [jnp.float32, jnp.bfloat16]
@@ -201,12 +202,11 @@ def test_every_output_element_is_written(sizes, m):
     """Each kernel writes every element of its output: launched into a NaN-filled buffer (aliased
     as the output), the result has no NaN and matches the reference."""
     from moe_jax.ops import kernels
-    from moe_jax.ops.backends import _on_gpu
 
     k, n, e = 40, 24, len(sizes)
     x, w = _inputs(14, m, k, n, e, jnp.float32)
     gs = jnp.asarray(sizes, jnp.int32)
-    common = dict(out_dtype=jnp.float32, precision=jax.lax.Precision.HIGHEST, interpret=not _on_gpu())
+    common = dict(out_dtype=jnp.float32, precision=jax.lax.Precision.HIGHEST, interpret=not ON_GPU)
     nan_out = jnp.full((m, n), jnp.nan, jnp.float32)
     ref = gmm_reference(x, w, gs)
     tiles = TileConfig(16, 16, 16, 4, 2, 2)
@@ -218,8 +218,7 @@ def test_every_output_element_is_written(sizes, m):
                                       num_fill=2, **common)
     assert_close(out, ref, jnp.float32, "group-major kernel")
     dy = jax.random.normal(jax.random.PRNGKey(15), (m, n))
-    offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(gs)]).astype(jnp.int32)
-    dw = kernels.tgmm_pallas(x, dy, offsets, config=TileConfig(16, 16, 16, 4, 2, 1),
+    dw = kernels.tgmm_pallas(x, dy, clamp_group_sizes(gs, m), config=TileConfig(16, 16, 16, 4, 2, 1),
                              out_init=jnp.full((e, n, k), jnp.nan, jnp.float32), **common)
     assert_close(dw, tgmm_reference(x, dy, gs), jnp.float32, "weight-gradient kernel")
 
@@ -337,6 +336,11 @@ def test_gmm_property_random_groupings(sizes, slack):
 # GPU lowering, checked from any host
 
 
+def _kernel_for(m, n, k, e):
+    """Name of the forward/input-gradient kernel `gmm_config` picks for this per-device shape."""
+    return "moe_jax_gmm_by_group" if gmm_config(m, n, k, e).by_group else "moe_jax_gmm"
+
+
 @pytest.mark.parametrize("m,n,k,e", [(32768, 1536, 2048, 128), (8, 1536, 2048, 128), (8192, 14336, 4096, 8),
                                      (300, 200, 72, 5)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
@@ -353,25 +357,24 @@ def test_kernels_lower_to_triton_for_h200(m, n, k, e, dtype):
         jax.ShapeDtypeStruct((e,), jnp.int32),
     )
     names = re.findall(r'name = "(moe_jax_\w+)"', text)
-    expect_fwd = "moe_jax_gmm_by_group" if gmm_config(m, n, k, e).by_group else "moe_jax_gmm"
-    expect_dgrad = "moe_jax_gmm_by_group" if gmm_config(m, k, n, e).by_group else "moe_jax_gmm"
-    assert sorted(names) == sorted([expect_fwd, expect_dgrad, "moe_jax_tgmm"]), names
+    assert sorted(names) == sorted([_kernel_for(m, n, k, e), _kernel_for(m, k, n, e), "moe_jax_tgmm"]), names
     assert "__gpu$xla.gpu.triton" in text
 
 
-@pytest.mark.parametrize("m,e", [(64, 8), (16, 128)])  # row-tile and by-group (decode) kernels
-def test_kernels_lower_for_h200_inside_shard_map(m, e):
+# Per device: m rows over e experts; 64 rows per expert get the row-tile kernel, 8 and 1/8 by-group.
+@pytest.mark.parametrize("m,e,fwd_kernel", [(512, 8, "moe_jax_gmm"), (64, 8, "moe_jax_gmm_by_group"),
+                                            (16, 128, "moe_jax_gmm_by_group")])
+def test_kernels_lower_for_h200_inside_shard_map(m, e, fwd_kernel):
     """The MoE layer runs the kernels inside `jax.shard_map(check_vma=True)` on a mesh: Pallas then
     needs the output's varying mesh axes (this failed on 2 H200s on 2026-11-30). Forward and both
     gradient kernels lower for a 2-GPU ep mesh, with the weights replicated then cast to varying as
-    the layer does. (Interpret mode on CPU cannot run there: JAX's Pallas interpreter pads with
-    invariant constants; `auto` picks the xla backend on CPU.)"""
-    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding, PartitionSpec
+    the layer does, for both forward kernels. (Interpret mode on CPU cannot run there: JAX's
+    Pallas interpreter pads with invariant constants; `auto` picks the xla backend on CPU.)"""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-    from tests.helpers import _verify_triton_modules
-
-    device = AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
-    mesh = AbstractMesh((2,), ("ep",), axis_types=(AxisType.Explicit,), abstract_device=device)
+    k, n = 64, 32
+    assert _kernel_for(m, n, k, e) == fwd_kernel, "the config table moved: pick shapes that cover both kernels"
+    mesh = h200_mesh((2,), ("ep",), axis_types=(AxisType.Explicit,))
 
     def body(x, w, gs):
         w = jax.lax.pcast(w, ("ep",), to="varying")
@@ -386,12 +389,14 @@ def test_kernels_lower_for_h200_inside_shard_map(m, e):
     def sds(shape, dtype, spec):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
 
-    args = (sds((2 * m, 64), jnp.bfloat16, PartitionSpec("ep")), sds((e, 32, 64), jnp.bfloat16, PartitionSpec()),
+    args = (sds((2 * m, k), jnp.bfloat16, PartitionSpec("ep")), sds((e, n, k), jnp.bfloat16, PartitionSpec()),
             sds((2 * e,), jnp.int32, PartitionSpec("ep")))
-    with jax.sharding.use_abstract_mesh(mesh), _verify_triton_modules():
-        text = jax.jit(loss_and_grads).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert sorted(re.findall(r'name = "(moe_jax_\w+)"', text))[-1] == "moe_jax_tgmm"
-    assert len(re.findall(r'name = "(moe_jax_\w+)"', text)) == 3
+    text = lower_for_gpu(loss_and_grads, *args, mesh=mesh)
+    names = re.findall(r'name = "(moe_jax_\w+)"', text)
+    assert sorted(names)[-1] == "moe_jax_tgmm"
+    assert len(names) == 3
+    assert sorted(names) == sorted([_kernel_for(m, n, k, e), _kernel_for(m, k, n, e), "moe_jax_tgmm"]), names
+    assert "__gpu$xla.gpu.triton" in text
 
 
 # ---------------------------------------------------------------------------------------------

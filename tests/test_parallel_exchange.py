@@ -41,7 +41,8 @@ from moe_jax.parallel import (
     expert_spec,
     make_mesh,
 )
-from tests.helpers import ON_GPU, assert_close
+from moe_jax.parallel.exchange import check_capacity_factor
+from tests.helpers import ON_GPU, assert_close, h200_mesh, lower_for_gpu
 
 ACT = activation_spec()
 T, D, O, E = 6, 8, 5, 8
@@ -404,6 +405,15 @@ def test_capacity_for():
         capacity_for(6, 2, 4, 0.0)
     with pytest.raises(ValueError, match="ep_size must be a positive int"):
         capacity_for(6, 2, 0, 1.0)
+    # Floor of one row per local expert: the balanced share ceil(0.25 * 16 / 2) = 2 rises to 4 ...
+    assert capacity_for(8, 2, 2, 0.25, local_experts=4) == 4
+    # ... but never above the dropless T*K = 2.
+    assert capacity_for(1, 2, 2, 0.25, local_experts=8) == 2
+    with pytest.raises(ValueError, match="local_experts must be a positive int"):
+        capacity_for(6, 2, 4, 1.0, local_experts=0)
+    for bad in (0, -1, float("nan"), True):
+        with pytest.raises(ValueError, match="capacity_factor must be a finite number > 0"):
+            check_capacity_factor(bad)
 
 
 # ----------------------------------------------------------------------------- ragged strategy
@@ -461,8 +471,7 @@ def test_ragged_strategy_lowers_for_gpu():
     """Forward and backward of the ragged path lower for an H200 from this CPU host, with four
     ragged_all_to_all (dispatch, combine, and their reverse exchanges) and no JAX transpose, under
     shard_map's varying-axes checks (check_vma, as the MoE layer runs it)."""
-    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
-    mesh = jax.sharding.AbstractMesh((2, 4), (DATA_AXIS, EP_AXIS), abstract_device=device)
+    mesh = h200_mesh((2, 4), (DATA_AXIS, EP_AXIS))
     k, n = 2, 8 * T
 
     def body(x, idx, w, W):
@@ -484,6 +493,5 @@ def test_ragged_strategy_lowers_for_gpu():
         aval((n, k), jnp.float32, ACT),
         aval((E, O, D), jnp.float32, expert_spec()),
     )
-    with jax.sharding.use_abstract_mesh(mesh):
-        text = jax.jit(grad).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_for_gpu(grad, *avals, mesh=mesh)
     assert text.count("stablehlo.custom_call @ragged_all_to_all") == 4

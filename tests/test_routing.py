@@ -251,6 +251,9 @@ def test_expert_counts_with_mask():
     counts = expert_counts(idx, 5, mask_T=mask)
     assert counts.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(counts), [1, 2, 0, 1, 0])
+    # Ids outside [0, E) are dropped, negative ones too (a scatter would wrap -1 to E - 1).
+    bad = jnp.asarray([[-1, 0], [4, 5]], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(expert_counts(bad, 4)), [1, 0, 0, 0])
     # Leading axes may be [B, S].
     np.testing.assert_array_equal(
         np.asarray(expert_counts(idx.reshape(2, 2, 2), 5, mask_T=mask.reshape(2, 2))), [1, 2, 0, 1, 0]

@@ -41,9 +41,12 @@ def _platform() -> str:
     return device.platform if device is not None else jax.default_backend()
 
 
+_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
 def _on_gpu() -> bool:
     """Whether kernels compile for a GPU; elsewhere they interpret."""
-    return _platform() in ("gpu", "cuda", "rocm")
+    return _platform() in _GPU_PLATFORMS
 
 
 def _pallas_gmm(lhs, rhs, group_sizes, *, transpose_rhs, config: TileConfig | None, out_dtype, precision):
@@ -123,7 +126,7 @@ def resolve_backend(backend: str) -> str:
     """
     if backend == "auto":
         platform = _platform()
-        picked = "pallas_triton" if _on_gpu() else "xla"
+        picked = "pallas_triton" if platform in _GPU_PLATFORMS else "xla"
         if (platform, picked) not in _announced:
             _announced.add((platform, picked))
             _log.info("moe_jax: backend='auto' picked %r on platform %r", picked, platform)

@@ -29,9 +29,11 @@ class TileConfig:
     an expert's weight block and its activation rows are read from HBM about once (L2 reuse).
     Triton needs power-of-two blocks; tensor-core dots need every block >= 16.
 
-    `by_group` (gmm only) launches one program per (group, column block) that walks its group's
-    row tiles instead of one program per row tile of an on-device schedule: no schedule is built
+    `by_group` (gmm only) launches one program per (active-group slot, column block), `min(E, M)`
+    slots, that walks its group's row tiles (plus a few programs that zero the rows past the last
+    group), instead of one program per row tile of an on-device schedule: no schedule is built
     before the kernel, which is what decode needs; under heavy skew it serialises a hot group.
+    `group_m` is unused there.
     """
 
     block_m: int = 128
@@ -69,7 +71,7 @@ def gmm_config(m: int, n: int, k: int, num_groups: int) -> TileConfig:
       it, and narrow column blocks give every SM weight blocks to stream: 32 columns while fewer
       than two rows per group (8 of 128 experts active at one token), 64 from there (H200 sweep of
       2026-11-30 over T = 1, 8, 32, 128 tokens at top-8 of 128 experts, both kernels).
-    - small prefill (<= 64): `block_m` near the mean group so fewer rows are padding.
+    - small prefill (<= 64): 64-row tiles, so fewer rows are tile padding.
     - prefill: 128x256x64 tiles, 8 warps, 4 stages was best or within 3% of best on all four
       model shapes (Qwen3 gate+up and down, Mixtral, DeepSeek-V3), forward and input gradient.
     """
@@ -86,8 +88,9 @@ def gmm_config(m: int, n: int, k: int, num_groups: int) -> TileConfig:
 def tgmm_config(m: int, n: int, k: int, num_groups: int) -> TileConfig:
     """Weight-gradient config for `dB[num_groups, n, k] = dC[m, n]^T A[m, k]` per group.
 
-    Each program owns a 128x128 tile of one group's gradient and walks that group's rows; 32-row
-    steps won for a few hundred rows per group (Qwen3, DeepSeek-V3), 64 for Mixtral's ~1000.
+    Each program owns a `block_n x block_k` tile of one group's gradient and walks that group's
+    rows. Prefill (> 64 rows per group): 128x128 tiles, 32-row steps won for a few hundred rows
+    per group (Qwen3, DeepSeek-V3), 64 for Mixtral's ~1000; smaller groups get 64x64 tiles.
     """
     rows = m / max(num_groups, 1)
     if rows <= 64:

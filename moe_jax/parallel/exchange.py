@@ -39,8 +39,9 @@ Strategies (one seam, `_move_rows`; planning and regrouping are shared):
   (S = R, blocks at exclusive cumsums of the kept counts), and each receiver packs the incoming
   blocks tightly in source order into M = P*C rows. GPU only (XLA:CPU does not implement it).
   Measured on 2 H200s with jax 0.11.2 (benchmarks/results/2026-11-30-h200x2-ep.md): about 5 GB/s
-  by default, about 100-115 GB/s with XLA_FLAGS=--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true,
-  against 145-240 GB/s for `"padded"`; hence `"padded"` is the default.
+  by default, about 100-115 GB/s with XLA_FLAGS=--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true
+  at prefill, against 145-250 GB/s for `"padded"` there (105-135 GB/s at decode); hence
+  `"padded"` is the default.
 
 Both strategies keep the same routes and produce the same packed layout, so results agree
 exactly. Dropless (`capacity=None`) means C = R: a destination may receive every route of every
@@ -69,6 +70,7 @@ __all__ = [
     "EPPlan",
     "EPStats",
     "capacity_for",
+    "check_capacity_factor",
     "ep_dispatch",
     "ep_combine",
     "ep_moe",
@@ -165,27 +167,35 @@ class EPPlan(NamedTuple):
 # ----------------------------------------------------------------------------- checks / sizes
 
 
-def capacity_for(tokens_per_rank: int, top_k: int, ep_size: int, capacity_factor: float) -> int:
-    """Capacity C for `capacity_factor` times the balanced load: `ceil(cf * T*K / P)`.
-
-    Rule: the result is clamped to `[1, T*K]`: at least one row per (source, destination) pair,
-    since a zero-row buffer would drop everything; at most T*K, the dropless worst case (a larger
-    buffer would only hold padding). `ep_dispatch` rejects a capacity below one row per local
-    expert, C < min(E/P, T*K), i.e. `cf * T*K / E < 1` (GShard/Switch's expert capacity under 1):
-    use dropless dispatch (capacity=None) for so few tokens.
-    Raises ValueError for non-positive sizes or a non-positive/non-finite factor.
-    """
-    for name, value in (("tokens_per_rank", tokens_per_rank), ("top_k", top_k), ("ep_size", ep_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int; got {value!r}.")
-    if not (isinstance(capacity_factor, (int, float)) and math.isfinite(capacity_factor) and capacity_factor > 0):
+def check_capacity_factor(capacity_factor) -> None:
+    """ValueError unless `capacity_factor` is a finite number > 0 (1.0 = the balanced load)."""
+    if not (isinstance(capacity_factor, (int, float)) and not isinstance(capacity_factor, bool)
+            and math.isfinite(capacity_factor) and capacity_factor > 0):
         raise ValueError(
             f"capacity_factor must be a finite number > 0 (1.0 = the balanced load); got {capacity_factor!r}."
         )
+
+
+def capacity_for(tokens_per_rank: int, top_k: int, ep_size: int, capacity_factor: float, *,
+                 local_experts: int = 1) -> int:
+    """Capacity C for `capacity_factor` times the balanced load: `ceil(cf * T*K / P)`.
+
+    Rule: the result is clamped to `[min(local_experts, T*K), T*K]`: at least one row per local
+    expert of the destination (`ep_dispatch` rejects less: below GShard/Switch's expert capacity of
+    one, `cf * T*K / E < 1`, a factor means nothing; small batches such as decode hit this floor),
+    and at most T*K, the dropless worst case (a larger buffer would only hold padding). Pass
+    `local_experts=E // P`; the default 1 keeps one row per (source, destination) pair.
+    Raises ValueError for non-positive sizes or a non-positive/non-finite factor.
+    """
+    for name, value in (("tokens_per_rank", tokens_per_rank), ("top_k", top_k), ("ep_size", ep_size),
+                        ("local_experts", local_experts)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int; got {value!r}.")
+    check_capacity_factor(capacity_factor)
     routes = tokens_per_rank * top_k
     # Round away float noise first (1.1 * 100 / 10 is 11.000000000000002, not 12 rows' worth).
     cap = math.ceil(round(capacity_factor * routes / ep_size, 9))
-    return max(1, min(cap, routes))
+    return max(min(local_experts, routes), min(cap, routes))
 
 
 def _check_strategy(strategy: str) -> None:
@@ -341,11 +351,14 @@ def _plan_sends(expert_R, real_R, num_experts: int, ep: int, capacity: int) -> _
     )
 
 
-def _plan_exchange(counts_PP, me, strategy: str, capacity: int) -> BlockExchange:
+def _plan_exchange(counts_PP, send_sizes, me, strategy: str, capacity: int) -> BlockExchange:
     """Block offsets of the dispatch exchange from the kept-row matrix `counts_PP[src, dst]`, the
-    same matrix on every rank, so sender and receiver agree without exchanging offsets."""
+    same matrix on every rank, so sender and receiver agree without exchanging offsets.
+
+    `send_sizes` is this rank's own row `counts_PP[me]`, computed locally: the send side (sizes
+    and offsets) then does not wait for the count all_gather, so the send buffer can be built
+    while it is in flight."""
     ep = counts_PP.shape[0]
-    send_sizes = counts_PP[me, :]
     recv_sizes = counts_PP[:, me]
     if strategy == "padded":
         # Fixed [C]-row slots: block p at p*C on both sides, and this rank's slot at every peer is
@@ -357,7 +370,7 @@ def _plan_exchange(counts_PP, me, strategy: str, capacity: int) -> BlockExchange
     recv_start_PP = _exclusive_cumsum(counts_PP, axis=0)  # [src, dst]: src's block in dst's recv buffer
     send_start_PP = _exclusive_cumsum(counts_PP, axis=1)  # [src, dst]: dst's block in src's send buffer
     return BlockExchange(
-        send_offsets_P=send_start_PP[me, :],
+        send_offsets_P=_exclusive_cumsum(send_sizes),
         send_sizes_P=send_sizes,
         recv_offsets_P=recv_start_PP[:, me],
         recv_sizes_P=recv_sizes,
@@ -488,7 +501,7 @@ def ep_dispatch(
     # The count exchange: every rank's [P, El] kept counts, integers, not differentiated.
     counts_PPE = lax.all_gather(sends.kept_PE, axis_name)
     me = lax.axis_index(axis_name)
-    ex = _plan_exchange(counts_PPE.sum(axis=2), me, strategy, cap)
+    ex = _plan_exchange(counts_PPE.sum(axis=2), sends.kept_PE.sum(axis=1), me, strategy, cap)
 
     # Send buffer by gather (its transpose is a scatter-add into x): row i of block p is the
     # j-th kept route to p in send order.
