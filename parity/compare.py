@@ -93,19 +93,19 @@ def _as_torch(a, device: torch.device) -> torch.Tensor:
 def compare_tensor(name: str, ours, reference: torch.Tensor, threshold: float) -> Comparison:
     """One `Comparison`; shapes must agree (a mismatch raises ValueError naming the tensor)."""
     reference = reference.detach()
-    theirs = _as_torch(ours, reference.device)
-    if tuple(theirs.shape) != tuple(reference.shape):
+    ours_t = _as_torch(ours, reference.device)
+    if tuple(ours_t.shape) != tuple(reference.shape):
         raise ValueError(
-            f"{name}: our shape {tuple(theirs.shape)} differs from the reference's {tuple(reference.shape)}"
+            f"{name}: our shape {tuple(ours_t.shape)} differs from the reference's {tuple(reference.shape)}"
         )
     shape = tuple(reference.shape)
     if reference.numel() == 0:
         return Comparison(name, shape, 0.0, 0.0, threshold)
     if not reference.dtype.is_floating_point:
-        differ = theirs.long() != reference.long()
-        max_abs = float((theirs.long() - reference.long()).abs().max())
+        differ = ours_t.long() != reference.long()
+        max_abs = float((ours_t.long() - reference.long()).abs().max())
         return Comparison(name, shape, max_abs, float(differ.double().mean()), 0.0)
-    a, b = theirs.double(), reference.double()
+    a, b = ours_t.double(), reference.double()
     diff = a - b
     norm = float(torch.linalg.vector_norm(b))
     err = float(torch.linalg.vector_norm(diff))

@@ -44,6 +44,19 @@ def jax_precision(config: ParityConfig):
     return jax.lax.Precision.HIGHEST if config.dtype == "float32" else None
 
 
+def _ep_devices(config: ParityConfig) -> list:
+    """The first `config.ep_size` devices of the default platform, else of the host's CPU."""
+    for devices in (jax.devices(), jax.devices("cpu")):
+        if len(devices) >= config.ep_size:
+            return devices[: config.ep_size]
+    raise ValueError(
+        f"ep_size={config.ep_size} needs {config.ep_size} devices but jax sees {jax.device_count()} "
+        f"{jax.default_backend()} and {len(jax.devices('cpu'))} CPU devices; set "
+        f"XLA_FLAGS=--xla_force_host_platform_device_count={config.ep_size} before jax starts "
+        "(python -m parity does so), or lower ep_size."
+    )
+
+
 def ep_mesh(config: ParityConfig):
     """The `("data", "ep")` mesh of `config.ep_size` devices (data=1), or None for ep_size=1.
 
@@ -51,20 +64,23 @@ def ep_mesh(config: ParityConfig):
     (forced by XLA_FLAGS=--xla_force_host_platform_device_count, which the root conftest and
     `python -m parity` set), as tests/test_layers_parallel.py does: a one-GPU host then runs the
     EP layer on CPU, where backend "auto" picks XLA and only the "padded" exchange exists.
+    Raises ValueError when there are too few devices, or when `ep_strategy="ragged"` would run on
+    devices other than GPUs.
     """
     if config.ep_size == 1:
         return None
     from moe_jax.parallel import make_mesh
 
-    for devices in (jax.devices(), jax.devices("cpu")):
-        if len(devices) >= config.ep_size:
-            return make_mesh(ep=config.ep_size, data=1, devices=devices[: config.ep_size])
-    raise ValueError(
-        f"ep_size={config.ep_size} needs {config.ep_size} devices but jax sees {jax.device_count()} "
-        f"{jax.default_backend()} and {len(jax.devices('cpu'))} CPU devices; set "
-        f"XLA_FLAGS=--xla_force_host_platform_device_count={config.ep_size} before jax starts "
-        "(python -m parity does so), or lower ep_size."
-    )
+    devices = _ep_devices(config)
+    platform = devices[0].platform
+    # XLA:CPU has no ragged_all_to_all: fail here, not with a JaxRuntimeError mid-compile.
+    if config.ep_strategy == "ragged" and platform != "gpu":
+        raise ValueError(
+            f"ep_strategy='ragged' needs {config.ep_size} GPUs (ragged_all_to_all), but the EP mesh "
+            f"would run on {platform}; use ep_strategy='padded' (--ep-strategy padded) or a host "
+            f"with {config.ep_size} GPUs."
+        )
+    return make_mesh(ep=config.ep_size, data=1, devices=devices)
 
 
 def _on_mesh_platform(mesh):

@@ -110,10 +110,23 @@ def _time_ours(config, problem, *, warmup: int, iters: int) -> float:
     return statistics.median(times)
 
 
+def _check_ep_devices(config: ParityConfig) -> None:
+    """Timing EP needs ep_size devices on the default backend: with fewer, `ep_mesh` falls back to
+    the host's CPU devices, and our step would be timed on CPU against torch on the GPU."""
+    available = len(jax.devices())
+    if config.ep_size > 1 and available < config.ep_size:
+        raise ValueError(
+            f"timing with ep_size={config.ep_size} needs {config.ep_size} accelerators on jax's "
+            f"default backend ({jax.default_backend()}), which has {available}; lower --ep-size or "
+            "run on a host with enough GPUs."
+        )
+
+
 def time_layers(config: ParityConfig, *, warmup: int = 3, iters: int = 20) -> TimingResult:
     """Median forward+backward step time of the torch reference and of our layer on `config`.
 
-    GPU only: raises RuntimeError unless both torch and jax see a CUDA GPU.
+    GPU only: raises RuntimeError unless both torch and jax see a CUDA GPU, and ValueError when
+    `config.ep_size > 1` and jax's default backend has fewer than ep_size devices.
     """
     if not gpu_available():
         raise RuntimeError(
@@ -121,6 +134,7 @@ def time_layers(config: ParityConfig, *, warmup: int = 3, iters: int = 20) -> Ti
             f"{torch.cuda.is_available()}, jax.default_backend()={jax.default_backend()!r}); "
             "run it on the GPU runner."
         )
+    _check_ep_devices(config)
     if iters < 1 or warmup < 0:
         raise ValueError(f"iters={iters} must be >= 1 and warmup={warmup} >= 0.")
     problem = build_problem(config)

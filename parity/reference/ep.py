@@ -42,7 +42,7 @@ from typing import Iterable, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-from parity.reference.experts import acc_dtype, swiglu
+from parity.reference.experts import Packing, combine_pairs, pack_by_expert, swiglu
 from parity.reference.grouped_gemm import grouped_linear
 
 ProcessGroup = dist.ProcessGroup
@@ -205,41 +205,22 @@ def _experts_per_rank(num_experts: int, ep_size: int) -> int:
     return num_experts // ep_size
 
 
-def _check_routing(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int) -> None:
+def _check_routing(x: torch.Tensor, topk_idx: torch.Tensor) -> None:
+    """Shape and device checks; `pack_by_expert` checks the dtype and the range of the ids."""
     if x.ndim != 2:
         raise ValueError(f"x must be [T, D], got {tuple(x.shape)}")
     if topk_idx.ndim != 2 or topk_idx.shape[0] != x.shape[0]:
         raise ValueError(f"topk_idx must be [T={x.shape[0]}, K], got {tuple(topk_idx.shape)}")
-    if topk_idx.dtype.is_floating_point or topk_idx.dtype.is_complex or topk_idx.dtype == torch.bool:
-        raise ValueError(f"topk_idx must be integer, got {topk_idx.dtype}")
     if topk_idx.device != x.device:
         raise ValueError(f"x is on {x.device} but topk_idx on {topk_idx.device}")
-    if topk_idx.numel() and (int(topk_idx.min()) < 0 or int(topk_idx.max()) >= num_experts):
-        raise ValueError(f"topk_idx values must lie in [0, {num_experts})")
 
 
-def _pack_routes(
-    topk_idx: torch.Tensor, experts_per_rank: int, ep_rank: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Order the T*K routes by (destination rank, local expert): `(route_order, owner, meta)`.
-
-    `owner[T*K]` is each route's destination in flat route order; `meta[T*K, 4]` is the route
-    metadata already in packed (send) order. The sort is stable, so routes that share a
-    destination expert keep token order; the owner then sees each expert's rows in global token
-    order, as a single-process packing would.
-    """
-    num_tokens, top_k = topk_idx.shape
-    device = topk_idx.device
-    expert = topk_idx.reshape(-1).long()
-    owner = expert // experts_per_rank
-    local_expert = expert % experts_per_rank
-    # owner * E_loc + local_expert is the global expert id itself: sorting by it sorts by
-    # destination rank first, then by local expert.
-    route_order = torch.argsort(expert, stable=True)
-    token = torch.arange(num_tokens, device=device).repeat_interleave(top_k)
-    slot = torch.arange(top_k, device=device).repeat(num_tokens)
-    meta = torch.stack([local_expert, torch.full_like(token, ep_rank), token, slot], dim=1)
-    return route_order, owner, meta[route_order]
+def _route_meta(packing: Packing, experts_per_rank: int, ep_rank: int, top_k: int) -> torch.Tensor:
+    """`meta[T*K, 4]` of the routes in packed (send) order: see the META_* columns."""
+    local_expert = packing.expert_ids % experts_per_rank
+    source = torch.full_like(local_expert, ep_rank)
+    slot = packing.order % max(top_k, 1)
+    return torch.stack([local_expert, source, packing.token_ids, slot], dim=1)
 
 
 def ep_dispatch(
@@ -260,16 +241,20 @@ def ep_dispatch(
     ep_size = dist.get_world_size(ep_group)
     ep_rank = dist.get_rank(ep_group)
     experts_per_rank = _experts_per_rank(num_experts, ep_size)
-    _check_routing(x, topk_idx, num_experts)
+    _check_routing(x, topk_idx)
     top_k = topk_idx.shape[1]
 
-    # 1. Pack routes by destination, then local expert.
-    route_order, owner, send_meta = _pack_routes(topk_idx, experts_per_rank, ep_rank)
-    send_x = x[route_order // max(top_k, 1)]
+    # 1. Pack routes by global expert: since global expert = owner * E_loc + local expert, this
+    #    orders them by destination rank, then local expert. The sort is stable, so the owner sees
+    #    each expert's rows in global token order, as a single-process packing would.
+    packing = pack_by_expert(topk_idx, num_experts)
+    send_meta = _route_meta(packing, experts_per_rank, ep_rank, top_k)
+    send_x = x[packing.token_ids]
 
     # 2. Receivers learn their counts before allocating buffers (a host sync: the variable-split
-    #    API takes Python lists).
-    send_counts = torch.bincount(owner, minlength=ep_size).long()
+    #    API takes Python lists). Rank j owns global experts [j*E_loc, (j+1)*E_loc), so its count
+    #    is a difference of the packing offsets.
+    send_counts = packing.offsets[::experts_per_rank].diff().long()
     recv_counts = exchange_counts(send_counts, ep_group)
     send_splits = send_counts.cpu().tolist()
     recv_splits = recv_counts.cpu().tolist()
@@ -281,15 +266,13 @@ def ep_dispatch(
 
     # 4. The receive buffer is source-major; grouped GEMM needs each local expert contiguous.
     #    Stable, so one expert's rows stay in source-rank order, then source token order.
-    expert_order = torch.argsort(recv_meta[:, META_LOCAL_EXPERT], stable=True)
+    regroup = pack_by_expert(recv_meta[:, META_LOCAL_EXPERT:META_LOCAL_EXPERT + 1], experts_per_rank)
+    expert_order = regroup.order
     recv_x = recv_x[expert_order]
     recv_meta = recv_meta[expert_order]
-    recv_expert = recv_meta[:, META_LOCAL_EXPERT].contiguous()
-    counts = torch.bincount(recv_expert, minlength=experts_per_rank)
-    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
 
-    context = DispatchContext(send_splits, recv_splits, route_order, expert_order, recv_meta)
-    return recv_x, recv_expert, offsets, context
+    context = DispatchContext(send_splits, recv_splits, packing.order, expert_order, recv_meta)
+    return recv_x, regroup.expert_ids, regroup.offsets, context
 
 
 def ep_combine(
@@ -332,12 +315,8 @@ def ep_combine(
     returned_y = AllToAllRows.apply(send_y, context.send_splits, context.recv_splits, ep_group)
 
     top_k = topk_weight.shape[1]
-    acc = acc_dtype(packed_y.dtype)
     route_weight = topk_weight.reshape(-1)[route_order]
-    out = torch.zeros((num_tokens, packed_y.shape[1]), device=packed_y.device, dtype=acc)
-    # Out-of-place index_add so that autograd differentiates it.
-    out = out.index_add(0, route_order // max(top_k, 1), returned_y.to(acc) * route_weight.to(acc)[:, None])
-    return out.to(packed_y.dtype)
+    return combine_pairs(returned_y, route_weight, route_order // max(top_k, 1), num_tokens)
 
 
 # --------------------------------------------------------------------------------------------

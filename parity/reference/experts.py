@@ -163,10 +163,16 @@ def _swiglu_backward(
     return (dh * u * d_silu).to(gate.dtype), (dh * g * sig).to(up.dtype)
 
 
-def _combine(
+def combine_pairs(
     pair_out: torch.Tensor, pair_weight: torch.Tensor, token_ids: torch.Tensor, num_tokens: int,
 ) -> torch.Tensor:
-    """Weighted sum of each token's K expert outputs, accumulated in fp32/fp64, in input dtype."""
+    """Weighted sum of expert outputs into their tokens: `out[t] = sum_{p: token_ids[p] = t} w[p] y[p]`.
+
+    `pair_out[P, D]`, `pair_weight[P]`, `token_ids[P]` int64 in [0, num_tokens) -> `out[num_tokens,
+    D]` in the dtype of `pair_out`, accumulated in fp32 (fp64 for fp64 data) and rounded once.
+    Differentiable with respect to `pair_out` and `pair_weight`. Shared by the single-process path
+    and `parity.reference.ep.ep_combine`.
+    """
     acc = acc_dtype(pair_out.dtype)
     out = torch.zeros((num_tokens, pair_out.shape[1]), device=pair_out.device, dtype=acc)
     # Out-of-place index_add so that autograd can differentiate the same code path.
@@ -205,7 +211,7 @@ def selected_expert_path_forward(
         up = grouped_mm(a, w_up, packing.offsets)
         hidden = swiglu(gate, up)
         pair_out = grouped_mm(hidden, w_down, packing.offsets)
-        out = _combine(pair_out, pair_weight, packing.token_ids, x.shape[0])
+        out = combine_pairs(pair_out, pair_weight, packing.token_ids, x.shape[0])
     cache = ExpertPathCache(
         packing.token_ids, packing.expert_ids, pair_weight, packing.order, packing.offsets,
         a, gate, up, hidden, pair_out,
@@ -229,7 +235,7 @@ def selected_expert_path_forward_fused(
         gate, up = gate_up[:, :f], gate_up[:, f:]
         hidden = swiglu(gate, up)
         pair_out = grouped_mm(hidden, w_down, packing.offsets)
-        out = _combine(pair_out, pair_weight, packing.token_ids, x.shape[0])
+        out = combine_pairs(pair_out, pair_weight, packing.token_ids, x.shape[0])
     cache = ExpertPathCache(
         packing.token_ids, packing.expert_ids, pair_weight, packing.order, packing.offsets,
         a, gate, up, hidden, pair_out,
@@ -355,7 +361,7 @@ def moe_experts_autograd(
     packing, pair_weight, a = _pack(x, selected_expert, selected_weight, e)
     hidden = swiglu(grouped_linear(a, w_gate, packing.offsets), grouped_linear(a, w_up, packing.offsets))
     pair_out = grouped_linear(hidden, w_down, packing.offsets)
-    return _combine(pair_out, pair_weight, packing.token_ids, x.shape[0])
+    return combine_pairs(pair_out, pair_weight, packing.token_ids, x.shape[0])
 
 
 def moe_experts_autograd_fused(
@@ -372,4 +378,4 @@ def moe_experts_autograd_fused(
     gate_up = grouped_linear(a, w_gate_up, packing.offsets)
     hidden = swiglu(gate_up[:, :f], gate_up[:, f:])
     pair_out = grouped_linear(hidden, w_down, packing.offsets)
-    return _combine(pair_out, pair_weight, packing.token_ids, x.shape[0])
+    return combine_pairs(pair_out, pair_weight, packing.token_ids, x.shape[0])

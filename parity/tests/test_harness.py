@@ -1,8 +1,8 @@
 """Tests of the parity harness: moe_jax's MoE layer against the torch/Triton reference.
 
 The same bodies run on CPU (reference kernels under Triton's interpreter, our layer on XLA or
-interpreted Pallas, tiny sizes) and on a GPU runner (both compiled, larger sizes); the `sizes`
-fixture picks the sizes by device. Every case runs in float32 (thresholds 1e-5, HIGHEST / TF32
+interpreted Pallas, tiny sizes) and on a GPU runner (both compiled, larger sizes); `SIZES` is
+picked by device at import. Every case runs in float32 (thresholds 1e-5, HIGHEST / TF32
 off) and bfloat16 (1e-2).
 """
 
@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -52,14 +53,9 @@ LAYER_CASES = {
 DTYPES = ["float32", "bfloat16"]
 
 
-@pytest.fixture(scope="session")
-def sizes() -> dict:
-    """Problem sizes for this device: tiny on CPU (interpreted kernels), larger on a GPU."""
-    return dict(SIZES)
-
-
-def make_config(sizes: dict, **overrides) -> harness.ParityConfig:
-    return harness.ParityConfig(**{**sizes, **overrides})
+def make_config(**overrides) -> harness.ParityConfig:
+    """A configuration of this device's `SIZES` with `overrides` applied."""
+    return harness.ParityConfig(**{**SIZES, **overrides})
 
 
 def unused_experts(problem: harness.ParityProblem, num_experts: int) -> np.ndarray:
@@ -72,8 +68,8 @@ def unused_experts(problem: harness.ParityProblem, num_experts: int) -> np.ndarr
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", list(LAYER_CASES), ids=list(LAYER_CASES))
-def test_layer_parity(case, dtype, sizes):
-    config = make_config(sizes, dtype=dtype, **LAYER_CASES[case](sizes))
+def test_layer_parity(case, dtype):
+    config = make_config(dtype=dtype, **LAYER_CASES[case](SIZES))
     problem = harness.build_problem(config)
     ours = harness.run_ours(config, problem)
     theirs = harness.run_reference(config, problem)
@@ -94,8 +90,8 @@ def test_layer_parity(case, dtype, sizes):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("skew", harness.SKEWS)
 @pytest.mark.parametrize("router", harness.ROUTERS)
-def test_router_parity(router, skew, dtype, sizes):
-    config = make_config(sizes, router=router, skew=skew, dtype=dtype, top_k=min(8, sizes["num_experts"] // 2))
+def test_router_parity(router, skew, dtype):
+    config = make_config(router=router, skew=skew, dtype=dtype, top_k=min(8, SIZES["num_experts"] // 2))
     report = harness.compare_routers(config)
     harness.check(report)
     assert {c.tensor for c in report.comparisons} >= {
@@ -103,9 +99,9 @@ def test_router_parity(router, skew, dtype, sizes):
     }
 
 
-def test_broken_side_fails_naming_tensor_config_and_figures(sizes):
+def test_broken_side_fails_naming_tensor_config_and_figures():
     """A transposed w_down on our side (square, so shapes still agree) must fail the comparison."""
-    config = make_config(sizes, d_ff=sizes["d_model"], skew="zipf")
+    config = make_config(d_ff=SIZES["d_model"], skew="zipf")
     problem = harness.build_problem(config)
     w_down = problem.params["w_down"]
     broken = problem._replace(params={**problem.params, "w_down": np.ascontiguousarray(w_down.swapaxes(1, 2))})
@@ -245,6 +241,22 @@ def test_router_groups_fit():
         assert e % n_group == 0 and 1 <= topk_group <= n_group
         assert topk_group * (e // n_group) >= k
     assert harness.router_groups(128, 8) == (8, 4)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu" and jax.device_count() >= 2, reason="2 GPUs run ragged")
+def test_ragged_ep_off_gpus_is_a_clear_error():
+    """XLA:CPU has no ragged_all_to_all: `ep_mesh` refuses a non-GPU mesh before compiling."""
+    with pytest.raises(ValueError, match="ep_strategy='ragged' needs 2 GPUs"):
+        harness.ep_mesh(make_config(ep_size=2, ep_strategy="ragged"))
+
+
+def test_time_ep_needs_ep_size_accelerators(monkeypatch):
+    """With too few default-backend devices our EP side would be timed on host CPUs: refused."""
+    monkeypatch.setattr(timing, "gpu_available", lambda: True)  # reach the EP check on CPU too
+    ep_size = 2 * jax.device_count()
+    config = harness.ParityConfig(tokens=4 * ep_size, num_experts=ep_size, top_k=2, ep_size=ep_size)
+    with pytest.raises(ValueError, match=f"needs {ep_size} accelerators"):
+        timing.time_layers(config)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ from parity.ours import load_state
 from parity.reference import route_selected_softmax, router_logits
 from parity.reference.ep import ep_moe_forward, make_parallel_groups, reduce_gradients
 from parity.reference.launch import rank_device, run_ranks
+from parity.theirs import precise_matmuls
 from tests.helpers import rel_err
 
 TOL = 1e-5  # fp32, DESIGN.md
@@ -178,13 +179,13 @@ def _rank_case(rank: int, world: int, ep: int, case: str, sz: Sizes, groups) -> 
 
 
 def _rank_main(rank: int, world: int, plan, sz: Sizes) -> dict:
-    # fp32 parity: no TF32 anywhere (the router's matmul is a plain torch matmul).
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.set_float32_matmul_precision("highest")
+    # fp32 parity: no TF32 anywhere (the router's matmul is a plain torch matmul), as the
+    # single-process reference runs (`parity.theirs`).
     results = {}
-    for ep, case in plan:
-        groups = make_parallel_groups(ep)
-        results[(ep, case)] = _rank_case(rank, world, ep, case, sz, groups)
+    with precise_matmuls():
+        for ep, case in plan:
+            groups = make_parallel_groups(ep)
+            results[(ep, case)] = _rank_case(rank, world, ep, case, sz, groups)
     return results
 
 
