@@ -11,13 +11,22 @@ ranks) it times one dispatch + combine (identity experts) of:
 
 * ours, `moe_jax.parallel.ep_dispatch`/`ep_combine` on a `make_mesh(ep=2)` mesh, per strategy:
   `padded` dropless (C = T*K), `padded cf=1.25` (capacity 1.25x the balanced load; drops are
-  reported), `ragged` (`ragged_all_to_all`), and `ragged+decomp` (the same with
+  reported), `padded cf=1.25 no-a2a` (the same with the row collective replaced by the identity:
+  what our planning, gathers and combine cost around the collective), `ragged`
+  (`ragged_all_to_all`), and `ragged+decomp` (the same with
   `--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true`, in its own process since XLA
   reads flags once);
+* xla, the bare collectives there and back and nothing else: `all_to_all` of the dropless padded
+  buffers (P blocks of R rows), `all_to_all cf=1.25` of the capacity buffers (P blocks of C rows),
+  `ragged_all_to_all` with this routing's exact block sizes, and `ragged_all_to_all+decomp` (the
+  same under the decomposer flag);
 * NCCL: two `torch.distributed.all_to_all_single` calls (2 processes) with this routing's split
   sizes, i.e. the bytes a dropless exchange must move, and nothing else;
-* the torch EP reference, `parity.reference.ep.ep_dispatch`/`ep_combine` (counts exchange, host
-  sync, metadata and rows, regroup), on the same routing.
+* torch-ref, the torch EP reference, `parity.reference.ep.ep_dispatch`/`ep_combine` (counts
+  exchange, host sync, metadata and rows, regroup), on the same routing.
+
+`--skip-ragged` times only the padded rows and `all_to_all` (plus NCCL and torch-ref): the ragged
+rows and the decomposer process take minutes.
 
 Payload = rows delivered * D * bytes/elt, both directions (dispatch sends them, combine brings
 them back), per GPU; GB/s = payload / time. Padding rows a strategy moves are not payload. The
@@ -32,9 +41,9 @@ Check (`--check`). On the 2-GPU mesh, both strategies (and ragged once more unde
 flag) run dispatch, SwiGLU experts and combine in fp32, HIGHEST, dropless and with a capacity that
 drops, on zipf routing and on "all routes to one rank"; the output and the gradients w.r.t. x, the
 routing weights and the three expert weights must match `moe_jax.dense_reference.moe_reference`
-of the whole batch on one device (weights of dropped routes zeroed) within 1e-5 relative
-Frobenius error, and both strategies must
-drop the same routes. It also reports, as a finding, whether `jax.grad` through a raw
+of the whole batch on one device (weights of dropped routes zeroed) within the fp32 relative
+Frobenius tolerance of `tests.helpers.TOL` (1e-5; a non-finite value fails), and both strategies
+must drop the same routes. It also reports, as a finding, whether `jax.grad` through a raw
 `jax.lax.ragged_all_to_all` (JAX's own transpose, which our exchanges never use: they carry a
 custom_vjp whose backward is the reverse exchange) matches the exact gradient, for operand rows
 greater than, equal to and smaller than output rows.
@@ -63,11 +72,11 @@ from unittest import mock
 
 import numpy as np
 
+from parity.problem import ZIPF_EXPONENT
+
 RANKS = 2
 DECOMPOSER_FLAG = "--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true"
-ZIPF_EXPONENT = 1.2
 CAPACITY_FACTOR = 1.25
-TOL = 1e-5  # fp32 relative Frobenius error (DESIGN.md)
 ROUTINGS = ("balanced", "zipf")
 
 
@@ -156,9 +165,14 @@ def _reps(payload_bytes: float, smoke: bool) -> int:
 
 
 def _jax_bench(shapes, labels, smoke: bool) -> list[dict]:
-    """Time every label on every shape and routing. Labels: our strategies ("padded",
-    "padded cf=1.25", "ragged", "ragged+decomp") and the bare XLA collectives ("all_to_all",
-    "ragged_all_to_all", "ragged_all_to_all+decomp")."""
+    """Time every label on every shape and routing; one record per (shape, routing, label).
+
+    Labels (side "ours", built by `_jax_loop`): "padded" (dropless), "padded cf=1.25" (capacity
+    buffers), "padded cf=1.25 no-a2a" (the collective replaced by the identity: the cost around
+    it), "ragged", "ragged+decomp". Labels (side "xla", the bare collectives of
+    `_collective_loop`): "all_to_all" (dropless buffers), "all_to_all cf=1.25" (capacity buffers),
+    "ragged_all_to_all", "ragged_all_to_all+decomp". The "+decomp" labels only mean something in a
+    process started with the decomposer flag. NCCL and torch-ref rows come from `_torch_bench`."""
     import jax
     import jax.numpy as jnp
 
@@ -203,9 +217,7 @@ def _jax_loop(mesh, shape: Shape, label: str, smoke: bool):
     import jax
     from jax import lax
 
-    from moe_jax.parallel import EP_AXIS, activation_spec, capacity_for, ep_combine, ep_dispatch
-
-    from moe_jax.parallel import exchange
+    from moe_jax.parallel import EP_AXIS, activation_spec, capacity_for, ep_combine, ep_dispatch, exchange
 
     strategy = label.split("+")[0].split(" ")[0]
     capacity = capacity_for(shape.tokens, shape.top_k, RANKS, CAPACITY_FACTOR) if "cf=" in label else None
@@ -213,12 +225,11 @@ def _jax_loop(mesh, shape: Shape, label: str, smoke: bool):
     reps = _reps(2 * shape.tokens * shape.top_k * shape.d_model * 2, smoke)
     # "no-a2a": the same planning, gathers and combine with the row collective replaced by the
     # identity (same buffer shape under "padded"): what our code costs around the collective.
-    no_a2a = label.endswith("no-a2a")
-    move = (lambda rows, *a, **k: rows) if no_a2a else exchange._move_rows  # noqa: E731
-
     def body(x, idx, w):
-        with mock.patch.object(exchange, "_move_rows", move):
-            return _body(x, idx, w)
+        if label.endswith("no-a2a"):
+            with mock.patch.object(exchange, "_move_rows", lambda rows, *a, **k: rows):
+                return _body(x, idx, w)
+        return _body(x, idx, w)
 
     def _body(x, idx, w):
         def one(_, carry):
@@ -380,7 +391,9 @@ def _jax_check(strategies, size: CheckSize, raw_ragged: bool) -> dict:
         make_mesh,
     )
     from moe_jax.routing import Routing
+    from tests.helpers import TOL, rel_err
 
+    tol = TOL[jnp.dtype(jnp.float32)]
     hi = lax.Precision.HIGHEST
     mesh = make_mesh(ep=RANKS, data=1, devices=jax.devices()[:RANKS])
     act, rep = activation_spec(), PartitionSpec()
@@ -392,8 +405,8 @@ def _jax_check(strategies, size: CheckSize, raw_ragged: bool) -> dict:
     w_up = jax.random.normal(keys[3], (e, size.d_ff, size.d_model), jnp.float32) / math.sqrt(size.d_model)
     w_down = jax.random.normal(keys[4], (e, size.d_model, size.d_ff), jnp.float32) / math.sqrt(size.d_ff)
     experts = (w_gate, w_up, w_down)
-    # Half the balanced load: zipf and one-rank routing must overflow it.
-    small_cap = max(capacity_for(size.tokens, k, RANKS, 0.5), e // RANKS)
+    # Half the balanced load (floored at a row per local expert): zipf and one-rank routing overflow it.
+    small_cap = capacity_for(size.tokens, k, RANKS, 0.5, local_experts=e // RANKS)
 
     @functools.cache
     def ep_loss(strategy, capacity):
@@ -435,10 +448,11 @@ def _jax_check(strategies, size: CheckSize, raw_ragged: bool) -> dict:
                     keep = np.asarray(keep)
                     args = jax.device_put((x, w, *experts, idx, cot, jnp.asarray(keep, jnp.float32)), ref_device)
                     (_, y_ref), grads_ref = single_device(*args)
-                    errs = {name: _rel(a, b) for name, a, b in zip(
+                    # rel_err raises on a non-finite output: the except below fails the row.
+                    errs = {name: rel_err(a, b) for name, a, b in zip(
                         ("y", "dx", "dweights", "dw_gate", "dw_up", "dw_down"), (y, *grads), (y_ref, *grads_ref))}
                     dropped = int((~keep).sum())
-                    ok = all(v <= TOL for v in errs.values()) and (capacity is not None or dropped == 0)
+                    ok = all(v <= tol for v in errs.values()) and (capacity is not None or dropped == 0)
                     if capacity is not None:
                         keeps.setdefault(capacity, keep)
                         ok = ok and np.array_equal(keeps[capacity], keep)
@@ -511,13 +525,6 @@ def _raw_ragged_grad_finding(mesh) -> list[dict]:
             if "error" not in record else record["error"]) + (" (matches)" if record["matches"] else " (MISMATCH)"),
             flush=True)
     return findings
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    if not np.isfinite(a).all():
-        return math.inf
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def _format_check_row(row: dict) -> str:

@@ -1,7 +1,10 @@
 """Grouped-GEMM benchmark and tile-config sweep (GPU only).
 
-    python -m benchmarks.gmm run  [--quick] [--json PATH]   # the table, peers side by side
+    python -m benchmarks.gmm run  [--quick] [--configs tune.json] [--json PATH]  # the table, peers side by side
     python -m benchmarks.gmm tune [--quick] [--only {all,prefill,decode}] [--json PATH]  # sweep TileConfigs
+
+`run --configs tune.json` takes each shape's and kernel's tile config from a `tune --json` result
+instead of the built-in table.
 
 `run` times, on the same inputs in one process: our `gmm` (Pallas/Triton) forward and
 forward+backward, `jax.lax.ragged_dot`, JAX's Mosaic GPU example `ragged_dot_mgpu` (forward),
@@ -359,7 +362,7 @@ def _summary(rows, copy):
         "fwd_geomean_ours_over_torch": _geomean(fwd), "target_fwd": 0.8,
         "fwdbwd_geomean_ours_over_torch": _geomean(fb), "target_fwdbwd": 0.7,
         "fwd_geomean_speedup_over_ragged_dot": _geomean(rd),
-        "decode_fraction_of_copy_bw": dec, "decode_kernel_only_fraction_of_copy_bw": deck, "target_decode": 0.7,
+        "decode_fraction_of_copy_bw": dec, "decode_tiles_kernel_fraction_of_copy_bw": deck, "target_decode": 0.7,
     }
 
 
@@ -443,7 +446,7 @@ def _write(path, kind, rows, summary, extra):
     meta = dict(
         kind=kind, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         device=jax.devices()[0].device_kind, jax=jax.__version__, torch=torch.__version__,
-        python=platform.python_version(), command=" ".join(sys.argv), **extra,
+        python=platform.python_version(), command="python -m benchmarks.gmm " + " ".join(sys.argv[1:]), **extra,
     )
     try:
         import triton

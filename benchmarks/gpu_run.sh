@@ -3,6 +3,9 @@
 #   benchmarks/gpu_run.sh env tests:180 run:240 example:90
 # Two lanes on a 2-GPU machine:  CUDA_VISIBLE_DEVICES=0 LANE=a benchmarks/gpu_run.sh ... &
 #                                CUDA_VISIBLE_DEVICES=1 LANE=b benchmarks/gpu_run.sh ... ; wait
+#   LANE prefixes every file a phase writes under $OUT (a-tests.log, a-gmm.json, ...), and `run`
+#   reads its own lane's tune.json. The ep-* phases, parity-ep and example-ep need both GPUs: run
+#   them outside the lanes. Timings from two lanes at once share the host and its PCIe/NVLink.
 # Phases: env | tests | parity | tune | run | run-quick | layer-time | example | ep-check | ep-bench |
 #         parity-ep | example-ep   (each optionally :SECONDS)
 # Env: NPROC (xdist workers), TESTS / PARITY (paths), STEPS (example), TUNE_ONLY (all|prefill|decode),
@@ -16,18 +19,18 @@ for phase in "$@"; do
   echo "=== $name (limit ${limit}s) $(date -u +%T)"
   case $name in
     env) nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-         python3 -m pip list 2>/dev/null | grep -iE '^(jax|jaxlib|jax-cuda13-plugin|flax|optax|torch|triton|numpy|chex|hypothesis|orbax-checkpoint|pytest|pytest-xdist|matplotlib|tqdm) ' | tee "$OUT/pip.txt" ;;
+         python3 -m pip list 2>/dev/null | grep -iE '^(jax|jaxlib|jax-cuda13-plugin|flax|optax|torch|triton|numpy|chex|hypothesis|orbax-checkpoint|pytest|pytest-xdist|matplotlib|tqdm) ' | tee "$OUT/${L}pip.txt" ;;
     tests) timeout "$limit" python3 -m pytest ${TESTS:-tests} -q -n ${NPROC:-8} -p no:cacheprovider 2>&1 | tee "$OUT/${L}tests.log" | tail -25 ;;
     parity) timeout "$limit" python3 -m pytest ${PARITY:-parity} -q -n ${NPROC:-4} -p no:cacheprovider 2>&1 | tee "$OUT/${L}parity.log" | tail -25 ;;
-    tune) timeout "$limit" python3 -m benchmarks.gmm tune --only ${TUNE_ONLY:-all} --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" | grep -v "^    \[skipped\]" | tail -40 ;;
-    run) timeout "$limit" python3 -m benchmarks.gmm run --json "$OUT/gmm.json" $( [ -f "$OUT/tune.json" ] && echo --configs "$OUT/tune.json") 2>&1 | tee "$OUT/gmm.log" | tail -40 ;;
-    run-quick) timeout "$limit" python3 -m benchmarks.gmm run --quick --json "$OUT/gmm_quick.json" 2>&1 | tee "$OUT/gmm_quick.log" | tail -30 ;;
-    layer-time) timeout "$limit" python3 -m parity --time --tokens 4096 --d-model 2048 --d-ff 768 --experts 128 --top-k 8 --dtype bfloat16 --json "$OUT/layer_time.json" 2>&1 | tee "$OUT/layer_time.log" | tail -20 ;;
-    example) timeout "$limit" python3 examples/train_moe.py --steps ${STEPS:-300} --out "$OUT/example" 2>&1 | tr '\r' '\n' | grep -v '^ *$' | tee "$OUT/example.log" | tail -25 ;;
-    ep-check) timeout "$limit" python3 -m benchmarks.ep --check --json "$OUT/ep_check.json" 2>&1 | tee "$OUT/ep_check.log" | tail -30 ;;
-    ep-bench) timeout "$limit" python3 -m benchmarks.ep ${EP_ARGS:-} --json "$OUT/ep.json" 2>&1 | tee "$OUT/ep.log" | tail -30 ;;
-    parity-ep) timeout "$limit" python3 -m pytest ${PARITY_EP:-tests/test_parallel_exchange.py parity/tests/test_parity_ep.py parity/tests/test_reference_ep.py} -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/parity_ep.log" | tail -25 ;;
-    example-ep) timeout "$limit" python3 examples/train_moe.py --ep 2 --steps ${STEPS:-200} --out "$OUT/example_ep" 2>&1 | tr '\r' '\n' | grep -v '^ *$' | tee "$OUT/example_ep.log" | tail -25 ;;
+    tune) timeout "$limit" python3 -m benchmarks.gmm tune --only ${TUNE_ONLY:-all} --json "$OUT/${L}tune.json" 2>&1 | tee "$OUT/${L}tune.log" | grep -v "^    \[skipped\]" | tail -40 ;;
+    run) timeout "$limit" python3 -m benchmarks.gmm run --json "$OUT/${L}gmm.json" $( [ -f "$OUT/${L}tune.json" ] && echo --configs "$OUT/${L}tune.json") 2>&1 | tee "$OUT/${L}gmm.log" | tail -40 ;;
+    run-quick) timeout "$limit" python3 -m benchmarks.gmm run --quick --json "$OUT/${L}gmm_quick.json" 2>&1 | tee "$OUT/${L}gmm_quick.log" | tail -30 ;;
+    layer-time) timeout "$limit" python3 -m parity --time --tokens 4096 --d-model 2048 --d-ff 768 --experts 128 --top-k 8 --dtype bfloat16 --json "$OUT/${L}layer_time.json" 2>&1 | tee "$OUT/${L}layer_time.log" | tail -20 ;;
+    example) timeout "$limit" python3 examples/train_moe.py --steps ${STEPS:-300} --out "$OUT/${L}example" 2>&1 | tr '\r' '\n' | grep -v '^ *$' | tee "$OUT/${L}example.log" | tail -25 ;;
+    ep-check) timeout "$limit" python3 -m benchmarks.ep --check --json "$OUT/${L}ep_check.json" 2>&1 | tee "$OUT/${L}ep_check.log" | tail -30 ;;
+    ep-bench) timeout "$limit" python3 -m benchmarks.ep ${EP_ARGS:-} --json "$OUT/${L}ep.json" 2>&1 | tee "$OUT/${L}ep.log" | tail -30 ;;
+    parity-ep) timeout "$limit" python3 -m pytest ${PARITY_EP:-tests/test_parallel_exchange.py parity/tests/test_parity_ep.py parity/tests/test_reference_ep.py} -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/${L}parity_ep.log" | tail -25 ;;
+    example-ep) timeout "$limit" python3 examples/train_moe.py --ep 2 --steps ${STEPS:-200} --out "$OUT/${L}example_ep" 2>&1 | tr '\r' '\n' | grep -v '^ *$' | tee "$OUT/${L}example_ep.log" | tail -25 ;;
     *) echo "unknown phase $name" ;;
   esac
   echo "=== $name done rc=${PIPESTATUS[0]} $(date -u +%T)"

@@ -1,8 +1,12 @@
-"""Turn a `benchmarks.gmm run --json` result into the markdown table kept in `benchmarks/results/`.
+"""Print the markdown tables of a `benchmarks.gmm run --json` result.
 
-    python -m benchmarks.report benchmarks/results/2026-11-30-h200-gmm.json > benchmarks/results/2026-11-30-h200-gmm.md
+    python -m benchmarks.report out.json > benchmarks/results/DATE-DEVICE-gmm.md  # a new file
 
-Runs anywhere (no GPU, no torch): it only reads the JSON.
+The output is a starting point, not the kept file: the markdown in `benchmarks/results/` was
+saved from it once and then annotated by hand (Device and Command lines, Notes and Gaps
+sections), so do not regenerate a committed one over itself. Runs anywhere (no GPU, no torch):
+it only reads the JSON, and reads no summary key beyond the forward/backward geomeans, the
+targets and `decode_fraction_of_copy_bw`, so older result files render too.
 """
 
 from __future__ import annotations

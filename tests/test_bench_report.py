@@ -1,5 +1,8 @@
 """The markdown report of a benchmark JSON (the GPU run itself cannot execute on CPU)."""
 
+import json
+from pathlib import Path
+
 from benchmarks.report import render
 
 
@@ -30,3 +33,11 @@ def test_render_ratios_and_missing_peers():
     assert "| qwen3_gate_up | balanced | 500 | 666 | 0.75 |" in md
     assert "| 8 | 40 | 200.0 | 100.0 | – | – | – | 2.00 | 0.50 |" in md
     assert "decode_T8: 0.50" in md
+
+
+def test_render_committed_result():
+    """The kept H200 result (written before the decode summary key was renamed) still renders."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks/results/2026-11-30-h200-gmm.json"
+    md = render(json.loads(path.read_text()))
+    assert "# Grouped GEMM on NVIDIA H200 — 2026-11-30" in md
+    assert "- decode, fraction of copy bandwidth (target ≥ 0.7): " in md
