@@ -12,7 +12,8 @@ ranks) it times one dispatch + combine (identity experts) of:
 * ours, `moe_jax.parallel.ep_dispatch`/`ep_combine` on a `make_mesh(ep=2)` mesh, per strategy:
   `padded` dropless (C = T*K), `padded cf=1.25` (capacity 1.25x the balanced load; drops are
   reported), `padded cf=1.25 no-a2a` (the same with the row collective replaced by the identity:
-  what our planning, gathers and combine cost around the collective), `ragged`
+  what our planning, gathers and combine cost around the collective), `padded cf=1.25 xla-gather`
+  (the row gathers through XLA instead of our Pallas kernel), `ragged`
   (`ragged_all_to_all`), and `ragged+decomp` (the same with
   `--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true`, in its own process since XLA
   reads flags once);
@@ -34,7 +35,9 @@ them back), per GPU; GB/s = payload / time. Padding rows a strategy moves are no
 
 Timing: ours runs `reps` dispatch+combine iterations inside one jitted `fori_loop` (the output of
 one iteration is the input of the next, and the routing passes an optimization barrier each
-iteration, so the planning cannot be hoisted out of the loop); torch runs `reps` eager calls.
+iteration, so the planning cannot be hoisted out of the loop; the identity experts sit behind a
+barrier, so XLA cannot fuse dispatch's regroup into combine's un-regroup, which no real expert
+stage allows; tables before 2026-11-30's breakdown-2 lacked that barrier); torch runs `reps` eager calls.
 Both: median over trials of wall time / reps, after a warm-up, synchronised on the device.
 
 Check (`--check`). On the 2-GPU mesh, both strategies (and ragged once more under the decomposer
@@ -169,7 +172,7 @@ def _jax_bench(shapes, labels, smoke: bool) -> list[dict]:
 
     Labels (side "ours", built by `_jax_loop`): "padded" (dropless), "padded cf=1.25" (capacity
     buffers), "padded cf=1.25 no-a2a" (the collective replaced by the identity: the cost around
-    it), "ragged", "ragged+decomp". Labels (side "xla", the bare collectives of
+    it), "padded cf=1.25 xla-gather" (row gathers by XLA), "ragged", "ragged+decomp". Labels (side "xla", the bare collectives of
     `_collective_loop`): "all_to_all" (dropless buffers), "all_to_all cf=1.25" (capacity buffers),
     "ragged_all_to_all", "ragged_all_to_all+decomp". The "+decomp" labels only mean something in a
     process started with the decomposer flag. NCCL and torch-ref rows come from `_torch_bench`."""
@@ -220,6 +223,7 @@ def _jax_loop(mesh, shape: Shape, label: str, smoke: bool):
     from moe_jax.parallel import EP_AXIS, activation_spec, capacity_for, ep_combine, ep_dispatch, exchange
 
     strategy = label.split("+")[0].split(" ")[0]
+    backend = "xla" if label.endswith("xla-gather") else "auto"
     capacity = capacity_for(shape.tokens, shape.top_k, RANKS, CAPACITY_FACTOR) if "cf=" in label else None
     act = activation_spec()
     reps = _reps(2 * shape.tokens * shape.top_k * shape.d_model * 2, smoke)
@@ -234,8 +238,11 @@ def _jax_loop(mesh, shape: Shape, label: str, smoke: bool):
     def _body(x, idx, w):
         def one(_, carry):
             x, idx, w = lax.optimization_barrier(carry)  # keep the planning inside the loop
-            packed, _, plan = ep_dispatch(x, idx, num_experts=shape.experts, strategy=strategy, capacity=capacity)
-            return ep_combine(packed, w, plan), idx, w
+            packed, _, plan = ep_dispatch(x, idx, num_experts=shape.experts, strategy=strategy, capacity=capacity,
+                                          backend=backend)
+            # The identity experts sit behind a barrier, as a real expert stage would: otherwise
+            # XLA fuses the regroup gather into combine's un-regroup and one row pass disappears.
+            return ep_combine(lax.optimization_barrier(packed), w, plan, backend=backend), idx, w
 
         _, _, plan = ep_dispatch(x, idx, num_experts=shape.experts, strategy=strategy, capacity=capacity)
         kept = lax.psum(plan.keep_TK.sum(dtype="int32"), EP_AXIS)
@@ -580,10 +587,12 @@ def _worker(kind: str, variant: str, smoke: bool, out: str) -> None:
         if variant == "decomposer":
             labels = ["ragged+decomp", "ragged_all_to_all+decomp"]
         elif smoke or variant == "padded":  # XLA:CPU has no ragged_all_to_all
-            labels = ["padded", f"padded cf={CAPACITY_FACTOR}", f"padded cf={CAPACITY_FACTOR} no-a2a", "all_to_all",
+            labels = ["padded", f"padded cf={CAPACITY_FACTOR}", f"padded cf={CAPACITY_FACTOR} no-a2a",
+                      f"padded cf={CAPACITY_FACTOR} xla-gather", "all_to_all",
                       f"all_to_all cf={CAPACITY_FACTOR}"]
         else:
-            labels = ["padded", f"padded cf={CAPACITY_FACTOR}", f"padded cf={CAPACITY_FACTOR} no-a2a", "ragged",
+            labels = ["padded", f"padded cf={CAPACITY_FACTOR}", f"padded cf={CAPACITY_FACTOR} no-a2a",
+                      f"padded cf={CAPACITY_FACTOR} xla-gather", "ragged",
                       "all_to_all", f"all_to_all cf={CAPACITY_FACTOR}", "ragged_all_to_all"]
         result = dict(records=_jax_bench(shapes, labels, smoke))
     elif kind == "torch-bench":

@@ -226,7 +226,7 @@ class MoE(nnx.Module):
       fused_gate_up: store gate and up as one `w_gate_up [E, 2F, Din]` (gate rows first).
       dtype: compute dtype of every GEMM except the router (default: the input's dtype).
       param_dtype: parameter dtype.
-      backend: grouped-GEMM backend (`"auto"`, `"pallas_triton"`, `"xla"`).
+      backend: grouped-GEMM backend (`"auto"`, `"pallas_triton"`, `"xla"`); the EP row gathers use it too.
       precision: dot precision for the expert/shared/latent GEMMs (default: HIGHEST for fp32).
       mesh: a `make_mesh` mesh for data/expert parallelism (see the module docstring).
       ep_strategy: EP exchange strategy, `"padded"` (default, fastest measured) or `"ragged"`
@@ -526,10 +526,11 @@ class MoE(nnx.Module):
         # Masked tokens are never sent and never count as dropped.
         packed_MD, sizes_El, plan = ep_dispatch(
             x_TD, idx_TK, num_experts=self.num_experts, axis_name=EP_AXIS, strategy=self.ep_strategy,
-            capacity=capacity, mask_T=mask_T,
+            capacity=capacity, mask_T=mask_T, backend=self.backend,
         )
         weights = _varying(weights, EXPERT_DP_AXES)  # an ep shard's replicas sum its gradients
-        y_TD = ep_combine(self._experts(packed_MD, sizes_El, weights), w_TK, plan, axis_name=EP_AXIS)
+        y_TD = ep_combine(self._experts(packed_MD, sizes_El, weights), w_TK, plan, axis_name=EP_AXIS,
+                          backend=self.backend)
         executed = lax.psum(self._executed_rows(sizes_El, packed_MD.shape[0]), MESH_AXES)
         rows = lax.psum(jnp.sum(sizes_El), MESH_AXES)
         # plan.dropped is already the ep-group total; the groups of the data replicas add up.

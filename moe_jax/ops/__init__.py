@@ -1,10 +1,11 @@
-"""Array-in, array-out grouped-GEMM ops (no Flax, no mesh)."""
+"""Array-in, array-out ops (no Flax, no mesh): the grouped GEMM and the row gather."""
 
 from moe_jax.ops.backends import BACKENDS, GemmBackend, resolve_backend
 from moe_jax.ops.config import TileConfig, gmm_config, tgmm_config
 from moe_jax.ops.grouped_linear import gmm, grouped_linear, tgmm
 from moe_jax.ops.metadata import GroupMetadata, clamp_group_sizes, make_group_metadata, max_tiles
 from moe_jax.ops.reference import gmm_reference, tgmm_reference
+from moe_jax.ops.rows import gather_rows, gather_rows_reference
 
 __all__ = [
     "BACKENDS",
@@ -12,6 +13,8 @@ __all__ = [
     "GroupMetadata",
     "TileConfig",
     "clamp_group_sizes",
+    "gather_rows",
+    "gather_rows_reference",
     "gmm",
     "gmm_config",
     "gmm_reference",

@@ -6,6 +6,8 @@ Legend: M packed rows, K reduction width, N output width, E groups, W worst-case
   the seed's NT layout) or `lhs_e @ rhs[e]` (rhs `[E,K,N]`, used for the input gradient so the
   weights are never transposed in memory).
 - `tgmm`: `out[E,N,K]`, `out[e] = dout_e^T @ lhs_e`, the weight gradient.
+- `gather_rows`: `out[i] = x[rows[i]]`, zero where `rows[i]` is outside `[0, N)` (the row moves of
+  expert-parallel dispatch and combine).
 
 Kernels take refs only; wrappers own grids and compiler parameters. Accumulation is fp32.
 """
@@ -127,8 +129,8 @@ def gmm_pallas(
     )
     return _launch(
         kernel, (meta.tile_group_W, meta.tile_start_W, meta.tile_end_W, lhs, rhs),
-        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype), grid=grid, config=config,
-        interpret=interpret, name="moe_jax_gmm", out_init=out_init,
+        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype), grid=grid, num_warps=config.num_warps,
+        num_stages=config.num_stages, interpret=interpret, name="moe_jax_gmm", out_init=out_init,
     )
 
 
@@ -148,7 +150,8 @@ def _varying_like(out_shape: jax.ShapeDtypeStruct, inputs) -> tuple[jax.ShapeDty
     return jax.ShapeDtypeStruct(out_shape.shape, out_shape.dtype, manual_axis_type=mat), inputs
 
 
-def _launch(kernel, inputs, *, out_shape, grid, config: TileConfig, interpret: bool, name: str, out_init):
+def _launch(kernel, inputs, *, out_shape, grid, num_warps: int, num_stages: int, interpret: bool, name: str,
+            out_init):
     """pallas_call with the project's compiler params. `out_init`, if given, is aliased as the
     output buffer: tests pass NaN there to prove that every output element gets written."""
     if out_init is None:
@@ -168,7 +171,7 @@ def _launch(kernel, inputs, *, out_shape, grid, config: TileConfig, interpret: b
         out_shape=out_shape,
         grid=grid,
         input_output_aliases=aliases,
-        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=name,
     )(*inputs)
@@ -248,8 +251,8 @@ def gmm_by_group_pallas(
     )
     return _launch(
         kernel, (group_sizes.astype(jnp.int32), lhs, rhs),
-        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype), grid=grid, config=config,
-        interpret=interpret, name="moe_jax_gmm_by_group", out_init=out_init,
+        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype), grid=grid, num_warps=config.num_warps,
+        num_stages=config.num_stages, interpret=interpret, name="moe_jax_gmm_by_group", out_init=out_init,
     )
 
 
@@ -299,6 +302,41 @@ def tgmm_pallas(
     kernel = functools.partial(_tgmm_kernel, n=n, k=k, config=config, precision=precision)
     return _launch(
         kernel, (group_offsets_E1, lhs, dout),
-        out_shape=jax.ShapeDtypeStruct((num_groups, n, k), out_dtype), grid=grid, config=config,
-        interpret=interpret, name="moe_jax_tgmm", out_init=out_init,
+        out_shape=jax.ShapeDtypeStruct((num_groups, n, k), out_dtype), grid=grid, num_warps=config.num_warps,
+        num_stages=config.num_stages, interpret=interpret, name="moe_jax_tgmm", out_init=out_init,
+    )
+
+
+def _gather_rows_kernel(rows_ref, x_ref, out_ref, *, m: int, n: int, d: int, block_rows: int, block_d: int):
+    c0 = pl.multiple_of(pl.program_id(1) * block_d, block_d)
+    cols_ok = ((c0 + jnp.arange(block_d, dtype=jnp.int32)) < d) if d % block_d else None
+    # Unrolled, branch-free rows: every load can issue before the stores. Rows past `m` (last
+    # program only) redo row m-1, writing the same values twice, instead of branching.
+    for r in range(block_rows):
+        i = jnp.minimum(pl.program_id(0) * block_rows + r, m - 1)
+        row = rows_ref[i]
+        ok = (row >= 0) & (row < n)
+        load_ok = jnp.full((block_d,), ok) if cols_ok is None else cols_ok & ok
+        v = plgpu.load(x_ref.at[jnp.where(ok, row, 0), pl.ds(c0, block_d)], mask=load_ok,
+                       other=jnp.zeros((), x_ref.dtype))
+        plgpu.store(out_ref.at[i, pl.ds(c0, block_d)], v, mask=cols_ok)
+
+
+def gather_rows_pallas(
+    x: jax.Array, rows: jax.Array, *, block_rows: int, block_d: int, num_warps: int, interpret: bool,
+    out_init: jax.Array | None = None,
+) -> jax.Array:
+    """Launch the row-gather kernel: `out[i] = x[rows[i]]` (`[M, D]`), zero where `rows[i]` is
+    outside `[0, N)`. One program per (`block_rows` rows, `block_d` columns); each row is one
+    contiguous vector load and store. Expects `M, D > 0` and int32 `rows`.
+
+    Row offsets are int32 inside the kernel: `N * D` and `M * D` must stay below 2**31.
+    """
+    n, d = x.shape
+    m = rows.shape[0]
+    kernel = functools.partial(_gather_rows_kernel, m=m, n=n, d=d, block_rows=block_rows, block_d=block_d)
+    return _launch(
+        kernel, (rows, x), out_shape=jax.ShapeDtypeStruct((m, d), x.dtype),
+        grid=(_cdiv(m, block_rows), _cdiv(d, block_d)), num_warps=num_warps, num_stages=1,
+        interpret=interpret, name="moe_jax_gather_rows", out_init=out_init,
     )

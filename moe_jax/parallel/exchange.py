@@ -28,6 +28,10 @@ Dispatch (`ep_dispatch`), after the seed's section 4.3:
 6. Regroup by local expert: packed row layout is expert 0's rows, expert 1's rows, ...; within an
    expert, rows are ordered by (source rank, token, slot). Rows past `sum(group_sizes)` are zero.
 
+The row moves around the collectives (send buffer, regroup, and un-regroup in combine) are
+`moe_jax.ops.gather_rows` with materialised row ids: a Pallas kernel on GPU (`backend`), about 1.4x
+faster than the XLA gather it replaced, which also recomputed the index arithmetic per element.
+
 Combine (`ep_combine`) is the reverse: un-regroup, reverse exchange (sizes swapped), gather each
 route's returned row, weighted sum over K in float32.
 
@@ -62,6 +66,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from moe_jax.ops.backends import BackendName
+from moe_jax.ops.rows import gather_rows
 from moe_jax.parallel.mesh import EP_AXIS
 
 __all__ = [
@@ -134,9 +140,9 @@ class EPPlan(NamedTuple):
     strategy, capacity: static; the exchange strategy and C.
     keep_TK: bool, route (t, k) was delivered (False: masked token, dropped by capacity or
         invalid expert id).
-    route_row_TK: int32, row of each kept route in the send buffer (0 where not kept).
-    recv_valid_M: bool, receive-buffer row holds a route.
-    recv_to_packed_M: int32, packed row of each valid receive row (0 where not valid).
+    route_row_TK: int32, row of each kept route in the send buffer (-1 where not kept).
+    recv_to_packed_M: int32, packed row of each receive-buffer row, -1 where it holds no route.
+    packed_to_recv_M: int32, receive-buffer row of each packed row, -1 past `sum(group_sizes_El)`.
     group_sizes_El: int32, packed rows of each local expert.
     exchange: `BlockExchange` of the dispatch direction (combine uses `exchange.reversed()`).
     send_counts_P: int32, routes addressed to each rank before dropping.
@@ -147,8 +153,8 @@ class EPPlan(NamedTuple):
     capacity: int
     keep_TK: jax.Array
     route_row_TK: jax.Array
-    recv_valid_M: jax.Array
     recv_to_packed_M: jax.Array
+    packed_to_recv_M: jax.Array
     group_sizes_El: jax.Array
     exchange: BlockExchange
     send_counts_P: jax.Array
@@ -292,10 +298,6 @@ def _bincount(ids, length: int):
     return jnp.zeros((length,), jnp.int32).at[ids].add(1, mode="drop")
 
 
-def _inverse_permutation(perm):
-    return jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype))
-
-
 def _block_of(rows, offsets_P):
     """Block p owning each row of a buffer whose blocks start at the nondecreasing `offsets_P`
     (the last block starting at or before the row, so empty blocks are skipped).
@@ -315,39 +317,63 @@ class _SendPlan(NamedTuple):
     dest_R: jax.Array  # int32, destination rank (P for an invalid expert id or a masked token)
     kept_PE: jax.Array  # [P, El] int32, kept routes per (destination, local expert)
     send_counts_P: jax.Array  # int32, routes per destination before dropping
-    send_order_R: jax.Array  # int32, route indices: kept by (dest, local expert, token), then the rest
-    send_rank_R: jax.Array  # int32, position of each route in send_order_R
+    send_order_R: jax.Array  # int32, kept route indices by (dest, local expert, token); 0 after them
+    send_rank_R: jax.Array  # int32, position of each kept route in send_order_R (unspecified if dropped)
+
+
+_RANK_BLOCK = 256
+
+
+def _stable_rank(key_R, num_keys: int):
+    """`rank_R[r]` = #{r' < r : key_R[r'] == key_R[r]} for keys in `[0, num_keys)` (other keys get
+    unspecified ranks): what a stable sort by key would tell, from dense counts instead.
+
+    Routes form blocks of B: within a block, a `[B, B]` comparison counts the earlier equal keys;
+    across blocks, an exclusive running sum of the `[blocks, num_keys]` block histograms. Both are
+    single fused reductions (`R * B` and `R * num_keys` compares) where XLA's sort was a chain of
+    kernels: 39 us at R = 8192 on an H200, about 7% of a T = 4096 dispatch + combine."""
+    routes = key_R.shape[0]
+    block = min(_RANK_BLOCK, routes)
+    blocks = -(-routes // block)
+    # Padding keys sit after every real route, so they never count as "earlier".
+    key_NB = jnp.pad(key_R, (0, blocks * block - routes), constant_values=num_keys).reshape(blocks, block)
+    earlier_BB = jnp.arange(block)[None, :] < jnp.arange(block)[:, None]
+    in_block_NB = jnp.sum((key_NB[:, :, None] == key_NB[:, None, :]) & earlier_BB, axis=2, dtype=jnp.int32)
+    hist_NK = jnp.sum(key_NB[:, :, None] == jnp.arange(num_keys, dtype=key_R.dtype), axis=1, dtype=jnp.int32)
+    before_NK = _exclusive_cumsum(hist_NK, axis=0)
+    prior_NB = jnp.take_along_axis(before_NK, jnp.clip(key_NB, 0, num_keys - 1), axis=1)
+    return (prior_NB + in_block_NB).reshape(-1)[:routes]
 
 
 def _plan_sends(expert_R, real_R, num_experts: int, ep: int, capacity: int) -> _SendPlan:
-    """Two stable argsorts, their inverse permutations and bincounts, written out rather than
-    through `moe_jax.permute.pack`: on 2 H200s (jax 0.11.2) the `pack` form of the same sorts
-    made a decode dispatch+combine take 462 us instead of 224 us (benchmarks/results/
-    2026-11-30-h200x2-ep-breakdown.md)."""
+    """Capacity decisions and the send order, without a sort (`_stable_rank`). Hand-written rather
+    than through `moe_jax.permute.pack`, whose sort-based form once doubled decode dispatch+combine
+    (benchmarks/results/2026-11-30-h200x2-ep-breakdown.md)."""
     local = num_experts // ep
+    routes = expert_R.shape[0]
     expert_R = expert_R.astype(jnp.int32)
     valid_R = real_R & (expert_R >= 0) & (expert_R < num_experts)
     # Invalid ids and masked tokens go to a bin past the ranks: never sent, never counted.
     dest_R = jnp.where(valid_R, expert_R // local, ep)
     send_counts_P = _bincount(dest_R, ep)
+    # Capacity keeps each destination's first C routes in token order.
+    keep_R = valid_R & (_stable_rank(dest_R, ep) < capacity)
 
-    # Position of each route within its destination, in token order (stable sort keeps r order).
-    by_dest_R = jnp.argsort(dest_R, stable=True)
-    dest_start = _exclusive_cumsum(_bincount(dest_R, ep + 1))
-    pos_R = _inverse_permutation(by_dest_R.astype(jnp.int32)) - dest_start[dest_R]
-    keep_R = valid_R & (pos_R < capacity)
-
-    # expert = dest * El + local, so sorting kept routes by expert id orders them by (destination,
-    # local expert) and, being stable, by token within an expert; dropped routes sort last.
+    # expert = dest * El + local, so ordering kept routes by expert id orders them by (destination,
+    # local expert), and within an expert by token; dropped routes take the positions after them.
     kept_expert_R = jnp.where(keep_R, expert_R, num_experts)
-    send_order_R = jnp.argsort(kept_expert_R, stable=True).astype(jnp.int32)
+    kept_E = _bincount(kept_expert_R, num_experts)
+    send_rank_R = (_exclusive_cumsum(kept_E)[jnp.minimum(kept_expert_R, num_experts - 1)]
+                   + _stable_rank(kept_expert_R, num_experts))
+    route_R = jnp.arange(routes, dtype=jnp.int32)
+    send_order_R = jnp.zeros((routes,), jnp.int32).at[jnp.where(keep_R, send_rank_R, routes)].set(route_R, mode="drop")
     return _SendPlan(
         keep_R=keep_R,
         dest_R=dest_R.astype(jnp.int32),
-        kept_PE=_bincount(kept_expert_R, num_experts).reshape(ep, local),
+        kept_PE=kept_E.reshape(ep, local),
         send_counts_P=send_counts_P,
         send_order_R=send_order_R,
-        send_rank_R=_inverse_permutation(send_order_R),
+        send_rank_R=send_rank_R,
     )
 
 
@@ -380,9 +406,8 @@ def _plan_exchange(counts_PP, send_sizes, me, strategy: str, capacity: int) -> B
 
 
 class _Regroup(NamedTuple):
-    recv_valid_M: jax.Array
-    recv_to_packed_M: jax.Array
-    packed_to_recv_M: jax.Array
+    recv_to_packed_M: jax.Array  # -1: receive row holds no route
+    packed_to_recv_M: jax.Array  # -1: packed row past the groups
     group_sizes_El: jax.Array
 
 
@@ -405,9 +430,9 @@ def _plan_regroup(recv_PE, recv_offsets_P, rows: int) -> _Regroup:
     run_start = (run_end_PE - recv_PE)[src_M, expert_M]
     before = _exclusive_cumsum(recv_PE, axis=0)[src_M, expert_M]  # rows of this expert from earlier sources
     packed_M = _exclusive_cumsum(group_sizes_El)[expert_M] + before + (j_M - run_start)
-    recv_to_packed_M = jnp.where(valid_M, packed_M, 0)
-    packed_to_recv_M = jnp.zeros((rows,), jnp.int32).at[jnp.where(valid_M, packed_M, rows)].set(i_M, mode="drop")
-    return _Regroup(valid_M, recv_to_packed_M, packed_to_recv_M, group_sizes_El)
+    recv_to_packed_M = jnp.where(valid_M, packed_M, -1)
+    packed_to_recv_M = jnp.full((rows,), -1, jnp.int32).at[jnp.where(valid_M, packed_M, rows)].set(i_M, mode="drop")
+    return _Regroup(recv_to_packed_M, packed_to_recv_M, group_sizes_El)
 
 
 # ----------------------------------------------------------------------------- row exchanges
@@ -465,6 +490,7 @@ def ep_dispatch(
     strategy: str = "padded",
     capacity: int | None = None,
     mask_T: jax.Array | None = None,
+    backend: BackendName = "auto",
 ) -> tuple[jax.Array, jax.Array, EPPlan]:
     """Send each token's rows to the owners of its K experts; return them grouped by local expert.
 
@@ -480,6 +506,7 @@ def ep_dispatch(
         raise ValueError.
       mask_T: optional bool `[T]`, True for real tokens. Routes of masked tokens are neither sent
         nor counted (not in `send_counts_P`, not dropped); their combined output is zero.
+      backend: row-gather backend (`"auto"`: Pallas on GPU, XLA elsewhere; see `gather_rows`).
 
     Returns:
       packed_x_MD: `[M, D]`, M = P*C, rows of local expert 0, then 1, ... (within an expert by
@@ -511,26 +538,26 @@ def ep_dispatch(
     valid_S = j_S < ex.send_sizes_P[dest_S]
     kept_start_P = _exclusive_cumsum(ex.send_sizes_P)
     route_S = sends.send_order_R[jnp.clip(kept_start_P[dest_S] + j_S, 0, routes - 1)]
-    send_x_SD = jnp.where(valid_S[:, None], x_TD[route_S // top_k], jnp.zeros((), x_TD.dtype))
+    send_x_SD = gather_rows(x_TD, jnp.where(valid_S, route_S // top_k, -1), backend=backend)
 
     recv_x_MD = _exchange_rows(send_x_SD, ex, out_rows=recv_rows, axis_name=axis_name, strategy=strategy)
 
     regroup = _plan_regroup(counts_PPE[:, me, :], ex.recv_offsets_P, recv_rows)
-    packed_valid_M = jnp.arange(recv_rows) < jnp.sum(regroup.group_sizes_El)
     # Padding rows are written as zeros here, whatever the receive buffer holds there.
-    packed_x_MD = jnp.where(packed_valid_M[:, None], recv_x_MD[regroup.packed_to_recv_M], jnp.zeros((), x_TD.dtype))
+    packed_x_MD = gather_rows(recv_x_MD, regroup.packed_to_recv_M, inverse_N=regroup.recv_to_packed_M,
+                              backend=backend)
 
     dest_R = jnp.minimum(sends.dest_R, ep - 1)  # invalid-id routes are masked by keep below
     slot_R = sends.send_rank_R - kept_start_P[dest_R]
-    route_row_R = jnp.where(sends.keep_R, ex.send_offsets_P[dest_R] + slot_R, 0)
+    route_row_R = jnp.where(sends.keep_R, ex.send_offsets_P[dest_R] + slot_R, -1)
     dropped = lax.psum(jnp.sum(real_R & ~sends.keep_R, dtype=jnp.int32), axis_name)
     plan = EPPlan(
         strategy=strategy,
         capacity=cap,
         keep_TK=sends.keep_R.reshape(tokens, top_k),
         route_row_TK=route_row_R.reshape(tokens, top_k).astype(jnp.int32),
-        recv_valid_M=regroup.recv_valid_M,
         recv_to_packed_M=regroup.recv_to_packed_M,
+        packed_to_recv_M=regroup.packed_to_recv_M,
         group_sizes_El=regroup.group_sizes_El,
         exchange=ex,
         send_counts_P=sends.send_counts_P,
@@ -539,7 +566,8 @@ def ep_dispatch(
     return packed_x_MD, regroup.group_sizes_El, plan
 
 
-def ep_combine(packed_y_MD: jax.Array, weights_TK: jax.Array, plan: EPPlan, *, axis_name=EP_AXIS) -> jax.Array:
+def ep_combine(packed_y_MD: jax.Array, weights_TK: jax.Array, plan: EPPlan, *, axis_name=EP_AXIS,
+               backend: BackendName = "auto") -> jax.Array:
     """Return expert outputs to their tokens' ranks and form `y_t = sum_k w_tk * y_tk`.
 
     Args:
@@ -547,6 +575,7 @@ def ep_combine(packed_y_MD: jax.Array, weights_TK: jax.Array, plan: EPPlan, *, a
         `sum(group_sizes)` are never read (they may hold anything, NaN included).
       weights_TK: routing weights `[T, K]` of this rank's tokens.
       plan: the `EPPlan` from the matching `ep_dispatch`.
+      backend: row-gather backend, as for `ep_dispatch`.
 
     Returns `y_TD` in `packed_y_MD.dtype`, summed over K in float32. Dropped routes contribute
     zero. Differentiable in `packed_y_MD` and `weights_TK`.
@@ -557,7 +586,7 @@ def ep_combine(packed_y_MD: jax.Array, weights_TK: jax.Array, plan: EPPlan, *, a
             f"weights_TK must be [T, K] = {(tokens, top_k)} like the dispatched expert_idx_TK; got "
             f"shape {tuple(weights_TK.shape)}."
         )
-    recv_rows = plan.recv_valid_M.shape[0]
+    recv_rows = plan.recv_to_packed_M.shape[0]
     if packed_y_MD.ndim != 2 or packed_y_MD.shape[0] != recv_rows:
         raise ValueError(
             f"packed_y_MD must be [M, D] with M = {recv_rows} packed rows from ep_dispatch; got shape "
@@ -568,13 +597,15 @@ def ep_combine(packed_y_MD: jax.Array, weights_TK: jax.Array, plan: EPPlan, *, a
     send_rows, _ = _buffer_rows(plan.strategy, routes, ep, plan.capacity)
     zero = jnp.zeros((), packed_y_MD.dtype)
 
-    # Back to receive order, reading only valid rows so padding can never leak (where, not *).
-    back_MD = jnp.where(plan.recv_valid_M[:, None], packed_y_MD[plan.recv_to_packed_M], zero)
+    # Back to receive order, reading only valid rows, so padding can never leak.
+    back_MD = gather_rows(packed_y_MD, plan.recv_to_packed_M, inverse_N=plan.packed_to_recv_M, backend=backend)
     returned_SD = _exchange_rows(
         back_MD, plan.exchange.reversed(), out_rows=send_rows, axis_name=axis_name, strategy=plan.strategy
     )
-    keep_R = plan.keep_TK.reshape(routes)
-    y_RD = jnp.where(keep_R[:, None], returned_SD[plan.route_row_TK.reshape(routes)], zero)
+    # Materialised once: fused into the weighted sum below, XLA recomputed the index arithmetic
+    # behind it for every element (a 6 us decode combine took 258 us on an H200).
+    row_R = lax.optimization_barrier(plan.route_row_TK.reshape(routes))
+    y_RD = jnp.where((row_R >= 0)[:, None], returned_SD[jnp.maximum(row_R, 0)], zero)
     y_TKD = y_RD.reshape(tokens, top_k, -1).astype(jnp.float32)
     y_TD = jnp.sum(y_TKD * weights_TK.astype(jnp.float32)[:, :, None], axis=1)
     return y_TD.astype(packed_y_MD.dtype)
@@ -591,6 +622,7 @@ def ep_moe(
     strategy: str = "padded",
     capacity: int | None = None,
     mask_T: jax.Array | None = None,
+    backend: BackendName = "auto",
 ) -> tuple[jax.Array, EPStats]:
     """Dispatch, `packed_y_MD = expert_fn(packed_x_MD, group_sizes_El)`, combine.
 
@@ -598,6 +630,7 @@ def ep_moe(
     the packed rows group by group (grouped-GEMM layout, e.g. `moe_jax.ops.grouped_linear`),
     returning `[M, D_out]`; its rows past `sum(group_sizes_El)` are ignored.
     `mask_T` (bool `[T]`) excludes padding tokens: they are not sent and their output is zero.
+    `backend` picks the row-gather backend (see `ep_dispatch`).
     Returns `(y_TD, EPStats)`.
     """
     packed_x_MD, group_sizes_El, plan = ep_dispatch(
@@ -608,6 +641,7 @@ def ep_moe(
         strategy=strategy,
         capacity=capacity,
         mask_T=mask_T,
+        backend=backend,
     )
     packed_y_MD = expert_fn(packed_x_MD, group_sizes_El)
-    return ep_combine(packed_y_MD, weights_TK, plan, axis_name=axis_name), plan.stats()
+    return ep_combine(packed_y_MD, weights_TK, plan, axis_name=axis_name, backend=backend), plan.stats()

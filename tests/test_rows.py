@@ -1,0 +1,116 @@
+"""Row gather (`moe_jax.ops.gather_rows`): values, edge rows, gradients both ways, lowering.
+
+The same bodies run the Pallas kernel compiled on a GPU and interpreted on CPU.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moe_jax.ops import gather_rows, gather_rows_reference, kernels
+from tests.helpers import ON_GPU, assert_close, h200_mesh, lower_for_gpu
+
+BACKENDS = ["pallas_triton", "xla"]
+# Widths: a multiple of the 512-column block, a partial block, a width below one block.
+WIDTHS = [1024, 700, 24] if ON_GPU else [1024, 40, 24]
+
+
+def _rows(seed, m, n, invalid=0.2):
+    """Random source rows with about `invalid` of them -1 or past N (zero rows)."""
+    rng = np.random.default_rng(seed)
+    rows = rng.integers(0, n, m)
+    bad = rng.random(m) < invalid
+    rows[bad] = rng.choice([-1, -7, n, n + 3], bad.sum())
+    return jnp.asarray(rows, jnp.int32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("d", WIDTHS)
+def test_gather_rows_matches_reference(backend, dtype, d):
+    n, m = 37, 53  # M not a multiple of the 8-row program
+    x = jax.random.normal(jax.random.PRNGKey(0), (n, d), jnp.float32).astype(dtype)
+    rows = _rows(0, m, n)
+    out = gather_rows(x, rows, backend=backend)
+    assert out.shape == (m, d) and out.dtype == dtype
+    # A copy: exact, whatever the dtype.
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(gather_rows_reference(x, rows)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gather_rows_edge_cases(backend):
+    x = jnp.arange(12.0, dtype=jnp.float32).reshape(4, 3)
+    # Zero output rows, zero width, every row invalid, one row read many times.
+    assert gather_rows(x, jnp.zeros((0,), jnp.int32), backend=backend).shape == (0, 3)
+    assert gather_rows(jnp.zeros((4, 0)), jnp.arange(2), backend=backend).shape == (2, 0)
+    np.testing.assert_array_equal(gather_rows(x, jnp.full((5,), -1), backend=backend), np.zeros((5, 3)))
+    np.testing.assert_array_equal(gather_rows(x, jnp.full((9,), 2), backend=backend), np.tile(x[2], (9, 1)))
+
+
+def test_every_output_element_is_written():
+    """NaN in the output buffer and in the rows nobody reads must not survive."""
+    n, m, d = 20, 29, 40
+    x = jax.random.normal(jax.random.PRNGKey(1), (n, d)).at[5].set(jnp.nan)
+    rows = _rows(1, m, n)
+    rows = jnp.where(rows == 5, -1, rows)
+    block_d = 16 if not ON_GPU else 32  # a partial last column block
+    out = kernels.gather_rows_pallas(x, rows, block_rows=8, block_d=block_d, num_warps=2, interpret=not ON_GPU,
+                                     out_init=jnp.full((m, d), jnp.nan, jnp.float32))
+    assert bool(jnp.all(jnp.isfinite(out)))
+    np.testing.assert_array_equal(out, gather_rows_reference(x.at[5].set(0.0), rows))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("with_inverse", [False, True])
+def test_gather_rows_gradient(backend, with_inverse):
+    n, m, d = 30, 24, 40
+    x = jax.random.normal(jax.random.PRNGKey(2), (n, d))
+    cot = jax.random.normal(jax.random.PRNGKey(3), (m, d))
+    if with_inverse:  # an injective gather: a partial permutation with holes on both sides
+        perm = np.random.default_rng(4).permutation(n)[:m]
+        perm[::5] = -1
+        rows = jnp.asarray(perm, jnp.int32)
+        inverse = jnp.full((n,), -1, jnp.int32).at[jnp.where(rows >= 0, rows, n)].set(jnp.arange(m, dtype=jnp.int32), mode="drop")
+    else:  # rows read several times must collect every contribution
+        rows, inverse = _rows(5, m, 7), None
+
+    def loss(fn, x, **kw):
+        return jnp.sum(fn(x, rows, **kw).astype(jnp.float32) * cot)
+
+    got = jax.grad(lambda x: loss(gather_rows, x, inverse_N=inverse, backend=backend))(x)
+    want = jax.grad(lambda x: loss(gather_rows_reference, x))(x)
+    assert_close(got, want, jnp.float32, "d x")
+
+
+def test_gather_rows_bad_input():
+    x = jnp.zeros((4, 3))
+    with pytest.raises(ValueError, match="x_ND must be"):
+        gather_rows(jnp.zeros((4,)), jnp.arange(2))
+    with pytest.raises(ValueError, match="rows_M must be"):
+        gather_rows(x, jnp.zeros((2, 2), jnp.int32))
+    with pytest.raises(TypeError, match="rows_M must hold integer"):
+        gather_rows(x, jnp.zeros((2,)))
+    with pytest.raises(ValueError, match=r"inverse_N must be a 1-D int array \[N\]"):
+        gather_rows(x, jnp.arange(2), inverse_N=jnp.arange(3))
+    with pytest.raises(ValueError, match="backend="):
+        gather_rows(x, jnp.arange(2), backend="cuda")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("d", [4096, 7168, 700])
+def test_gather_kernel_lowers_for_h200_inside_shard_map(dtype, d):
+    """The kernel compiles for an H200 where EP runs it: inside shard_map, forward and backward."""
+    mesh = h200_mesh((2,), ("ep",))
+    spec = jax.sharding.PartitionSpec("ep")
+
+    def loss(x, rows, inverse):
+        def body(x, rows, inverse):
+            return jnp.sum(gather_rows(x, rows, inverse_N=inverse).astype(jnp.float32) ** 2)[None]
+        return jnp.sum(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)(x, rows, inverse))
+
+    avals = (jax.ShapeDtypeStruct((2 * 96, d), dtype, sharding=jax.sharding.NamedSharding(mesh, spec)),
+             jax.ShapeDtypeStruct((2 * 80,), jnp.int32, sharding=jax.sharding.NamedSharding(mesh, spec)),
+             jax.ShapeDtypeStruct((2 * 96,), jnp.int32, sharding=jax.sharding.NamedSharding(mesh, spec)))
+    text = lower_for_gpu(jax.grad(loss), *avals, mesh=mesh)
+    assert text.count("moe_jax_gather_rows") >= 2  # forward and the inverse-gather backward
