@@ -19,6 +19,7 @@ ranks) it times one dispatch + combine (identity experts) of:
   reads flags once);
 * xla, the bare collectives there and back and nothing else: `all_to_all` of the dropless padded
   buffers (P blocks of R rows), `all_to_all cf=1.25` of the capacity buffers (P blocks of C rows),
+  `ppermute cf=1.25` (the peer's C-row block only: what our padded strategy moves at P = 2),
   `ragged_all_to_all` with this routing's exact block sizes, and `ragged_all_to_all+decomp` (the
   same under the decomposer flag);
 * NCCL: two `torch.distributed.all_to_all_single` calls (2 processes) with this routing's split
@@ -174,7 +175,8 @@ def _jax_bench(shapes, labels, smoke: bool) -> list[dict]:
     buffers), "padded cf=1.25 no-a2a" (the collective replaced by the identity: the cost around
     it), "padded cf=1.25 xla-gather" (row gathers by XLA), "ragged", "ragged+decomp". Labels (side "xla", the bare collectives of
     `_collective_loop`): "all_to_all" (dropless buffers), "all_to_all cf=1.25" (capacity buffers),
-    "ragged_all_to_all", "ragged_all_to_all+decomp". The "+decomp" labels only mean something in a
+    "ppermute cf=1.25" (the peer-block swap of our padded strategy at P = 2), "ragged_all_to_all",
+    "ragged_all_to_all+decomp". The "+decomp" labels only mean something in a
     process started with the decomposer flag. NCCL and torch-ref rows come from `_torch_bench`."""
     import jax
     import jax.numpy as jnp
@@ -231,7 +233,8 @@ def _jax_loop(mesh, shape: Shape, label: str, smoke: bool):
     # identity (same buffer shape under "padded"): what our code costs around the collective.
     def body(x, idx, w):
         if label.endswith("no-a2a"):
-            with mock.patch.object(exchange, "_move_rows", lambda rows, *a, **k: rows):
+            identity = lambda rows, *a, **k: rows  # noqa: E731
+            with mock.patch.object(exchange, "_move_rows", identity), mock.patch.object(exchange, "_swap_pair", identity):
                 return _body(x, idx, w)
         return _body(x, idx, w)
 
@@ -257,7 +260,8 @@ def _jax_loop(mesh, shape: Shape, label: str, smoke: bool):
 def _collective_loop(mesh, shape: Shape, label: str, smoke: bool):
     """The bare exchanges, there and back, `reps` times: `all_to_all` of the dropless padded
     buffer ([P*R, D] per rank, as our padded strategy moves; [P*C, D] with "cf=" in `label`) or `ragged_all_to_all` with this
-    routing's exact block sizes (counts_PP[src, dst], offsets from it). Nothing else runs.
+    routing's exact block sizes (counts_PP[src, dst], offsets from it), or ("ppermute cf=1.25")
+    the swap of the peer's [C, D] block that our padded strategy does at P = 2. Nothing else runs.
     `(x, counts_PP) -> (buffer, routes moved per iteration)`."""
     import jax
     import jax.numpy as jnp
@@ -269,6 +273,7 @@ def _collective_loop(mesh, shape: Shape, label: str, smoke: bool):
     routes = shape.tokens * shape.top_k
     reps = _reps(2 * routes * shape.d_model * 2, smoke)
     ragged = label.startswith("ragged")
+    pair = label.startswith("ppermute")
     # "all_to_all cf=1.25": blocks of our capacity C instead of the dropless R rows.
     block = capacity_for(shape.tokens, shape.top_k, RANKS, CAPACITY_FACTOR) if "cf=" in label else routes
 
@@ -287,9 +292,14 @@ def _collective_loop(mesh, shape: Shape, label: str, smoke: bool):
                 recv = lax.ragged_all_to_all(buf, jnp.zeros((RANKS * routes,) + buf.shape[1:], buf.dtype), *there,
                                              axis_name=EP_AXIS)
                 return lax.ragged_all_to_all(recv, jnp.zeros_like(buf), *back, axis_name=EP_AXIS)
+            if pair:
+                swap = [(0, 1), (1, 0)]
+                return lax.ppermute(lax.ppermute(buf, EP_AXIS, swap), EP_AXIS, swap)
             return lax.all_to_all(lax.all_to_all(buf, EP_AXIS, 0, 0, tiled=True), EP_AXIS, 0, 0, tiled=True)
 
-        if not ragged:  # padded layout: P blocks of R rows (dropless) or C rows
+        if pair:  # the peer's block only
+            send = send[:block]
+        elif not ragged:  # padded layout: P blocks of R rows (dropless) or C rows
             send = jnp.tile(send[:block], (RANKS, 1))
         out = lax.fori_loop(0, reps, one, send)
         return out[:1], jnp.asarray(RANKS * routes, jnp.int32)
@@ -589,11 +599,12 @@ def _worker(kind: str, variant: str, smoke: bool, out: str) -> None:
         elif smoke or variant == "padded":  # XLA:CPU has no ragged_all_to_all
             labels = ["padded", f"padded cf={CAPACITY_FACTOR}", f"padded cf={CAPACITY_FACTOR} no-a2a",
                       f"padded cf={CAPACITY_FACTOR} xla-gather", "all_to_all",
-                      f"all_to_all cf={CAPACITY_FACTOR}"]
+                      f"all_to_all cf={CAPACITY_FACTOR}", f"ppermute cf={CAPACITY_FACTOR}"]
         else:
             labels = ["padded", f"padded cf={CAPACITY_FACTOR}", f"padded cf={CAPACITY_FACTOR} no-a2a",
                       f"padded cf={CAPACITY_FACTOR} xla-gather", "ragged",
-                      "all_to_all", f"all_to_all cf={CAPACITY_FACTOR}", "ragged_all_to_all"]
+                      "all_to_all", f"all_to_all cf={CAPACITY_FACTOR}", f"ppermute cf={CAPACITY_FACTOR}",
+                      "ragged_all_to_all"]
         result = dict(records=_jax_bench(shapes, labels, smoke))
     elif kind == "torch-bench":
         result = dict(records=_torch_bench(shapes, smoke))
@@ -622,18 +633,18 @@ def _environment(kind: str) -> dict:
 
 def _table(records: list[dict]) -> str:
     nccl = {(r["shape"], r["routing"]): r["seconds"] for r in records if r["side"] == "nccl" and "seconds" in r}
-    lines = [f"{'shape':<36} {'routing':<9} {'impl':<28} {'time us':>10} {'GB/s/GPU':>9} {'x NCCL':>7} "
+    lines = [f"{'shape':<36} {'routing':<9} {'impl':<32} {'time us':>10} {'GB/s/GPU':>9} {'x NCCL':>7} "
              f"{'dropped':>8}"]
     order = {"nccl": 0, "torch-ref": 1, "xla": 2, "ours": 3}
     for r in sorted(records, key=lambda r: (r["shape"], r["routing"], order[r["side"]], r["strategy"])):
         name = f"{r['side']} {r['strategy']}" if r["side"] in ("ours", "xla") else r["strategy"]
         if "error" in r:
-            lines.append(f"{r['shape']:<36} {r['routing']:<9} {name:<28} failed: {r['error'][:60]}")
+            lines.append(f"{r['shape']:<36} {r['routing']:<9} {name:<32} failed: {r['error'][:60]}")
             continue
         gbps = 2 * r["rows_per_rank"] * r["d_model"] * 2 / r["seconds"] / 1e9  # bf16: 2 bytes
         base = nccl.get((r["shape"], r["routing"]))
         ratio = f"{r['seconds'] / base:7.2f}" if base else f"{'-':>7}"
-        lines.append(f"{r['shape']:<36} {r['routing']:<9} {name:<28} {r['seconds'] * 1e6:10.1f} {gbps:9.1f} "
+        lines.append(f"{r['shape']:<36} {r['routing']:<9} {name:<32} {r['seconds'] * 1e6:10.1f} {gbps:9.1f} "
                      f"{ratio} {int(r['dropped']):8d}")
     return "\n".join(lines)
 

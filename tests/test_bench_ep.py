@@ -37,5 +37,5 @@ def test_cpu_smoke(tmp_path, mode):
         assert variants == {("nccl", "nccl"), ("ours", "padded"), ("ours", "padded cf=1.25"),
                             ("ours", "padded cf=1.25 no-a2a"), ("ours", "padded cf=1.25 xla-gather"),
                             ("torch-ref", "torch-ref"), ("xla", "all_to_all"),
-                            ("xla", "all_to_all cf=1.25")}
+                            ("xla", "all_to_all cf=1.25"), ("xla", "ppermute cf=1.25")}
         assert all(r["seconds"] > 0 for r in payload["records"])

@@ -41,6 +41,7 @@ from moe_jax.parallel import (
     expert_spec,
     make_mesh,
 )
+from moe_jax.parallel import exchange
 from moe_jax.parallel.exchange import _stable_rank, check_capacity_factor
 from tests.helpers import ON_GPU, assert_close, h200_mesh, lower_for_gpu
 
@@ -272,8 +273,16 @@ def test_check_mesh_errors():
 # ----------------------------------------------------------------------------- dispatch layout
 
 
+@pytest.fixture(params=["all_to_all", "ppermute"])
+def send_paths(request, monkeypatch):
+    """Both padded exchanges at ep = 2 (`_PAIR_MIN_BLOCK_BYTES`): the test blocks are far below the
+    GPU-measured switch point, so "ppermute" forces the prefill-sized path."""
+    monkeypatch.setattr(exchange, "_PAIR_MIN_BLOCK_BYTES", 0 if request.param == "ppermute" else 1 << 62)
+    return request.param
+
+
 @pytest.mark.parametrize("ep,data,strategy", [(2, 1, "padded"), (4, 1, "padded"), (2, 2, "padded"), (4, 2, "padded"), (2, 2, "ragged")])
-def test_dispatch_layout_and_identity_round_trip(ep, data, strategy):
+def test_dispatch_layout_and_identity_round_trip(ep, data, strategy, send_paths):
     """Packed rows are exactly the contract's layout with zero padding, and identity experts give
     back sum_k w_tk x_t bit for bit (ragged: emulated collective, unwritten rows NaN)."""
     if strategy == "ragged":
@@ -317,7 +326,7 @@ def _check_layout_and_round_trip(ep, data, strategy):
 
 
 @pytest.mark.parametrize("ep,data", [(4, 2), (2, 1)])
-def test_linear_experts_match_single_device(ep, data):
+def test_linear_experts_match_single_device(ep, data, send_paths):
     _check_linear(_mesh(ep, data), "skewed")
 
 
@@ -336,9 +345,10 @@ def test_degenerate_routing(pattern, k):
         assert (sizes[[0, 4], 1] == 0).all() and (sizes[[3, 7]] == 0).all() and (sizes[[0, 4], 0] > 0).all()
 
 
-def test_capacity_overflow_drops_exactly():
-    mesh = _mesh(4, 2)
-    capacity = 2  # 12 routes per rank over 4 destinations, rank 0's experts hot: overflow is certain
+@pytest.mark.parametrize("ep,data,capacity", [(4, 2, 2), (2, 1, 4)])
+def test_capacity_overflow_drops_exactly(ep, data, capacity, send_paths):
+    mesh = _mesh(ep, data)
+    # 12 routes per rank over the ep destinations, rank 0's experts hot: overflow is certain.
     keep, _, _ = _check_linear(mesh, "skewed", capacity=capacity, seed=3)
     assert 0 < (~keep).sum() < keep.size
 
@@ -357,7 +367,7 @@ def test_masked_tokens_and_a_rank_without_tokens():
     np.testing.assert_array_equal(np.asarray(dw)[~mask], 0.0)
 
 
-def test_nan_in_padding_rows_never_leaks():
+def test_nan_in_padding_rows_never_leaks(send_paths):
     """Expert outputs past sum(group_sizes) are NaN; outputs and all gradients stay finite and
     correct (combine reads valid rows only, with `where`, not a multiply by a mask)."""
     keep, packed, _ = _check_linear(_mesh(2, 2), "skewed", poison=True, seed=5)
@@ -510,3 +520,31 @@ def test_ragged_strategy_lowers_for_gpu():
     )
     text = lower_for_gpu(grad, *avals, mesh=mesh)
     assert text.count("stablehlo.custom_call @ragged_all_to_all") == 4
+
+
+def test_pairwise_padded_path_lowers_for_gpu(monkeypatch):
+    """At ep = 2 with blocks above `_PAIR_MIN_BLOCK_BYTES` the padded exchange is own block +
+    `ppermute`: forward and backward lower for an H200 under check_vma, with the Pallas row gather
+    and collective_permutes (the dispatch and combine swaps and their transposes), and no
+    all_to_all."""
+    monkeypatch.setattr(exchange, "_PAIR_MIN_BLOCK_BYTES", 0)
+    mesh = h200_mesh((1, 2), (DATA_AXIS, EP_AXIS))
+    k, n = 2, 2 * T
+
+    def body(x, idx, w, W):
+        W = lax.pcast(W, (DATA_AXIS,), to="varying")  # per-device weight gradients, psum'd over data
+        expert_fn = lambda px, gs: grouped_linear(px, W, gs, backend="xla")
+        y, stats = ep_moe(x, idx, w, expert_fn, num_experts=E, strategy="padded", capacity=T * k)
+        return lax.psum(jnp.sum(y), (DATA_AXIS, EP_AXIS)) + 0.0 * lax.psum(stats.dropped, DATA_AXIS)
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(ACT, ACT, ACT, expert_spec()), out_specs=dense_spec())
+
+    def aval(shape, dtype, spec):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
+
+    avals = (aval((n, D), jnp.bfloat16, ACT), aval((n, k), jnp.int32, ACT), aval((n, k), jnp.float32, ACT),
+             aval((E, O, D), jnp.bfloat16, expert_spec()))
+    text = lower_for_gpu(jax.grad(fn, argnums=(0, 2, 3)), *avals, mesh=mesh)
+    assert text.count("stablehlo.collective_permute") == 4
+    assert "all_to_all" not in text
+    assert "moe_jax_gather_rows" in text

@@ -39,6 +39,32 @@ def test_gather_rows_matches_reference(backend, dtype, d):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("with_inverse", [False, True])
+def test_gather_rows_from_several_sources(backend, with_inverse):
+    """A tuple of sources reads as their concatenation, forward and backward (each source gets
+    its own gradient), including a source no row reads and an empty source."""
+    d = 40
+    keys = jax.random.split(jax.random.PRNGKey(6), 4)
+    xs = (jax.random.normal(keys[0], (13, d)), jnp.zeros((0, d)), jax.random.normal(keys[1], (9, d)),
+          jax.random.normal(keys[2], (5, d)))
+    n = sum(x.shape[0] for x in xs)
+    perm = np.random.default_rng(7).permutation(18)  # rows 18.. (the last source) are never read
+    perm[::4] = -1
+    rows = jnp.asarray(perm, jnp.int32)
+    inverse = None
+    if with_inverse:
+        inverse = jnp.full((n,), -1, jnp.int32).at[jnp.where(rows >= 0, rows, n)].set(jnp.arange(18, dtype=jnp.int32), mode="drop")
+    out = gather_rows(xs, rows, inverse_N=inverse, backend=backend)
+    np.testing.assert_array_equal(out, gather_rows_reference(xs, rows))
+    cot = jax.random.normal(keys[3], out.shape)
+    got = jax.grad(lambda xs: jnp.sum(gather_rows(xs, rows, inverse_N=inverse, backend=backend) * cot))(xs)
+    want = jax.grad(lambda xs: jnp.sum(gather_rows_reference(xs, rows) * cot))(xs)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_gather_rows_edge_cases(backend):
     x = jnp.arange(12.0, dtype=jnp.float32).reshape(4, 3)
     # Zero output rows, zero width, every row invalid, one row read many times.
@@ -55,7 +81,7 @@ def test_every_output_element_is_written():
     rows = _rows(1, m, n)
     rows = jnp.where(rows == 5, -1, rows)
     block_d = 16 if not ON_GPU else 32  # a partial last column block
-    out = kernels.gather_rows_pallas(x, rows, block_rows=8, block_d=block_d, num_warps=2, interpret=not ON_GPU,
+    out = kernels.gather_rows_pallas((x,), rows, block_rows=8, block_d=block_d, num_warps=2, interpret=not ON_GPU,
                                      out_init=jnp.full((m, d), jnp.nan, jnp.float32))
     assert bool(jnp.all(jnp.isfinite(out)))
     np.testing.assert_array_equal(out, gather_rows_reference(x.at[5].set(0.0), rows))
@@ -85,7 +111,7 @@ def test_gather_rows_gradient(backend, with_inverse):
 
 def test_gather_rows_bad_input():
     x = jnp.zeros((4, 3))
-    with pytest.raises(ValueError, match="x_ND must be"):
+    with pytest.raises(ValueError, match=r"x_ND must be \[N, D\]"):
         gather_rows(jnp.zeros((4,)), jnp.arange(2))
     with pytest.raises(ValueError, match="rows_M must be"):
         gather_rows(x, jnp.zeros((2, 2), jnp.int32))
@@ -93,6 +119,10 @@ def test_gather_rows_bad_input():
         gather_rows(x, jnp.zeros((2,)))
     with pytest.raises(ValueError, match=r"inverse_N must be a 1-D int array \[N\]"):
         gather_rows(x, jnp.arange(2), inverse_N=jnp.arange(3))
+    with pytest.raises(ValueError, match="share the width D and the dtype"):
+        gather_rows((x, jnp.zeros((4, 2))), jnp.arange(2))
+    with pytest.raises(ValueError, match="non-empty tuple"):
+        gather_rows((), jnp.arange(2))
     with pytest.raises(ValueError, match="backend="):
         gather_rows(x, jnp.arange(2), backend="cuda")
 

@@ -6,8 +6,8 @@ Legend: M packed rows, K reduction width, N output width, E groups, W worst-case
   the seed's NT layout) or `lhs_e @ rhs[e]` (rhs `[E,K,N]`, used for the input gradient so the
   weights are never transposed in memory).
 - `tgmm`: `out[E,N,K]`, `out[e] = dout_e^T @ lhs_e`, the weight gradient.
-- `gather_rows`: `out[i] = x[rows[i]]`, zero where `rows[i]` is outside `[0, N)` (the row moves of
-  expert-parallel dispatch and combine).
+- `gather_rows`: `out[i] = concat(xs)[rows[i]]`, zero where `rows[i]` is out of range (the row
+  moves of expert-parallel dispatch and combine).
 
 Kernels take refs only; wrappers own grids and compiler parameters. Accumulation is fp32.
 """
@@ -307,7 +307,8 @@ def tgmm_pallas(
     )
 
 
-def _gather_rows_kernel(rows_ref, x_ref, out_ref, *, m: int, n: int, d: int, block_rows: int, block_d: int):
+def _gather_rows_kernel(rows_ref, *refs, m: int, sizes: tuple[int, ...], d: int, block_rows: int, block_d: int):
+    x_refs, out_ref = refs[:-1], refs[-1]
     c0 = pl.multiple_of(pl.program_id(1) * block_d, block_d)
     cols_ok = ((c0 + jnp.arange(block_d, dtype=jnp.int32)) < d) if d % block_d else None
     # Unrolled, branch-free rows: every load can issue before the stores. Rows past `m` (last
@@ -315,28 +316,37 @@ def _gather_rows_kernel(rows_ref, x_ref, out_ref, *, m: int, n: int, d: int, blo
     for r in range(block_rows):
         i = jnp.minimum(pl.program_id(0) * block_rows + r, m - 1)
         row = rows_ref[i]
-        ok = (row >= 0) & (row < n)
-        load_ok = jnp.full((block_d,), ok) if cols_ok is None else cols_ok & ok
-        v = plgpu.load(x_ref.at[jnp.where(ok, row, 0), pl.ds(c0, block_d)], mask=load_ok,
-                       other=jnp.zeros((), x_ref.dtype))
+        v = None
+        start = 0
+        # One masked load per source; only the source holding the row touches memory.
+        for x_ref, size in zip(x_refs, sizes):
+            local = row - start
+            ok = (local >= 0) & (local < size)
+            load_ok = jnp.full((block_d,), ok) if cols_ok is None else cols_ok & ok
+            part = plgpu.load(x_ref.at[jnp.where(ok, local, 0), pl.ds(c0, block_d)], mask=load_ok,
+                              other=jnp.zeros((), x_ref.dtype))
+            v = part if v is None else jnp.where(ok, part, v)
+            start += size
         plgpu.store(out_ref.at[i, pl.ds(c0, block_d)], v, mask=cols_ok)
 
 
 def gather_rows_pallas(
-    x: jax.Array, rows: jax.Array, *, block_rows: int, block_d: int, num_warps: int, interpret: bool,
-    out_init: jax.Array | None = None,
+    xs: tuple[jax.Array, ...], rows: jax.Array, *, block_rows: int, block_d: int, num_warps: int,
+    interpret: bool, out_init: jax.Array | None = None,
 ) -> jax.Array:
-    """Launch the row-gather kernel: `out[i] = x[rows[i]]` (`[M, D]`), zero where `rows[i]` is
-    outside `[0, N)`. One program per (`block_rows` rows, `block_d` columns); each row is one
-    contiguous vector load and store. Expects `M, D > 0` and int32 `rows`.
+    """Launch the row-gather kernel: `out[i] = concat(xs)[rows[i]]` (`[M, D]`), zero where
+    `rows[i]` is outside `[0, sum N_i)`; the sources `xs` (`[N_i, D]`, one dtype) are never
+    concatenated in memory. One program per (`block_rows` rows, `block_d` columns); each row is
+    one contiguous vector load and store. Expects `M, D > 0` and int32 `rows`.
 
-    Row offsets are int32 inside the kernel: `N * D` and `M * D` must stay below 2**31.
+    Row offsets are int32 inside the kernel: `N_i * D` and `M * D` must stay below 2**31.
     """
-    n, d = x.shape
+    d = xs[0].shape[1]
     m = rows.shape[0]
-    kernel = functools.partial(_gather_rows_kernel, m=m, n=n, d=d, block_rows=block_rows, block_d=block_d)
+    kernel = functools.partial(_gather_rows_kernel, m=m, sizes=tuple(x.shape[0] for x in xs), d=d,
+                               block_rows=block_rows, block_d=block_d)
     return _launch(
-        kernel, (rows, x), out_shape=jax.ShapeDtypeStruct((m, d), x.dtype),
+        kernel, (rows, *xs), out_shape=jax.ShapeDtypeStruct((m, d), xs[0].dtype),
         grid=(_cdiv(m, block_rows), _cdiv(d, block_d)), num_warps=num_warps, num_stages=1,
         interpret=interpret, name="moe_jax_gather_rows", out_init=out_init,
     )

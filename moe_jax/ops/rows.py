@@ -3,12 +3,13 @@
 Legend: N source rows, M output rows, D width.
 
 `gather_rows(x_ND, rows_M)` is `out[i] = x[rows[i]]`, with zeros where `rows[i]` is outside
-`[0, N)` (by convention -1 marks "no row"). Backends as for the grouped GEMM:
+`[0, N)` (by convention -1 marks "no row"); `x_ND` may be a tuple of arrays read as their
+concatenation. Backends as for the grouped GEMM:
 
 - `pallas_triton`: `kernels.gather_rows_pallas`, one vector load and store per row. On an H200
   (jax 0.11.2) it copied 40960 rows of 4096 bf16 in 172 us (3.5 TB/s), where XLA's gather of the
   same rows took 245 us, and 285 us inside the EP loop, where XLA fused the index arithmetic into
-  every element of the gather (`scratch` probes summarised in
+  every element of the gather (probes summarised in
   benchmarks/results/2026-11-30-h200x2-ep-breakdown-2.md).
 - `xla`: `jnp` indexing and a select; what `auto` picks off GPU.
 
@@ -34,17 +35,21 @@ _NUM_WARPS = 2
 _INT32_LIMIT = 2**31
 
 
-def _xla_gather(x_ND, rows_M):
+def _xla_gather(xs, rows_M):
+    x_ND = xs[0] if len(xs) == 1 else jnp.concatenate(xs)
     ok_M = (rows_M >= 0) & (rows_M < x_ND.shape[0])
     return jnp.where(ok_M[:, None], x_ND[jnp.where(ok_M, rows_M, 0)], jnp.zeros((), x_ND.dtype))
 
 
-def _pallas_gather(x_ND, rows_M):
-    n, d = x_ND.shape
-    if max(n, rows_M.shape[0]) * d >= _INT32_LIMIT:  # the kernel's offsets are int32
-        return _xla_gather(x_ND, rows_M)
+def _pallas_gather(xs, rows_M):
+    d, dtype = xs[0].shape[1], xs[0].dtype
+    xs = tuple(x for x in xs if x.shape[0])  # an empty source shifts no offsets
+    if not xs:
+        return jnp.zeros((rows_M.shape[0], d), dtype)
+    if max(rows_M.shape[0], *(x.shape[0] for x in xs)) * d >= _INT32_LIMIT:  # the kernel's offsets are int32
+        return _xla_gather(xs, rows_M)
     return _kernels.gather_rows_pallas(
-        x_ND, rows_M, block_rows=_BLOCK_ROWS, block_d=min(_BLOCK_D, _kernels._pow2_at_least(d)),
+        xs, rows_M, block_rows=_BLOCK_ROWS, block_d=min(_BLOCK_D, _kernels._pow2_at_least(d)),
         num_warps=_NUM_WARPS, interpret=not _on_gpu(),
     )
 
@@ -52,27 +57,38 @@ def _pallas_gather(x_ND, rows_M):
 _IMPLS = {"pallas_triton": _pallas_gather, "xla": _xla_gather}
 
 
-def _check(x_ND, rows_M, inverse_N):
-    if x_ND.ndim != 2:
-        raise ValueError(f"x_ND must be [N, D]; got shape {tuple(x_ND.shape)}.")
-    for name, a, size in (("rows_M", rows_M, None), ("inverse_N", inverse_N, x_ND.shape[0])):
-        if a is None:
-            continue
-        if a.ndim != 1 or (size is not None and a.shape[0] != size):
-            want = "[M]" if size is None else f"[N] = ({size},)"
-            raise ValueError(f"{name} must be a 1-D int array {want}; got shape {tuple(a.shape)}.")
-        if not jnp.issubdtype(a.dtype, jnp.integer):
-            raise TypeError(f"{name} must hold integer row ids; got dtype {a.dtype}.")
+def _sources(x_ND) -> tuple[jax.Array, ...]:
+    xs = tuple(x_ND) if isinstance(x_ND, (tuple, list)) else (x_ND,)
+    if not xs:
+        raise ValueError("x_ND must be an [N, D] array or a non-empty tuple of them; got an empty tuple.")
+    for x in xs:
+        if x.ndim != 2:
+            raise ValueError(f"x_ND must be [N, D] (or a tuple of [N_i, D]); got shape {tuple(x.shape)}.")
+        if x.shape[1] != xs[0].shape[1] or x.dtype != xs[0].dtype:
+            raise ValueError(
+                "the sources in x_ND must share the width D and the dtype; got "
+                + ", ".join(f"{tuple(y.shape)} {y.dtype}" for y in xs) + "."
+            )
+    return xs
+
+
+def _check_ids(name, a, size):
+    if a.ndim != 1 or (size is not None and a.shape[0] != size):
+        want = "[M]" if size is None else f"[N] = ({size},)"
+        raise ValueError(f"{name} must be a 1-D int array {want}; got shape {tuple(a.shape)}.")
+    if not jnp.issubdtype(a.dtype, jnp.integer):
+        raise TypeError(f"{name} must hold integer row ids; got dtype {a.dtype}.")
 
 
 def gather_rows(
-    x_ND: jax.Array, rows_M: jax.Array, *, inverse_N: jax.Array | None = None,
+    x_ND: jax.Array | tuple[jax.Array, ...], rows_M: jax.Array, *, inverse_N: jax.Array | None = None,
     backend: BackendName = "auto",
 ) -> jax.Array:
     """`out_MD[i] = x_ND[rows_M[i]]`, zero where `rows_M[i]` is outside `[0, N)`.
 
     Args:
-      x_ND: `[N, D]` source rows, any float dtype.
+      x_ND: `[N, D]` source rows, any float dtype; or a tuple of `[N_i, D]` arrays of one dtype
+        standing for their concatenation (N = sum N_i), which is never built in memory.
       rows_M: int `[M]` source row of each output row; -1 (or any id outside `[0, N)`) gives a
         zero row.
       inverse_N: optional int `[N]`, only for a gather that reads each source row at most once:
@@ -80,40 +96,54 @@ def gather_rows(
         gather instead of a scatter-add. Not checked: a wrong inverse gives wrong gradients.
       backend: `"auto"` (Pallas on GPU, XLA elsewhere), `"pallas_triton"` or `"xla"`.
 
-    Returns `[M, D]` in `x_ND.dtype`.
+    Returns `[M, D]` in the sources' dtype. Differentiable in the sources.
     """
-    _check(x_ND, rows_M, inverse_N)
+    xs = _sources(x_ND)
+    sizes = tuple(x.shape[0] for x in xs)
+    _check_ids("rows_M", rows_M, None)
+    if inverse_N is not None:
+        _check_ids("inverse_N", inverse_N, sum(sizes))
     impl = _IMPLS[resolve_backend(backend)]
-    num_rows, width = x_ND.shape
+    width, dtype = xs[0].shape[1], xs[0].dtype
     rows_M = rows_M.astype(jnp.int32)
     inverse_N = None if inverse_N is None else inverse_N.astype(jnp.int32)
     if rows_M.shape[0] == 0 or width == 0:
-        return jnp.zeros((rows_M.shape[0], width), x_ND.dtype)
+        return jnp.zeros((rows_M.shape[0], width), dtype)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
 
     @jax.custom_vjp
-    def gather(x, rows, inverse):
-        return impl(x, rows)
+    def gather(xs, rows, inverse):
+        return impl(xs, rows)
 
-    def forward(x, rows, inverse):
-        return gather(x, rows, inverse), (rows, inverse)
+    def forward(xs, rows, inverse):
+        return gather(xs, rows, inverse), (rows, inverse)
 
     def backward(res, g_MD):
         rows, inverse = res
-        if inverse is not None:
-            return impl(g_MD, inverse), None, None
-        dest = jnp.where((rows >= 0) & (rows < num_rows), rows, num_rows)  # out of range: dropped
-        return jnp.zeros((num_rows, width), g_MD.dtype).at[dest].add(g_MD, mode="drop"), None, None
+        grads = []
+        for start, size in zip(starts, sizes):
+            if size == 0:
+                grads.append(jnp.zeros((0, width), g_MD.dtype))
+            elif inverse is not None:
+                grads.append(impl((g_MD,), inverse[start:start + size]))
+            else:
+                local = rows - start
+                dest = jnp.where((local >= 0) & (local < size), local, size)  # out of range: dropped
+                grads.append(jnp.zeros((size, width), g_MD.dtype).at[dest].add(g_MD, mode="drop"))
+        return tuple(grads), None, None
 
     gather.defvjp(forward, backward)
-    return gather(x_ND, rows_M, inverse_N)
+    return gather(xs, rows_M, inverse_N)
 
 
 def gather_rows_reference(
-    x_ND: jax.Array, rows_M: jax.Array, *, inverse_N: jax.Array | None = None,
+    x_ND: jax.Array | tuple[jax.Array, ...], rows_M: jax.Array, *, inverse_N: jax.Array | None = None,
     backend: BackendName = "auto",
 ) -> jax.Array:
     """fp32 `gather_rows` by one-hot matmul (memory `M*N`: tests and small shapes only);
     `inverse_N` and `backend` are accepted for the signature and ignored."""
     del inverse_N, backend
+    xs = _sources(x_ND)
+    x_ND = jnp.concatenate([x.astype(jnp.float32) for x in xs])
     onehot_MN = (rows_M[:, None] == jnp.arange(x_ND.shape[0])[None, :]).astype(jnp.float32)
-    return jnp.dot(onehot_MN, x_ND.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return jnp.dot(onehot_MN, x_ND, precision=jax.lax.Precision.HIGHEST)

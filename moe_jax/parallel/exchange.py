@@ -38,7 +38,10 @@ route's returned row, weighted sum over K in float32.
 Strategies (one seam, `_move_rows`; planning and regrouping are shared):
 
 * `"padded"` -- `jax.lax.all_to_all` of `[P, C, D]` buffers: block p of the send buffer is rows
-  `[p*C, (p+1)*C)`, zero past the kept rows. S = M = P*C. Runs on every backend.
+  `[p*C, (p+1)*C)`, zero past the kept rows. S = M = P*C. Runs on every backend. At P = 2 the own
+  block never enters the collective (for blocks of `_PAIR_MIN_BLOCK_BYTES` and more): the
+  buffers are the pairs (own block, peer block), built and read by multi-source `gather_rows`,
+  and one `ppermute` swaps the peer blocks while the own block is gathered.
 * `"ragged"` -- `jax.lax.ragged_all_to_all`: the send buffer packs the kept routes tightly
   (S = R, blocks at exclusive cumsums of the kept counts), and each receiver packs the incoming
   blocks tightly in source order into M = P*C rows. GPU only (XLA:CPU does not implement it).
@@ -331,7 +334,8 @@ def _stable_rank(key_R, num_keys: int):
     Routes form blocks of B: within a block, a `[B, B]` comparison counts the earlier equal keys;
     across blocks, an exclusive running sum of the `[blocks, num_keys]` block histograms. Both are
     single fused reductions (`R * B` and `R * num_keys` compares) where XLA's sort was a chain of
-    kernels: 39 us at R = 8192 on an H200, about 7% of a T = 4096 dispatch + combine."""
+    kernels: 39 us of XLA's two stable argsorts at R = 8192 on an H200, about 7% of a T = 4096
+    dispatch + combine."""
     routes = key_R.shape[0]
     block = min(_RANK_BLOCK, routes)
     blocks = -(-routes // block)
@@ -346,9 +350,10 @@ def _stable_rank(key_R, num_keys: int):
 
 
 def _plan_sends(expert_R, real_R, num_experts: int, ep: int, capacity: int) -> _SendPlan:
-    """Capacity decisions and the send order, without a sort (`_stable_rank`). Hand-written rather
-    than through `moe_jax.permute.pack`, whose sort-based form once doubled decode dispatch+combine
-    (benchmarks/results/2026-11-30-h200x2-ep-breakdown.md)."""
+    """Capacity decisions and the send order, by `_stable_rank` (no sort). Hand-written rather
+    than through `moe_jax.permute.pack`, whose two-sort form once doubled decode dispatch+combine
+    (benchmarks/results/2026-11-30-h200x2-ep-breakdown.md). One sort of unique int32 keys was
+    within noise at decode (R = 1024) and 3-4% slower at prefill (2 H200s, breakdown-2)."""
     local = num_experts // ep
     routes = expert_R.shape[0]
     expert_R = expert_R.astype(jnp.int32)
@@ -360,13 +365,14 @@ def _plan_sends(expert_R, real_R, num_experts: int, ep: int, capacity: int) -> _
     keep_R = valid_R & (_stable_rank(dest_R, ep) < capacity)
 
     # expert = dest * El + local, so ordering kept routes by expert id orders them by (destination,
-    # local expert), and within an expert by token; dropped routes take the positions after them.
+    # local expert), and within an expert by token; dropped routes get no position.
     kept_expert_R = jnp.where(keep_R, expert_R, num_experts)
     kept_E = _bincount(kept_expert_R, num_experts)
     send_rank_R = (_exclusive_cumsum(kept_E)[jnp.minimum(kept_expert_R, num_experts - 1)]
                    + _stable_rank(kept_expert_R, num_experts))
     route_R = jnp.arange(routes, dtype=jnp.int32)
-    send_order_R = jnp.zeros((routes,), jnp.int32).at[jnp.where(keep_R, send_rank_R, routes)].set(route_R, mode="drop")
+    send_order_R = jnp.zeros((routes,), jnp.int32).at[jnp.where(keep_R, send_rank_R, routes)].set(
+        route_R, mode="drop")
     return _SendPlan(
         keep_R=keep_R,
         dest_R=dest_R.astype(jnp.int32),
@@ -459,6 +465,36 @@ def _move_rows(rows_ND, ex: BlockExchange, out_rows: int, axis_name, strategy: s
     )
 
 
+# Smallest [C, D] block for which the two-rank padded exchange keeps its own block local and swaps
+# the other with a `ppermute`. Below it (decode, 9 MB blocks) the ppermute path took 206 us where
+# an all_to_all of both blocks took 191 us; at 42 and 168 MB blocks it saved 1-3% (2 H200s,
+# benchmarks/results/2026-11-30-h200x2-ep-breakdown-2.md).
+_PAIR_MIN_BLOCK_BYTES = 16 << 20
+
+
+def _pairwise(strategy: str, ep: int, capacity: int, rows_ND) -> bool:
+    """Whether this padded exchange runs between two ranks as own block + `ppermute` of the peer
+    block (see the module docstring) rather than an `all_to_all` of both."""
+    block_bytes = capacity * rows_ND.shape[1] * rows_ND.dtype.itemsize
+    return strategy == "padded" and ep == 2 and block_bytes >= _PAIR_MIN_BLOCK_BYTES
+
+
+def _own_and_peer(ids_S, me, capacity: int):
+    """(own block, peer block) of a `[2C]` padded-layout vector (block p at rows p*C)."""
+    return (lax.dynamic_slice(ids_S, (me * capacity,), (capacity,)),
+            lax.dynamic_slice(ids_S, ((1 - me) * capacity,), (capacity,)))
+
+
+def _own_first(ids, me, capacity: int):
+    """Row ids of a `[2C]` padded buffer (block p at p*C) as ids into (own block, peer block)."""
+    return jnp.where(ids < 0, -1, jnp.where(ids // capacity == me, ids % capacity, capacity + ids % capacity))
+
+
+def _swap_pair(rows_ND, axis_name):
+    """The two ranks of the ep axis swap `rows_ND` (its transpose is the same swap)."""
+    return lax.ppermute(rows_ND, axis_name, [(0, 1), (1, 0)])
+
+
 def _exchange_rows(rows_ND, ex: BlockExchange, *, out_rows: int, axis_name, strategy: str):
     """Differentiable `_move_rows`: the cotangent of a received block goes back to its sender
     through the reverse exchange (send/recv swapped), as in the seed's AllToAllRows."""
@@ -538,14 +574,22 @@ def ep_dispatch(
     valid_S = j_S < ex.send_sizes_P[dest_S]
     kept_start_P = _exclusive_cumsum(ex.send_sizes_P)
     route_S = sends.send_order_R[jnp.clip(kept_start_P[dest_S] + j_S, 0, routes - 1)]
-    send_x_SD = gather_rows(x_TD, jnp.where(valid_S, route_S // top_k, -1), backend=backend)
-
-    recv_x_MD = _exchange_rows(send_x_SD, ex, out_rows=recv_rows, axis_name=axis_name, strategy=strategy)
-
+    send_ids_S = jnp.where(valid_S, route_S // top_k, -1)
     regroup = _plan_regroup(counts_PPE[:, me, :], ex.recv_offsets_P, recv_rows)
+    if _pairwise(strategy, ep, cap, x_TD):
+        # The receive buffer is the pair (own block, peer block): the own block is gathered
+        # straight from x_TD and never enters the collective.
+        own_ids, peer_ids = _own_and_peer(send_ids_S, me, cap)
+        recv_x = (gather_rows(x_TD, own_ids, backend=backend),
+                  _swap_pair(gather_rows(x_TD, peer_ids, backend=backend), axis_name))
+        regroup_ids = _own_first(regroup.packed_to_recv_M, me, cap)
+        regroup_inverse = jnp.concatenate(_own_and_peer(regroup.recv_to_packed_M, me, cap))
+    else:
+        send_x_SD = gather_rows(x_TD, send_ids_S, backend=backend)
+        recv_x = _exchange_rows(send_x_SD, ex, out_rows=recv_rows, axis_name=axis_name, strategy=strategy)
+        regroup_ids, regroup_inverse = regroup.packed_to_recv_M, regroup.recv_to_packed_M
     # Padding rows are written as zeros here, whatever the receive buffer holds there.
-    packed_x_MD = gather_rows(recv_x_MD, regroup.packed_to_recv_M, inverse_N=regroup.recv_to_packed_M,
-                              backend=backend)
+    packed_x_MD = gather_rows(recv_x, regroup_ids, inverse_N=regroup_inverse, backend=backend)
 
     dest_R = jnp.minimum(sends.dest_R, ep - 1)  # invalid-id routes are masked by keep below
     slot_R = sends.send_rank_R - kept_start_P[dest_R]
@@ -598,13 +642,25 @@ def ep_combine(packed_y_MD: jax.Array, weights_TK: jax.Array, plan: EPPlan, *, a
     zero = jnp.zeros((), packed_y_MD.dtype)
 
     # Back to receive order, reading only valid rows, so padding can never leak.
-    back_MD = gather_rows(packed_y_MD, plan.recv_to_packed_M, inverse_N=plan.packed_to_recv_M, backend=backend)
-    returned_SD = _exchange_rows(
-        back_MD, plan.exchange.reversed(), out_rows=send_rows, axis_name=axis_name, strategy=plan.strategy
-    )
+    row_R = plan.route_row_TK.reshape(routes)
+    if _pairwise(plan.strategy, ep, plan.capacity, packed_y_MD):
+        me, cap = lax.axis_index(axis_name), plan.capacity
+        own_ids, peer_ids = _own_and_peer(plan.recv_to_packed_M, me, cap)
+        to_recv = plan.packed_to_recv_M
+        own_inverse = jnp.where(to_recv // cap == me, to_recv % cap, -1)
+        peer_inverse = jnp.where((to_recv >= 0) & (to_recv // cap != me), to_recv % cap, -1)
+        own_back = gather_rows(packed_y_MD, own_ids, inverse_N=own_inverse, backend=backend)
+        peer_back = gather_rows(packed_y_MD, peer_ids, inverse_N=peer_inverse, backend=backend)
+        returned_SD = jnp.concatenate([own_back, _swap_pair(peer_back, axis_name)])
+        row_R = _own_first(row_R, me, cap)
+    else:
+        back_MD = gather_rows(packed_y_MD, plan.recv_to_packed_M, inverse_N=plan.packed_to_recv_M, backend=backend)
+        returned_SD = _exchange_rows(
+            back_MD, plan.exchange.reversed(), out_rows=send_rows, axis_name=axis_name, strategy=plan.strategy
+        )
     # Materialised once: fused into the weighted sum below, XLA recomputed the index arithmetic
     # behind it for every element (a 6 us decode combine took 258 us on an H200).
-    row_R = lax.optimization_barrier(plan.route_row_TK.reshape(routes))
+    row_R = lax.optimization_barrier(row_R)
     y_RD = jnp.where((row_R >= 0)[:, None], returned_SD[jnp.maximum(row_R, 0)], zero)
     y_TKD = y_RD.reshape(tokens, top_k, -1).astype(jnp.float32)
     y_TD = jnp.sum(y_TKD * weights_TK.astype(jnp.float32)[:, :, None], axis=1)
