@@ -19,7 +19,8 @@ ranks) it times one dispatch + combine (identity experts) of:
   reads flags once);
 * xla, the bare collectives there and back and nothing else: `all_to_all` of the dropless padded
   buffers (P blocks of R rows), `all_to_all cf=1.25` of the capacity buffers (P blocks of C rows),
-  `ppermute cf=1.25` (the peer's C-row block only: what our padded strategy moves at P = 2),
+  `ppermute cf=1.25` (the peer's C-row block only: what our padded strategy moves at P = 2 for
+  blocks of `_PAIR_MIN_BLOCK_BYTES` and more, i.e. at prefill here),
   `ragged_all_to_all` with this routing's exact block sizes, and `ragged_all_to_all+decomp` (the
   same under the decomposer flag);
 * NCCL: two `torch.distributed.all_to_all_single` calls (2 processes) with this routing's split
@@ -27,8 +28,8 @@ ranks) it times one dispatch + combine (identity experts) of:
 * torch-ref, the torch EP reference, `parity.reference.ep.ep_dispatch`/`ep_combine` (counts
   exchange, host sync, metadata and rows, regroup), on the same routing.
 
-`--skip-ragged` times only the padded rows and `all_to_all` (plus NCCL and torch-ref): the ragged
-rows and the decomposer process take minutes.
+`--skip-ragged` times only the padded rows, `all_to_all` and `ppermute` (plus NCCL and
+torch-ref): the ragged rows and the decomposer process take minutes.
 
 Payload = rows delivered * D * bytes/elt, both directions (dispatch sends them, combine brings
 them back), per GPU; GB/s = payload / time. Padding rows a strategy moves are not payload. The
@@ -175,7 +176,8 @@ def _jax_bench(shapes, labels, smoke: bool) -> list[dict]:
     buffers), "padded cf=1.25 no-a2a" (the collective replaced by the identity: the cost around
     it), "padded cf=1.25 xla-gather" (row gathers by XLA), "ragged", "ragged+decomp". Labels (side "xla", the bare collectives of
     `_collective_loop`): "all_to_all" (dropless buffers), "all_to_all cf=1.25" (capacity buffers),
-    "ppermute cf=1.25" (the peer-block swap of our padded strategy at P = 2), "ragged_all_to_all",
+    "ppermute cf=1.25" (the peer-block swap of our padded strategy at P = 2, prefill-sized
+    blocks), "ragged_all_to_all",
     "ragged_all_to_all+decomp". The "+decomp" labels only mean something in a
     process started with the decomposer flag. NCCL and torch-ref rows come from `_torch_bench`."""
     import jax
@@ -261,7 +263,8 @@ def _collective_loop(mesh, shape: Shape, label: str, smoke: bool):
     """The bare exchanges, there and back, `reps` times: `all_to_all` of the dropless padded
     buffer ([P*R, D] per rank, as our padded strategy moves; [P*C, D] with "cf=" in `label`) or `ragged_all_to_all` with this
     routing's exact block sizes (counts_PP[src, dst], offsets from it), or ("ppermute cf=1.25")
-    the swap of the peer's [C, D] block that our padded strategy does at P = 2. Nothing else runs.
+    the swap of the peer's [C, D] block that our padded strategy does at P = 2 (for blocks of
+    `exchange._PAIR_MIN_BLOCK_BYTES` and more). Nothing else runs.
     `(x, counts_PP) -> (buffer, routes moved per iteration)`."""
     import jax
     import jax.numpy as jnp

@@ -520,7 +520,7 @@ class MoE(nnx.Module):
         """Stage 3 on one ep rank (inside shard_map): dispatch, local experts, combine."""
         num_tokens, top_k = idx_TK.shape
         capacity = None
-        if self.capacity_factor is not None:
+        if self.capacity_factor is not None and num_tokens * top_k:  # no routes: nothing to bound
             capacity = capacity_for(num_tokens, top_k, self.ep, self.capacity_factor,
                                     local_experts=self.num_experts // self.ep)
         # Masked tokens are never sent and never count as dropped.

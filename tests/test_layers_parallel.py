@@ -266,3 +266,17 @@ def test_scanned_stack_on_mesh_matches_single_device():
         g, g0 = grads[path].get_value(), grads0[path].get_value()
         assert g.shape == params0[path].shape
         assert_close(g, g0, jnp.float32, "d" + ".".join(map(str, path)))
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.25])
+def test_zero_tokens_on_a_mesh(capacity_factor):
+    """An empty batch runs expert-parallel too (nothing is exchanged): zero output, zero stats,
+    zero gradients, dropless and with a capacity factor."""
+    layer = _layer(_mesh(2, 2), capacity_factor=capacity_factor)
+    grad_fn = nnx.jit(nnx.grad(lambda m, x: jnp.sum(m(x)[0])))
+    for shape in ((0, 4, D), (4, 0, D)):
+        y, stats = nnx.jit(lambda m, x: m(x))(layer, jnp.ones(shape))
+        assert y.shape == shape
+        assert int(stats.tokens) == 0 and int(stats.dropped) == 0 and not np.any(stats.counts_E)
+        grads = nnx.to_flat_state(grad_fn(layer, jnp.ones(shape)))
+        assert all(not np.any(v.get_value()) for _, v in grads)

@@ -273,18 +273,20 @@ def test_check_mesh_errors():
 # ----------------------------------------------------------------------------- dispatch layout
 
 
-@pytest.fixture(params=["all_to_all", "ppermute"])
-def send_paths(request, monkeypatch):
-    """Both padded exchanges at ep = 2 (`_PAIR_MIN_BLOCK_BYTES`): the test blocks are far below the
-    GPU-measured switch point, so "ppermute" forces the prefill-sized path."""
-    monkeypatch.setattr(exchange, "_PAIR_MIN_BLOCK_BYTES", 0 if request.param == "ppermute" else 1 << 62)
-    return request.param
+def _pair_path(monkeypatch, on: bool):
+    """Force the ep = 2 padded exchange onto the own block + `ppermute` path (`on`) or onto
+    all_to_all: the test blocks are far below the GPU-measured `_PAIR_MIN_BLOCK_BYTES`."""
+    monkeypatch.setattr(exchange, "_PAIR_MIN_BLOCK_BYTES", 0 if on else 1 << 62)
 
 
-@pytest.mark.parametrize("ep,data,strategy", [(2, 1, "padded"), (4, 1, "padded"), (2, 2, "padded"), (4, 2, "padded"), (2, 2, "ragged")])
-def test_dispatch_layout_and_identity_round_trip(ep, data, strategy, send_paths):
+@pytest.mark.parametrize("ep,data,strategy,pair", [
+    (2, 1, "padded", False), (2, 1, "padded", True), (4, 1, "padded", False), (2, 2, "padded", False),
+    (2, 2, "padded", True), (4, 2, "padded", False), (2, 2, "ragged", False)])
+def test_dispatch_layout_and_identity_round_trip(ep, data, strategy, pair, monkeypatch):
     """Packed rows are exactly the contract's layout with zero padding, and identity experts give
-    back sum_k w_tk x_t bit for bit (ragged: emulated collective, unwritten rows NaN)."""
+    back sum_k w_tk x_t bit for bit (ragged: emulated collective, unwritten rows NaN; pair: the
+    ep = 2 own block + ppermute exchange)."""
+    _pair_path(monkeypatch, pair)
     if strategy == "ragged":
         with _poisoned_ragged():
             return _check_layout_and_round_trip(ep, data, strategy)
@@ -325,8 +327,9 @@ def _check_layout_and_round_trip(ep, data, strategy):
 # ----------------------------------------------------------------------------- numerics vs single device
 
 
-@pytest.mark.parametrize("ep,data", [(4, 2), (2, 1)])
-def test_linear_experts_match_single_device(ep, data, send_paths):
+@pytest.mark.parametrize("ep,data,pair", [(4, 2, False), (2, 1, False), (2, 1, True)])
+def test_linear_experts_match_single_device(ep, data, pair, monkeypatch):
+    _pair_path(monkeypatch, pair)
     _check_linear(_mesh(ep, data), "skewed")
 
 
@@ -345,8 +348,9 @@ def test_degenerate_routing(pattern, k):
         assert (sizes[[0, 4], 1] == 0).all() and (sizes[[3, 7]] == 0).all() and (sizes[[0, 4], 0] > 0).all()
 
 
-@pytest.mark.parametrize("ep,data,capacity", [(4, 2, 2), (2, 1, 4)])
-def test_capacity_overflow_drops_exactly(ep, data, capacity, send_paths):
+@pytest.mark.parametrize("ep,data,capacity,pair", [(4, 2, 2, False), (2, 1, 4, False), (2, 1, 4, True)])
+def test_capacity_overflow_drops_exactly(ep, data, capacity, pair, monkeypatch):
+    _pair_path(monkeypatch, pair)
     mesh = _mesh(ep, data)
     # 12 routes per rank over the ep destinations, rank 0's experts hot: overflow is certain.
     keep, _, _ = _check_linear(mesh, "skewed", capacity=capacity, seed=3)
@@ -367,9 +371,11 @@ def test_masked_tokens_and_a_rank_without_tokens():
     np.testing.assert_array_equal(np.asarray(dw)[~mask], 0.0)
 
 
-def test_nan_in_padding_rows_never_leaks(send_paths):
+@pytest.mark.parametrize("pair", [False, True])
+def test_nan_in_padding_rows_never_leaks(pair, monkeypatch):
     """Expert outputs past sum(group_sizes) are NaN; outputs and all gradients stay finite and
     correct (combine reads valid rows only, with `where`, not a multiply by a mask)."""
+    _pair_path(monkeypatch, pair)
     keep, packed, _ = _check_linear(_mesh(2, 2), "skewed", poison=True, seed=5)
     # Dropless buffers: M = P*T*K rows per rank, far more than any rank receives here.
     assert all(len(packed[dev][0]) < 2 * T * 2 for dev in range(4))
@@ -527,7 +533,7 @@ def test_pairwise_padded_path_lowers_for_gpu(monkeypatch):
     `ppermute`: forward and backward lower for an H200 under check_vma, with the Pallas row gather
     and collective_permutes (the dispatch and combine swaps and their transposes), and no
     all_to_all."""
-    monkeypatch.setattr(exchange, "_PAIR_MIN_BLOCK_BYTES", 0)
+    _pair_path(monkeypatch, True)
     mesh = h200_mesh((1, 2), (DATA_AXIS, EP_AXIS))
     k, n = 2, 2 * T
 
@@ -547,4 +553,7 @@ def test_pairwise_padded_path_lowers_for_gpu(monkeypatch):
     text = lower_for_gpu(jax.grad(fn, argnums=(0, 2, 3)), *avals, mesh=mesh)
     assert text.count("stablehlo.collective_permute") == 4
     assert "all_to_all" not in text
-    assert "moe_jax_gather_rows" in text
+    # Forward: own and peer send gathers, the regroup, own and peer un-regroups (5). Backward,
+    # through the inverses: the regroup's two sources and the two un-regroups (4); the send
+    # gathers' backward is a scatter-add.
+    assert text.count('name = "moe_jax_gather_rows"') == 9

@@ -143,4 +143,46 @@ def test_gather_kernel_lowers_for_h200_inside_shard_map(dtype, d):
              jax.ShapeDtypeStruct((2 * 80,), jnp.int32, sharding=jax.sharding.NamedSharding(mesh, spec)),
              jax.ShapeDtypeStruct((2 * 96,), jnp.int32, sharding=jax.sharding.NamedSharding(mesh, spec)))
     text = lower_for_gpu(jax.grad(loss), *avals, mesh=mesh)
-    assert text.count("moe_jax_gather_rows") >= 2  # forward and the inverse-gather backward
+    assert text.count('name = "moe_jax_gather_rows"') == 2  # forward and the inverse-gather backward
+
+
+def test_gradient_of_a_source_replicated_over_the_mesh():
+    """Inside shard_map (check_vma), a source replicated over the axis the row ids vary over gets
+    the sum of every device's gradient, and a sharded source its own."""
+    devices = jax.devices()[:2] if ON_GPU and len(jax.devices()) >= 2 else jax.devices("cpu")[:2]
+    mesh = jax.make_mesh((2,), ("ep",), devices=devices)
+    spec, repl = jax.sharding.PartitionSpec("ep"), jax.sharding.PartitionSpec()
+    n, m, d = 6, 5, 40
+    keys = jax.random.split(jax.random.PRNGKey(8), 3)
+    sharded, replicated = jax.random.normal(keys[0], (2 * n, d)), jax.random.normal(keys[1], (n, d))
+    rows = jnp.asarray(np.random.default_rng(9).integers(-1, 2 * n, 2 * m), jnp.int32)
+    put = lambda a, s: jax.device_put(a, jax.sharding.NamedSharding(mesh, s))  # noqa: E731
+    args = put(sharded, spec), put(replicated, repl)
+    rows_on_mesh = put(rows, spec)
+
+    def loss(sharded, replicated):
+        def body(a, b, r):
+            return jnp.sum(gather_rows((a, b), r) ** 2)[None]
+        f = jax.shard_map(body, mesh=mesh, in_specs=(spec, repl, spec), out_specs=spec)
+        return jnp.sum(f(sharded, replicated, rows_on_mesh))
+
+    def reference(sharded, replicated):
+        parts = [gather_rows_reference((sharded[i * n:(i + 1) * n], replicated), rows[i * m:(i + 1) * m])
+                 for i in range(2)]
+        return sum(jnp.sum(p ** 2) for p in parts)
+
+    got = jax.jit(jax.grad(loss, argnums=(0, 1)))(*args)
+    want = jax.grad(reference, argnums=(0, 1))(sharded, replicated)
+    for g, w in zip(got, want):
+        assert_close(g, w, jnp.float32, "d source")
+
+
+def test_interpreted_kernel_inside_shard_map_is_a_clear_error():
+    mesh = jax.make_mesh((2,), ("ep",), devices=jax.devices("cpu")[:2])
+    spec = jax.sharding.PartitionSpec("ep")
+    f = jax.shard_map(lambda x, r: gather_rows(x, r, backend="pallas_triton"), mesh=mesh, in_specs=(spec, spec),
+                      out_specs=spec)
+    x = jax.device_put(jnp.ones((8, 4)), jax.sharding.NamedSharding(mesh, spec))
+    r = jax.device_put(jnp.zeros((4,), jnp.int32), jax.sharding.NamedSharding(mesh, spec))
+    with pytest.raises(ValueError, match="use backend='auto' or 'xla' on meshes of CPU devices"):
+        f(x, r)

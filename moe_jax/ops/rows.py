@@ -48,6 +48,11 @@ def _pallas_gather(xs, rows_M):
         return jnp.zeros((rows_M.shape[0], d), dtype)
     if max(rows_M.shape[0], *(x.shape[0] for x in xs)) * d >= _INT32_LIMIT:  # the kernel's offsets are int32
         return _xla_gather(xs, rows_M)
+    if not _on_gpu() and jax.sharding.get_abstract_mesh().manual_axes:
+        raise ValueError(
+            "backend='pallas_triton' off GPU would interpret the row-gather kernel inside shard_map, "
+            "which JAX cannot do; use backend='auto' or 'xla' on meshes of CPU devices."
+        )
     return _kernels.gather_rows_pallas(
         xs, rows_M, block_rows=_BLOCK_ROWS, block_d=min(_BLOCK_D, _kernels._pow2_at_least(d)),
         num_warps=_NUM_WARPS, interpret=not _on_gpu(),
@@ -88,7 +93,8 @@ def gather_rows(
 
     Args:
       x_ND: `[N, D]` source rows, any float dtype; or a tuple of `[N_i, D]` arrays of one dtype
-        standing for their concatenation (N = sum N_i), which is never built in memory.
+        standing for their concatenation (N = sum N_i), which the Pallas path never builds in
+        memory (the XLA path concatenates).
       rows_M: int `[M]` source row of each output row; -1 (or any id outside `[0, N)`) gives a
         zero row.
       inverse_N: optional int `[N]`, only for a gather that reads each source row at most once:
@@ -133,7 +139,18 @@ def gather_rows(
         return tuple(grads), None, None
 
     gather.defvjp(forward, backward)
-    return gather(xs, rows_M, inverse_N)
+    return gather(_vary_like_ids(xs, rows_M, inverse_N), rows_M, inverse_N)
+
+
+def _vary_like_ids(xs, rows_M, inverse_N):
+    """Inside `shard_map(check_vma=True)`, cast each source to vary over every mesh axis that any
+    source or the row ids vary over. The gradient of a source replicated over an axis the ids vary
+    over (e.g. tokens replicated over `ep`, routes sharded) then varies too, as the custom_vjp
+    requires, and the cast's transpose sums it over that axis. Outside shard_map: no-op."""
+    ids = (rows_M,) if inverse_N is None else (rows_M, inverse_N)
+    varying = frozenset().union(*(jax.typeof(a).manual_axis_type.varying for a in (*xs, *ids)))
+    missing = [tuple(varying - jax.typeof(x).manual_axis_type.varying) for x in xs]
+    return tuple(jax.lax.pcast(x, axes, to="varying") if axes else x for x, axes in zip(xs, missing))
 
 
 def gather_rows_reference(

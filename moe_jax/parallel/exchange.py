@@ -47,7 +47,8 @@ Strategies (one seam, `_move_rows`; planning and regrouping are shared):
   blocks tightly in source order into M = P*C rows. GPU only (XLA:CPU does not implement it).
   Measured on 2 H200s with jax 0.11.2 (benchmarks/results/2026-11-30-h200x2-ep.md): about 5 GB/s
   by default, about 100-115 GB/s with XLA_FLAGS=--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true
-  at prefill, against 145-250 GB/s for `"padded"` there (105-135 GB/s at decode); hence
+  at prefill, against 230-285 GB/s for `"padded"` there at capacity factor 1.25 (about 140 GB/s at decode;
+  benchmarks/results/2026-11-30-h200x2-ep-breakdown-2.md); hence
   `"padded"` is the default.
 
 Both strategies keep the same routes and produce the same packed layout, so results agree
@@ -55,7 +56,8 @@ exactly. Dropless (`capacity=None`) means C = R: a destination may receive every
 source, M = P*T*K.
 
 Each row exchange has its own `jax.custom_vjp` whose backward is the reverse exchange (like the
-seed's AllToAllRows); JAX's built-in transpose of `ragged_all_to_all` is not used. Integer
+seed's AllToAllRows); JAX's built-in transpose of `ragged_all_to_all` is not used. The two-rank
+`ppermute` of the padded strategy uses JAX's transpose of `ppermute`, the same swap. Integer
 metadata (the count all_gather) is not differentiated.
 """
 
@@ -337,7 +339,7 @@ def _stable_rank(key_R, num_keys: int):
     kernels: 39 us of XLA's two stable argsorts at R = 8192 on an H200, about 7% of a T = 4096
     dispatch + combine."""
     routes = key_R.shape[0]
-    block = min(_RANK_BLOCK, routes)
+    block = max(1, min(_RANK_BLOCK, routes))
     blocks = -(-routes // block)
     # Padding keys sit after every real route, so they never count as "earlier".
     key_NB = jnp.pad(key_R, (0, blocks * block - routes), constant_values=num_keys).reshape(blocks, block)
@@ -466,9 +468,9 @@ def _move_rows(rows_ND, ex: BlockExchange, out_rows: int, axis_name, strategy: s
 
 
 # Smallest [C, D] block for which the two-rank padded exchange keeps its own block local and swaps
-# the other with a `ppermute`. Below it (decode, 9 MB blocks) the ppermute path took 206 us where
-# an all_to_all of both blocks took 191 us; at 42 and 168 MB blocks it saved 1-3% (2 H200s,
-# benchmarks/results/2026-11-30-h200x2-ep-breakdown-2.md).
+# the other with a `ppermute`. On 2 H200s (benchmarks/results/2026-11-30-h200x2-ep-breakdown-2.md)
+# it saved 3-4% of dispatch+combine at 168 MB blocks (T = 16384), was within noise at 42 MB, and
+# cost 3-8% at decode's 9 MB blocks (206 vs 191 us balanced).
 _PAIR_MIN_BLOCK_BYTES = 16 << 20
 
 
@@ -558,6 +560,8 @@ def ep_dispatch(
     routes = tokens * top_k
     cap = _resolve_capacity(capacity, routes, local)
     send_rows, recv_rows = _buffer_rows(strategy, routes, ep, cap)
+    if routes == 0:
+        return _empty_dispatch(x_TD, tokens, top_k, strategy, ep, local)
 
     real_R = jnp.ones((routes,), jnp.bool_) if mask_T is None else jnp.repeat(mask_T, top_k)
     sends = _plan_sends(expert_idx_TK.reshape(routes), real_R, num_experts, ep, cap)
@@ -610,6 +614,25 @@ def ep_dispatch(
     return packed_x_MD, regroup.group_sizes_El, plan
 
 
+def _empty_dispatch(x_TD, tokens: int, top_k: int, strategy: str, ep: int, local: int):
+    """`ep_dispatch` of no routes (T = 0 or K = 0 on every rank, as shapes are static): empty
+    buffers and a plan whose combine returns `[T, D_out]` zeros; nothing is exchanged."""
+    none_P = jnp.zeros((ep,), jnp.int32)
+    plan = EPPlan(
+        strategy=strategy,
+        capacity=0,
+        keep_TK=jnp.zeros((tokens, top_k), jnp.bool_),
+        route_row_TK=jnp.full((tokens, top_k), -1, jnp.int32),
+        recv_to_packed_M=jnp.zeros((0,), jnp.int32),
+        packed_to_recv_M=jnp.zeros((0,), jnp.int32),
+        group_sizes_El=jnp.zeros((local,), jnp.int32),
+        exchange=BlockExchange(none_P, none_P, none_P, none_P, none_P, none_P),
+        send_counts_P=none_P,
+        dropped=jnp.zeros((), jnp.int32),
+    )
+    return jnp.zeros((0, x_TD.shape[1]), x_TD.dtype), plan.group_sizes_El, plan
+
+
 def ep_combine(packed_y_MD: jax.Array, weights_TK: jax.Array, plan: EPPlan, *, axis_name=EP_AXIS,
                backend: BackendName = "auto") -> jax.Array:
     """Return expert outputs to their tokens' ranks and form `y_t = sum_k w_tk * y_tk`.
@@ -640,6 +663,8 @@ def ep_combine(packed_y_MD: jax.Array, weights_TK: jax.Array, plan: EPPlan, *, a
     routes = tokens * top_k
     send_rows, _ = _buffer_rows(plan.strategy, routes, ep, plan.capacity)
     zero = jnp.zeros((), packed_y_MD.dtype)
+    if routes == 0:
+        return jnp.zeros((tokens, packed_y_MD.shape[1]), packed_y_MD.dtype)
 
     # Back to receive order, reading only valid rows, so padding can never leak.
     row_R = plan.route_row_TK.reshape(routes)
