@@ -487,7 +487,7 @@ class MoE(nnx.Module):
     def _local(self, x_TD, idx_TK, w_TK, mask_T, weights):
         """Stage 3 on one device's tokens with all E experts: pack, grouped SwiGLU, combine."""
         packing = pack(idx_TK, self.num_experts, mask_T=mask_T)
-        y_RD = self._experts(gather_rows(x_TD, packing), packing.group_sizes_E, weights)
+        y_RD = self._experts(gather_rows(x_TD, packing, backend=self.backend), packing.group_sizes_E, weights)
         y_TD = combine(y_RD, w_TK, packing)  # pack(mask_T=...) already left masked routes out
         sizes = packing.group_sizes_E
         return y_TD, self._executed_rows(sizes, idx_TK.size), jnp.sum(sizes)

@@ -3,17 +3,18 @@
 Legend (shape suffixes): T tokens, D row width, K experts per token (top-k), R = T*K routes
 (route r = t*K + k is token t's k-th choice), E experts.
 
-`pack` sorts the R routes by expert (stable, so within an expert routes keep token order), which
-gives the grouped-GEMM layout: expert 0's rows, then expert 1's, ... with `group_sizes_E` rows
+`pack` orders the R routes by expert (stably, so within an expert routes keep token order; by
+dense counts, `stable_rank`, not a sort), which gives the grouped-GEMM layout: expert 0's rows, then expert 1's, ... with `group_sizes_E` rows
 each (the seed's section 2, "Packing"). Routes of masked tokens (and routes with an expert id
 outside `[0, E)`) are not counted in any group and sort past `sum(group_sizes_E)`: the grouped
 GEMM skips them and `gather_rows` zeroes them. `combine` is the reverse: every route reads its
 packed row through the inverse permutation and the K rows of a token are summed with the routing
 weights in float32.
 
-Everything is `jnp` with static shapes (R rows whatever the routing), traceable under `jit`, and
-differentiable in the float arrays: gathers transpose to scatter-adds, so gradients reach `x_TD`,
-`y_RD` and `weights_TK`; the integer `Packing` is not differentiated.
+Everything is `jnp` (the row gather is `moe_jax.ops.gather_rows`) with static shapes (R rows
+whatever the routing), traceable under `jit`, and differentiable in the float arrays: gathers
+transpose to scatter-adds (or to gathers through the inverse permutation), so gradients reach
+`x_TD`, `y_RD` and `weights_TK`; the integer `Packing` is not differentiated.
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-__all__ = ["Packing", "pack", "gather_rows", "combine"]
+from moe_jax.ops import rows as _rows
+from moe_jax.ops.backends import BackendName
+
+__all__ = ["Packing", "pack", "gather_rows", "combine", "stable_rank", "exclusive_cumsum", "check_mask"]
+
+_RANK_BLOCK = 256
 
 
 class Packing(NamedTuple):
@@ -48,16 +54,45 @@ def _check_num_experts(num_experts) -> int:
     return num_experts
 
 
-def _check_mask(mask_T, num_tokens: int, fn: str) -> jax.Array | None:
+def check_mask(mask_T, num_tokens: int, fn: str) -> jax.Array | None:
+    """None, or `mask_T` as bool `[T]`; ValueError (naming `fn`) for any other shape."""
     if mask_T is None:
         return None
     mask_T = jnp.asarray(mask_T)
     if mask_T.shape != (num_tokens,):
         raise ValueError(
-            f"{fn}: mask_T must have shape ({num_tokens},) = [T] (True = real token); got "
+            f"{fn}: mask_T must be bool [T] = ({num_tokens},) (True = real token); got shape "
             f"{tuple(mask_T.shape)}. Flatten a [B, S] mask with mask.reshape(-1)."
         )
     return mask_T.astype(jnp.bool_)
+
+
+def exclusive_cumsum(a, axis: int = 0):
+    """`cumsum(a) - a` along `axis`: the start of each segment of sizes `a`."""
+    return jnp.cumsum(a, axis=axis) - a
+
+
+def stable_rank(key_R: jax.Array, num_keys: int) -> jax.Array:
+    """`rank_R[r]` = #{r' < r : key_R[r'] == key_R[r]} for keys in `[0, num_keys)` (other keys get
+    unspecified ranks): what a stable sort by key would tell, from dense counts instead.
+
+    Routes form blocks of B: within a block, a `[B, B]` comparison counts the earlier equal keys;
+    across blocks, an exclusive running sum of the `[blocks, num_keys]` block histograms. Both are
+    single fused reductions (`R * B` and `R * num_keys` compares) where XLA's sort is a chain of
+    kernels: its two stable argsorts took 39 us at R = 8192 on an H200, about 7% of a T = 4096
+    expert-parallel dispatch + combine (benchmarks/results/2026-11-30-h200x2-ep-breakdown-2.md).
+    """
+    routes = key_R.shape[0]
+    block = max(1, min(_RANK_BLOCK, routes))
+    blocks = -(-routes // block)
+    # Padding keys sit after every real route, so they never count as "earlier".
+    key_NB = jnp.pad(key_R, (0, blocks * block - routes), constant_values=num_keys).reshape(blocks, block)
+    earlier_BB = jnp.arange(block)[None, :] < jnp.arange(block)[:, None]
+    in_block_NB = jnp.sum((key_NB[:, :, None] == key_NB[:, None, :]) & earlier_BB, axis=2, dtype=jnp.int32)
+    hist_NK = jnp.sum(key_NB[:, :, None] == jnp.arange(num_keys, dtype=key_R.dtype), axis=1, dtype=jnp.int32)
+    before_NK = exclusive_cumsum(hist_NK, axis=0)
+    prior_NB = jnp.take_along_axis(before_NK, jnp.clip(key_NB, 0, num_keys - 1), axis=1)
+    return (prior_NB + in_block_NB).reshape(-1)[:routes]
 
 
 def pack(expert_idx_TK: jax.Array, num_experts: int, *, mask_T: jax.Array | None = None) -> Packing:
@@ -77,17 +112,19 @@ def pack(expert_idx_TK: jax.Array, num_experts: int, *, mask_T: jax.Array | None
     if not jnp.issubdtype(expert_idx_TK.dtype, jnp.integer):
         raise TypeError(f"pack: expert_idx_TK must hold integer expert ids; got dtype {expert_idx_TK.dtype}.")
     num_tokens, top_k = expert_idx_TK.shape
-    mask_T = _check_mask(mask_T, num_tokens, "pack")
+    mask_T = check_mask(mask_T, num_tokens, "pack")
 
     expert_R = expert_idx_TK.reshape(-1).astype(jnp.int32)
     packed_R = (expert_R >= 0) & (expert_R < num_experts)
     if mask_T is not None:
         packed_R &= jnp.repeat(mask_T, top_k)
-    # Unpacked routes get key E: they sort after every expert and fall out of the bincount.
+    # Unpacked routes get key E: they go after every expert and fall out of group_sizes_E.
     key_R = jnp.where(packed_R, expert_R, num_experts)
-    order_R = jnp.argsort(key_R, stable=True).astype(jnp.int32)
-    inverse_R = jnp.zeros_like(order_R).at[order_R].set(jnp.arange(order_R.shape[0], dtype=jnp.int32))
-    group_sizes_E = jnp.zeros((num_experts,), jnp.int32).at[key_R].add(1, mode="drop")
+    counts = jnp.zeros((num_experts + 1,), jnp.int32).at[key_R].add(1)
+    inverse_R = exclusive_cumsum(counts)[key_R] + stable_rank(key_R, num_experts + 1)
+    route_R = jnp.arange(key_R.shape[0], dtype=jnp.int32)
+    order_R = jnp.zeros_like(route_R).at[inverse_R].set(route_R)
+    group_sizes_E = counts[:num_experts]
     return Packing(order_R=order_R, token_R=order_R // top_k, inverse_R=inverse_R, group_sizes_E=group_sizes_E)
 
 
@@ -97,11 +134,11 @@ def _packed_rows(packing: Packing) -> jax.Array:
     return jnp.arange(num_routes, dtype=jnp.int32) < jnp.sum(packing.group_sizes_E)
 
 
-def gather_rows(x_TD: jax.Array, packing: Packing) -> jax.Array:
+def gather_rows(x_TD: jax.Array, packing: Packing, *, backend: BackendName = "auto") -> jax.Array:
     """Packed rows `x_RD[i] = x_TD[token_R[i]]`; rows past `sum(group_sizes_E)` are zero.
 
-    The zeros are written with `where`, so whatever masked tokens hold (even NaN) never reaches
-    the packed rows, and their gradient is exactly zero.
+    `moe_jax.ops.gather_rows` (`backend` as there) never reads the rows it zeroes, so whatever
+    masked tokens hold (even NaN) never reaches the packed rows, and their gradient is exactly zero.
     """
     if x_TD.ndim != 2:
         raise ValueError(f"gather_rows: x_TD must be 2-D [T, D]; got shape {tuple(x_TD.shape)}.")
@@ -112,8 +149,7 @@ def gather_rows(x_TD: jax.Array, packing: Packing) -> jax.Array:
             f"gather_rows: x_TD has {num_tokens} tokens but the packing has {num_routes} routes; "
             "pack the same tokens' expert_idx_TK."
         )
-    rows_RD = x_TD[packing.token_R]
-    return jnp.where(_packed_rows(packing)[:, None], rows_RD, jnp.zeros((), x_TD.dtype))
+    return _rows.gather_rows(x_TD, jnp.where(_packed_rows(packing), packing.token_R, -1), backend=backend)
 
 
 def combine(
@@ -143,7 +179,7 @@ def combine(
             f"combine: weights_TK {tuple(weights_TK.shape)} and y_RD {tuple(y_RD.shape)} must cover the "
             f"packing's R = {num_routes} routes (T*K weights, R rows)."
         )
-    mask_T = _check_mask(mask_T, num_tokens, "combine")
+    mask_T = check_mask(mask_T, num_tokens, "combine")
 
     valid_R = packing.inverse_R < jnp.sum(packing.group_sizes_E)
     if mask_T is not None:

@@ -42,7 +42,7 @@ from moe_jax.parallel import (
     make_mesh,
 )
 from moe_jax.parallel import exchange
-from moe_jax.parallel.exchange import _stable_rank, check_capacity_factor
+from moe_jax.parallel.exchange import check_capacity_factor
 from tests.helpers import ON_GPU, assert_close, h200_mesh, lower_for_gpu
 
 ACT = activation_spec()
@@ -409,21 +409,6 @@ def test_errors():
         trace(idx=jnp.zeros((4 * T + 4, 2), jnp.int32))
     with pytest.raises(ValueError, match="is not bound: call EP dispatch/combine inside jax.shard_map"):
         ep_dispatch(x, idx, num_experts=E)
-
-
-@pytest.mark.parametrize("routes,num_keys", [(1, 3), (255, 2), (256, 7), (1000, 64), (1030, 300)])
-def test_stable_rank_matches_a_stable_sort(routes, num_keys):
-    """The sort-free rank: earlier equal keys, for blocks that do not divide the routes, more keys
-    than a block holds, and keys outside [0, num_keys) (whose ranks are unspecified) mixed in."""
-    rng = np.random.default_rng(routes)
-    keys = rng.integers(-2, num_keys + 2, routes).astype(np.int32)
-    keys[: routes // 3] = rng.integers(0, 2, routes // 3)  # long runs of a few hot keys
-    got = np.asarray(_stable_rank(jnp.asarray(keys), num_keys))
-    order = np.argsort(keys, kind="stable")
-    want = np.empty(routes, np.int64)
-    want[order] = np.arange(routes) - np.searchsorted(keys[order], keys[order])
-    valid = (keys >= 0) & (keys < num_keys)
-    np.testing.assert_array_equal(got[valid], want[valid])
 
 
 def test_capacity_for():

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_jax.permute import Packing, combine, gather_rows, pack
+from moe_jax.permute import Packing, combine, gather_rows, pack, stable_rank
 
 SETTINGS = settings(derandomize=True, max_examples=12, deadline=None)
 
@@ -181,3 +181,18 @@ def test_gather_rows_gradient_scatters_back_to_tokens():
 def test_bad_arguments_raise(call, match):
     with pytest.raises((ValueError, TypeError), match=match):
         call()
+
+
+@pytest.mark.parametrize("routes,num_keys", [(1, 3), (255, 2), (256, 7), (1000, 64), (1030, 300)])
+def test_stable_rank_matches_a_stable_sort(routes, num_keys):
+    """The sort-free rank: earlier equal keys, for blocks that do not divide the routes, more keys
+    than a block holds, and keys outside [0, num_keys) (whose ranks are unspecified) mixed in."""
+    rng = np.random.default_rng(routes)
+    keys = rng.integers(-2, num_keys + 2, routes).astype(np.int32)
+    keys[: routes // 3] = rng.integers(0, 2, routes // 3)  # long runs of a few hot keys
+    got = np.asarray(stable_rank(jnp.asarray(keys), num_keys))
+    order = np.argsort(keys, kind="stable")
+    want = np.empty(routes, np.int64)
+    want[order] = np.arange(routes) - np.searchsorted(keys[order], keys[order])
+    valid = (keys >= 0) & (keys < num_keys)
+    np.testing.assert_array_equal(got[valid], want[valid])

@@ -134,18 +134,22 @@ def gmm_pallas(
     )
 
 
+def vary_to_union(arrays: tuple, also: tuple = ()) -> tuple[frozenset, tuple]:
+    """Inside `jax.shard_map(check_vma=True)`: the union of the mesh axes that `arrays` and `also`
+    vary over, and `arrays` cast to vary over all of it (`pcast`, whose transpose sums the
+    gradient over the added axes). Outside `shard_map` the union is empty and nothing changes."""
+    varying = frozenset().union(*(jax.typeof(a).manual_axis_type.varying for a in (*arrays, *also)))
+    missing = [tuple(varying - jax.typeof(a).manual_axis_type.varying) for a in arrays]
+    return varying, tuple(jax.lax.pcast(a, axes, to="varying") if axes else a for a, axes in zip(arrays, missing))
+
+
 def _varying_like(out_shape: jax.ShapeDtypeStruct, inputs) -> tuple[jax.ShapeDtypeStruct, tuple]:
     """Inside `jax.shard_map(check_vma=True)` (the MoE layer's mesh path) Pallas must be told over
     which mesh axes its output varies: the union of the inputs' varying axes. The inputs are cast
-    to that union too, since the kernel reads them all as one per-device program. Outside
-    `shard_map` every input's set is empty and nothing changes."""
-    varying = frozenset().union(*(jax.typeof(x).manual_axis_type.varying for x in inputs))
+    to that union too, since the kernel reads them all as one per-device program."""
+    varying, inputs = vary_to_union(inputs)
     if not varying:
         return out_shape, inputs
-    inputs = tuple(
-        x if jax.typeof(x).manual_axis_type.varying == varying else jax.lax.pcast(x, tuple(varying - jax.typeof(x).manual_axis_type.varying), to="varying")
-        for x in inputs
-    )
     mat = jax.sharding.ManualAxisType(varying=varying)
     return jax.ShapeDtypeStruct(out_shape.shape, out_shape.dtype, manual_axis_type=mat), inputs
 
@@ -165,6 +169,11 @@ def _launch(kernel, inputs, *, out_shape, grid, num_warps: int, num_stages: int,
         def call_kernel(*refs):
             return kernel(*refs[:-2], refs[-1])  # drop the aliased input ref
 
+    if interpret and jax.sharding.get_abstract_mesh().manual_axes:
+        raise ValueError(
+            f"{name}: the Pallas interpreter (off GPU) cannot run inside shard_map; use "
+            "backend='auto' or 'xla' on meshes of CPU devices."
+        )
     out_shape, inputs = _varying_like(out_shape, inputs)
     return pl.pallas_call(
         call_kernel,

@@ -48,11 +48,6 @@ def _pallas_gather(xs, rows_M):
         return jnp.zeros((rows_M.shape[0], d), dtype)
     if max(rows_M.shape[0], *(x.shape[0] for x in xs)) * d >= _INT32_LIMIT:  # the kernel's offsets are int32
         return _xla_gather(xs, rows_M)
-    if not _on_gpu() and jax.sharding.get_abstract_mesh().manual_axes:
-        raise ValueError(
-            "backend='pallas_triton' off GPU would interpret the row-gather kernel inside shard_map, "
-            "which JAX cannot do; use backend='auto' or 'xla' on meshes of CPU devices."
-        )
     return _kernels.gather_rows_pallas(
         xs, rows_M, block_rows=_BLOCK_ROWS, block_d=min(_BLOCK_D, _kernels._pow2_at_least(d)),
         num_warps=_NUM_WARPS, interpret=not _on_gpu(),
@@ -139,18 +134,10 @@ def gather_rows(
         return tuple(grads), None, None
 
     gather.defvjp(forward, backward)
-    return gather(_vary_like_ids(xs, rows_M, inverse_N), rows_M, inverse_N)
-
-
-def _vary_like_ids(xs, rows_M, inverse_N):
-    """Inside `shard_map(check_vma=True)`, cast each source to vary over every mesh axis that any
-    source or the row ids vary over. The gradient of a source replicated over an axis the ids vary
-    over (e.g. tokens replicated over `ep`, routes sharded) then varies too, as the custom_vjp
-    requires, and the cast's transpose sums it over that axis. Outside shard_map: no-op."""
-    ids = (rows_M,) if inverse_N is None else (rows_M, inverse_N)
-    varying = frozenset().union(*(jax.typeof(a).manual_axis_type.varying for a in (*xs, *ids)))
-    missing = [tuple(varying - jax.typeof(x).manual_axis_type.varying) for x in xs]
-    return tuple(jax.lax.pcast(x, axes, to="varying") if axes else x for x, axes in zip(xs, missing))
+    # Under shard_map, a source replicated over an axis the row ids vary over (tokens replicated
+    # over `ep`, routes sharded) must vary too: its gradient does, and the cast's transpose sums it.
+    _, xs = _kernels.vary_to_union(xs, (rows_M,) if inverse_N is None else (rows_M, inverse_N))
+    return gather(xs, rows_M, inverse_N)
 
 
 def gather_rows_reference(

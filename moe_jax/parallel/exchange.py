@@ -74,6 +74,8 @@ from jax import lax
 from moe_jax.ops.backends import BackendName
 from moe_jax.ops.rows import gather_rows
 from moe_jax.parallel.mesh import EP_AXIS
+from moe_jax.permute import check_mask, exclusive_cumsum, pack, stable_rank
+from moe_jax.routing import expert_counts
 
 __all__ = [
     "STRATEGIES",
@@ -143,9 +145,8 @@ class EPPlan(NamedTuple):
     the dispatch that built it; `strategy` and `capacity` are static Python values.
 
     strategy, capacity: static; the exchange strategy and C.
-    keep_TK: bool, route (t, k) was delivered (False: masked token, dropped by capacity or
-        invalid expert id).
-    route_row_TK: int32, row of each kept route in the send buffer (-1 where not kept).
+    route_row_TK: int32, row of each delivered route in the send buffer; -1 where route (t, k)
+        was not delivered (masked token, dropped by capacity or invalid expert id).
     recv_to_packed_M: int32, packed row of each receive-buffer row, -1 where it holds no route.
     packed_to_recv_M: int32, receive-buffer row of each packed row, -1 past `sum(group_sizes_El)`.
     group_sizes_El: int32, packed rows of each local expert.
@@ -156,7 +157,6 @@ class EPPlan(NamedTuple):
 
     strategy: str
     capacity: int
-    keep_TK: jax.Array
     route_row_TK: jax.Array
     recv_to_packed_M: jax.Array
     packed_to_recv_M: jax.Array
@@ -164,6 +164,11 @@ class EPPlan(NamedTuple):
     exchange: BlockExchange
     send_counts_P: jax.Array
     dropped: jax.Array
+
+    @property
+    def keep_TK(self) -> jax.Array:
+        """bool `[T, K]`: route (t, k) was delivered."""
+        return self.route_row_TK >= 0
 
     def stats(self) -> EPStats:
         """The loggable summary of this dispatch."""
@@ -260,17 +265,6 @@ def _local_experts(num_experts: int, ep: int) -> int:
     return num_experts // ep
 
 
-def _check_mask(mask_T, tokens: int):
-    if mask_T is None:
-        return None
-    if tuple(mask_T.shape) != (tokens,):
-        raise ValueError(
-            f"mask_T must be bool [T] = ({tokens},) (True = real token); got shape {tuple(mask_T.shape)}. "
-            "Flatten a [B, S] mask with mask.reshape(-1)."
-        )
-    return mask_T.astype(jnp.bool_)
-
-
 def _check_routes(x_TD, expert_idx_TK) -> tuple[int, int]:
     if x_TD.ndim != 2:
         raise ValueError(f"x_TD must be [T, D] (flatten batch dims first); got shape {tuple(x_TD.shape)}.")
@@ -294,15 +288,6 @@ def _buffer_rows(strategy: str, routes: int, ep: int, capacity: int) -> tuple[in
 # ----------------------------------------------------------------------------- index helpers
 
 
-def _exclusive_cumsum(a, axis: int = 0):
-    return jnp.cumsum(a, axis=axis) - a
-
-
-def _bincount(ids, length: int):
-    """Counts of each id in [0, length); other ids are ignored."""
-    return jnp.zeros((length,), jnp.int32).at[ids].add(1, mode="drop")
-
-
 def _block_of(rows, offsets_P):
     """Block p owning each row of a buffer whose blocks start at the nondecreasing `offsets_P`
     (the last block starting at or before the row, so empty blocks are skipped).
@@ -322,66 +307,29 @@ class _SendPlan(NamedTuple):
     dest_R: jax.Array  # int32, destination rank (P for an invalid expert id or a masked token)
     kept_PE: jax.Array  # [P, El] int32, kept routes per (destination, local expert)
     send_counts_P: jax.Array  # int32, routes per destination before dropping
-    send_order_R: jax.Array  # int32, kept route indices by (dest, local expert, token); 0 after them
-    send_rank_R: jax.Array  # int32, position of each kept route in send_order_R (unspecified if dropped)
-
-
-_RANK_BLOCK = 256
-
-
-def _stable_rank(key_R, num_keys: int):
-    """`rank_R[r]` = #{r' < r : key_R[r'] == key_R[r]} for keys in `[0, num_keys)` (other keys get
-    unspecified ranks): what a stable sort by key would tell, from dense counts instead.
-
-    Routes form blocks of B: within a block, a `[B, B]` comparison counts the earlier equal keys;
-    across blocks, an exclusive running sum of the `[blocks, num_keys]` block histograms. Both are
-    single fused reductions (`R * B` and `R * num_keys` compares) where XLA's sort was a chain of
-    kernels: 39 us of XLA's two stable argsorts at R = 8192 on an H200, about 7% of a T = 4096
-    dispatch + combine."""
-    routes = key_R.shape[0]
-    block = max(1, min(_RANK_BLOCK, routes))
-    blocks = -(-routes // block)
-    # Padding keys sit after every real route, so they never count as "earlier".
-    key_NB = jnp.pad(key_R, (0, blocks * block - routes), constant_values=num_keys).reshape(blocks, block)
-    earlier_BB = jnp.arange(block)[None, :] < jnp.arange(block)[:, None]
-    in_block_NB = jnp.sum((key_NB[:, :, None] == key_NB[:, None, :]) & earlier_BB, axis=2, dtype=jnp.int32)
-    hist_NK = jnp.sum(key_NB[:, :, None] == jnp.arange(num_keys, dtype=key_R.dtype), axis=1, dtype=jnp.int32)
-    before_NK = _exclusive_cumsum(hist_NK, axis=0)
-    prior_NB = jnp.take_along_axis(before_NK, jnp.clip(key_NB, 0, num_keys - 1), axis=1)
-    return (prior_NB + in_block_NB).reshape(-1)[:routes]
+    send_rank_R: jax.Array  # int32, place of each kept route in (dest, local expert, token) order
 
 
 def _plan_sends(expert_R, real_R, num_experts: int, ep: int, capacity: int) -> _SendPlan:
-    """Capacity decisions and the send order, by `_stable_rank` (no sort). Hand-written rather
-    than through `moe_jax.permute.pack`, whose two-sort form once doubled decode dispatch+combine
-    (benchmarks/results/2026-11-30-h200x2-ep-breakdown.md). One sort of unique int32 keys was
-    within noise at decode (R = 1024) and 3-4% slower at prefill (2 H200s, breakdown-2)."""
+    """Capacity decisions and each kept route's place in the send order, by dense counts
+    (`permute.stable_rank`, `permute.pack`), not sorts: XLA's two stable argsorts took 39 us at
+    R = 8192 on an H200 (benchmarks/results/2026-11-30-h200x2-ep-breakdown-2.md)."""
     local = num_experts // ep
-    routes = expert_R.shape[0]
     expert_R = expert_R.astype(jnp.int32)
     valid_R = real_R & (expert_R >= 0) & (expert_R < num_experts)
     # Invalid ids and masked tokens go to a bin past the ranks: never sent, never counted.
     dest_R = jnp.where(valid_R, expert_R // local, ep)
-    send_counts_P = _bincount(dest_R, ep)
     # Capacity keeps each destination's first C routes in token order.
-    keep_R = valid_R & (_stable_rank(dest_R, ep) < capacity)
-
-    # expert = dest * El + local, so ordering kept routes by expert id orders them by (destination,
-    # local expert), and within an expert by token; dropped routes get no position.
-    kept_expert_R = jnp.where(keep_R, expert_R, num_experts)
-    kept_E = _bincount(kept_expert_R, num_experts)
-    send_rank_R = (_exclusive_cumsum(kept_E)[jnp.minimum(kept_expert_R, num_experts - 1)]
-                   + _stable_rank(kept_expert_R, num_experts))
-    route_R = jnp.arange(routes, dtype=jnp.int32)
-    send_order_R = jnp.zeros((routes,), jnp.int32).at[jnp.where(keep_R, send_rank_R, routes)].set(
-        route_R, mode="drop")
+    keep_R = valid_R & (stable_rank(dest_R, ep) < capacity)
+    # expert = dest * El + local, so packing the kept routes by expert id orders them by
+    # (destination, local expert), and within an expert by token.
+    kept = pack(expert_R[:, None], num_experts, mask_T=keep_R)
     return _SendPlan(
         keep_R=keep_R,
         dest_R=dest_R.astype(jnp.int32),
-        kept_PE=kept_E.reshape(ep, local),
-        send_counts_P=send_counts_P,
-        send_order_R=send_order_R,
-        send_rank_R=send_rank_R,
+        kept_PE=kept.group_sizes_E.reshape(ep, local),
+        send_counts_P=expert_counts(dest_R[:, None], ep),
+        send_rank_R=kept.inverse_R,
     )
 
 
@@ -401,10 +349,10 @@ def _plan_exchange(counts_PP, send_sizes, me, strategy: str, capacity: int) -> B
         mine = jnp.full((ep,), me * capacity, jnp.int32)
         return BlockExchange(slots, send_sizes, slots, recv_sizes, mine, mine)
     # Tightly packed: send blocks in destination order, receive blocks in source order.
-    recv_start_PP = _exclusive_cumsum(counts_PP, axis=0)  # [src, dst]: src's block in dst's recv buffer
-    send_start_PP = _exclusive_cumsum(counts_PP, axis=1)  # [src, dst]: dst's block in src's send buffer
+    recv_start_PP = exclusive_cumsum(counts_PP, axis=0)  # [src, dst]: src's block in dst's recv buffer
+    send_start_PP = exclusive_cumsum(counts_PP, axis=1)  # [src, dst]: dst's block in src's send buffer
     return BlockExchange(
-        send_offsets_P=_exclusive_cumsum(send_sizes),
+        send_offsets_P=exclusive_cumsum(send_sizes),
         send_sizes_P=send_sizes,
         recv_offsets_P=recv_start_PP[:, me],
         recv_sizes_P=recv_sizes,
@@ -436,8 +384,8 @@ def _plan_regroup(recv_PE, recv_offsets_P, rows: int) -> _Regroup:
     run_end_PE = jnp.cumsum(recv_PE, axis=1)
     expert_M = jnp.minimum(jnp.sum(run_end_PE[src_M] <= j_M[:, None], axis=1), recv_PE.shape[1] - 1)
     run_start = (run_end_PE - recv_PE)[src_M, expert_M]
-    before = _exclusive_cumsum(recv_PE, axis=0)[src_M, expert_M]  # rows of this expert from earlier sources
-    packed_M = _exclusive_cumsum(group_sizes_El)[expert_M] + before + (j_M - run_start)
+    before = exclusive_cumsum(recv_PE, axis=0)[src_M, expert_M]  # rows of this expert from earlier sources
+    packed_M = exclusive_cumsum(group_sizes_El)[expert_M] + before + (j_M - run_start)
     recv_to_packed_M = jnp.where(valid_M, packed_M, -1)
     packed_to_recv_M = jnp.full((rows,), -1, jnp.int32).at[jnp.where(valid_M, packed_M, rows)].set(i_M, mode="drop")
     return _Regroup(recv_to_packed_M, packed_to_recv_M, group_sizes_El)
@@ -554,7 +502,7 @@ def ep_dispatch(
     """
     _check_strategy(strategy)
     tokens, top_k = _check_routes(x_TD, expert_idx_TK)
-    mask_T = _check_mask(mask_T, tokens)
+    mask_T = check_mask(mask_T, tokens, "ep_dispatch")
     ep = _axis_size(axis_name)
     local = _local_experts(num_experts, ep)
     routes = tokens * top_k
@@ -570,15 +518,14 @@ def ep_dispatch(
     me = lax.axis_index(axis_name)
     ex = _plan_exchange(counts_PPE.sum(axis=2), sends.kept_PE.sum(axis=1), me, strategy, cap)
 
-    # Send buffer by gather (its transpose is a scatter-add into x): row i of block p is the
-    # j-th kept route to p in send order.
-    i_S = jnp.arange(send_rows, dtype=jnp.int32)
-    dest_S = _block_of(i_S, ex.send_offsets_P)
-    j_S = i_S - ex.send_offsets_P[dest_S]
-    valid_S = j_S < ex.send_sizes_P[dest_S]
-    kept_start_P = _exclusive_cumsum(ex.send_sizes_P)
-    route_S = sends.send_order_R[jnp.clip(kept_start_P[dest_S] + j_S, 0, routes - 1)]
-    send_ids_S = jnp.where(valid_S, route_S // top_k, -1)
+    # Send-buffer row of each kept route (block of its destination, then its place among the
+    # kept routes to it), and the token each send row reads (-1: padding).
+    dest_R = jnp.minimum(sends.dest_R, ep - 1)  # invalid-id routes are masked by keep below
+    slot_R = sends.send_rank_R - exclusive_cumsum(ex.send_sizes_P)[dest_R]
+    route_row_R = jnp.where(sends.keep_R, ex.send_offsets_P[dest_R] + slot_R, -1)
+    token_R = jnp.arange(routes, dtype=jnp.int32) // top_k
+    send_ids_S = jnp.full((send_rows,), -1, jnp.int32).at[jnp.where(sends.keep_R, route_row_R, send_rows)].set(
+        token_R, mode="drop")
     regroup = _plan_regroup(counts_PPE[:, me, :], ex.recv_offsets_P, recv_rows)
     if _pairwise(strategy, ep, cap, x_TD):
         # The receive buffer is the pair (own block, peer block): the own block is gathered
@@ -595,14 +542,10 @@ def ep_dispatch(
     # Padding rows are written as zeros here, whatever the receive buffer holds there.
     packed_x_MD = gather_rows(recv_x, regroup_ids, inverse_N=regroup_inverse, backend=backend)
 
-    dest_R = jnp.minimum(sends.dest_R, ep - 1)  # invalid-id routes are masked by keep below
-    slot_R = sends.send_rank_R - kept_start_P[dest_R]
-    route_row_R = jnp.where(sends.keep_R, ex.send_offsets_P[dest_R] + slot_R, -1)
     dropped = lax.psum(jnp.sum(real_R & ~sends.keep_R, dtype=jnp.int32), axis_name)
     plan = EPPlan(
         strategy=strategy,
         capacity=cap,
-        keep_TK=sends.keep_R.reshape(tokens, top_k),
         route_row_TK=route_row_R.reshape(tokens, top_k).astype(jnp.int32),
         recv_to_packed_M=regroup.recv_to_packed_M,
         packed_to_recv_M=regroup.packed_to_recv_M,
@@ -621,7 +564,6 @@ def _empty_dispatch(x_TD, tokens: int, top_k: int, strategy: str, ep: int, local
     plan = EPPlan(
         strategy=strategy,
         capacity=0,
-        keep_TK=jnp.zeros((tokens, top_k), jnp.bool_),
         route_row_TK=jnp.full((tokens, top_k), -1, jnp.int32),
         recv_to_packed_M=jnp.zeros((0,), jnp.int32),
         packed_to_recv_M=jnp.zeros((0,), jnp.int32),
@@ -647,7 +589,7 @@ def ep_combine(packed_y_MD: jax.Array, weights_TK: jax.Array, plan: EPPlan, *, a
     Returns `y_TD` in `packed_y_MD.dtype`, summed over K in float32. Dropped routes contribute
     zero. Differentiable in `packed_y_MD` and `weights_TK`.
     """
-    tokens, top_k = plan.keep_TK.shape
+    tokens, top_k = plan.route_row_TK.shape
     if weights_TK.shape != (tokens, top_k):
         raise ValueError(
             f"weights_TK must be [T, K] = {(tokens, top_k)} like the dispatched expert_idx_TK; got "
