@@ -72,6 +72,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from typing import NamedTuple
 import time
 from unittest import mock
 
@@ -95,6 +96,11 @@ class Shape:
 
     def describe(self) -> str:
         return f"{self.name} T={self.tokens} D={self.d_model} top-{self.top_k}/{self.experts}"
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes a dropless dispatch + combine delivers per rank: R rows of D bf16, both ways."""
+        return 2 * self.tokens * self.top_k * self.d_model * 2
 
 
 GPU_SHAPES = (
@@ -160,26 +166,59 @@ def send_counts(idx_NK: np.ndarray, experts: int, ranks: int) -> np.ndarray:
     return np.stack([np.bincount(d, minlength=ranks) for d in dest_PR])
 
 
-def _reps(payload_bytes: float, smoke: bool) -> int:
+def _reps(shape: Shape, smoke: bool) -> int:
     if smoke:
         return 3
-    return int(max(5, min(100, 4e9 // max(payload_bytes, 1))))
+    return int(max(5, min(100, 4e9 // max(shape.payload_bytes, 1))))
+
+
+class Variant(NamedTuple):
+    """One kind of row; `label` is its name in the tables and JSON records.
+
+    side: "ours" (`ep_dispatch` + `ep_combine`, `_jax_loop`) or "xla" (a bare collective there and
+      back, `_collective_loop`).
+    exchange: ours: the strategy, "padded" or "ragged"; xla: "all_to_all", "ppermute" or
+      "ragged_all_to_all".
+    capacity: capacity buffers, C = `capacity_for(..., CAPACITY_FACTOR)`, instead of dropless.
+    no_a2a: ours, with the row collective replaced by the identity (the cost around it).
+    xla_gather: ours, with the row gathers through XLA instead of the Pallas kernel.
+    decomposer: run in the process started with XLA's ragged_all_to_all decomposer flag.
+    """
+
+    side: str
+    exchange: str
+    capacity: bool = False
+    no_a2a: bool = False
+    xla_gather: bool = False
+    decomposer: bool = False
+
+    @property
+    def label(self) -> str:
+        return (self.exchange + ("+decomp" if self.decomposer else "")
+                + (f" cf={CAPACITY_FACTOR}" if self.capacity else "")
+                + (" no-a2a" if self.no_a2a else "") + (" xla-gather" if self.xla_gather else ""))
+
+
+# The padded rows (every backend) and the ragged ones (GPU only).
+PADDED_VARIANTS = (
+    Variant("ours", "padded"),
+    Variant("ours", "padded", capacity=True),
+    Variant("ours", "padded", capacity=True, no_a2a=True),
+    Variant("ours", "padded", capacity=True, xla_gather=True),
+    Variant("xla", "all_to_all"),
+    Variant("xla", "all_to_all", capacity=True),
+    Variant("xla", "ppermute", capacity=True),
+)
+RAGGED_VARIANTS = (Variant("ours", "ragged"), Variant("xla", "ragged_all_to_all"))
+DECOMPOSER_VARIANTS = tuple(v._replace(decomposer=True) for v in RAGGED_VARIANTS)
 
 
 # ----------------------------------------------------------------------------- JAX worker
 
 
-def _jax_bench(shapes, labels, smoke: bool) -> list[dict]:
-    """Time every label on every shape and routing; one record per (shape, routing, label).
-
-    Labels (side "ours", built by `_jax_loop`): "padded" (dropless), "padded cf=1.25" (capacity
-    buffers), "padded cf=1.25 no-a2a" (the collective replaced by the identity: the cost around
-    it), "padded cf=1.25 xla-gather" (row gathers by XLA), "ragged", "ragged+decomp". Labels (side "xla", the bare collectives of
-    `_collective_loop`): "all_to_all" (dropless buffers), "all_to_all cf=1.25" (capacity buffers),
-    "ppermute cf=1.25" (the peer-block swap of our padded strategy at P = 2, prefill-sized
-    blocks), "ragged_all_to_all",
-    "ragged_all_to_all+decomp". The "+decomp" labels only mean something in a
-    process started with the decomposer flag. NCCL and torch-ref rows come from `_torch_bench`."""
+def _jax_bench(shapes, variants, smoke: bool) -> list[dict]:
+    """Time every `Variant` on every shape and routing; one record per (shape, routing, variant).
+    NCCL and torch-ref rows come from `_torch_bench`."""
     import jax
     import jax.numpy as jnp
 
@@ -192,22 +231,21 @@ def _jax_bench(shapes, labels, smoke: bool) -> list[dict]:
     for shape in shapes:
         routes = shape.tokens * shape.top_k
         compiled = {}
+        x = put(jax.random.normal(jax.random.PRNGKey(0), (RANKS * shape.tokens, shape.d_model), jnp.bfloat16))
         for routing in ROUTINGS:
             idx, weights = make_routing(routing, RANKS, shape.tokens, shape.experts, shape.top_k)
             counts_PP = send_counts(idx, shape.experts, RANKS)
-            x = jax.random.normal(jax.random.PRNGKey(0), (RANKS * shape.tokens, shape.d_model), jnp.bfloat16)
-            inputs = dict(ours=(put(x), put(idx), put(weights)), xla=(put(x), put(counts_PP)))
-            for label in labels:
-                side = "ours" if label.split("+")[0].split(" ")[0] in ("padded", "ragged") else "xla"
-                record = dict(side=side, strategy=label, shape=shape.describe(), d_model=shape.d_model,
-                              routing=routing)
+            inputs = dict(ours=(x, put(idx), put(weights)), xla=(x, put(counts_PP)))
+            for variant in variants:
+                record = dict(side=variant.side, strategy=variant.label, shape=shape.describe(),
+                              d_model=shape.d_model, routing=routing)
                 try:
-                    if label not in compiled:  # same shapes for every routing: compile once
-                        build = _jax_loop if side == "ours" else _collective_loop
-                        compiled[label] = build(mesh, shape, label, smoke)
-                    run, reps = compiled[label]
-                    args = inputs[side]
-                    kept = int(run(*args)[1])  # compiles
+                    if variant not in compiled:  # same shapes for every routing: compile once
+                        build = _jax_loop if variant.side == "ours" else _collective_loop
+                        compiled[variant] = build(mesh, shape, variant, smoke)
+                    run, reps, delivered = compiled[variant]
+                    args = inputs[variant.side]
+                    kept = delivered(*args)  # outside the timed executable
                     seconds = time_compiled(lambda: run(*args), reps, trials=2 if smoke else 5)
                     record.update(seconds=seconds, rows_per_rank=kept / RANKS, dropped=routes * RANKS - kept,
                                   reps=reps)
@@ -218,23 +256,25 @@ def _jax_bench(shapes, labels, smoke: bool) -> list[dict]:
     return records
 
 
-def _jax_loop(mesh, shape: Shape, label: str, smoke: bool):
-    """Jitted `reps` dispatch+combine iterations (identity experts) of our strategy `label` in one
-    fori_loop: `(x, idx, weights) -> (x after reps round trips, routes delivered per iteration)`."""
+def _jax_loop(mesh, shape: Shape, variant: Variant, smoke: bool):
+    """`(run, reps, delivered)`: `run(x, idx, weights)` is `reps` dispatch+combine iterations
+    (identity experts) of our `variant` in one jitted fori_loop, returning x after the round trips;
+    `delivered(x, idx, weights)` is the routes one iteration delivers (a separate executable, so
+    the timed one runs nothing else)."""
     import jax
     from jax import lax
 
     from moe_jax.parallel import EP_AXIS, activation_spec, capacity_for, ep_combine, ep_dispatch, exchange
 
-    strategy = label.split("+")[0].split(" ")[0]
-    backend = "xla" if label.endswith("xla-gather") else "auto"
-    capacity = capacity_for(shape.tokens, shape.top_k, RANKS, CAPACITY_FACTOR) if "cf=" in label else None
+    strategy = variant.exchange
+    backend = "xla" if variant.xla_gather else "auto"
+    capacity = capacity_for(shape.tokens, shape.top_k, RANKS, CAPACITY_FACTOR) if variant.capacity else None
     act = activation_spec()
-    reps = _reps(2 * shape.tokens * shape.top_k * shape.d_model * 2, smoke)
+    reps = _reps(shape, smoke)
     # "no-a2a": the same planning, gathers and combine with the row collective replaced by the
     # identity (same buffer shape under "padded"): what our code costs around the collective.
     def body(x, idx, w):
-        if label.endswith("no-a2a"):
+        if variant.no_a2a:
             identity = lambda rows, *a, **k: rows  # noqa: E731
             with mock.patch.object(exchange, "_move_rows", identity), mock.patch.object(exchange, "_swap_pair", identity):
                 return _body(x, idx, w)
@@ -249,23 +289,27 @@ def _jax_loop(mesh, shape: Shape, label: str, smoke: bool):
             # XLA fuses the regroup gather into combine's un-regroup and one row pass disappears.
             return ep_combine(lax.optimization_barrier(packed), w, plan, backend=backend), idx, w
 
-        _, _, plan = ep_dispatch(x, idx, num_experts=shape.experts, strategy=strategy, capacity=capacity)
-        kept = lax.psum(plan.keep_TK.sum(dtype="int32"), EP_AXIS)
         y, _, _ = lax.fori_loop(0, reps, one, (x, idx, w))
-        return y, kept
+        return y
 
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(act, act, act), out_specs=(act, jax.sharding.PartitionSpec()),
-                       check_vma=False)
-    return jax.jit(fn), reps
+    def kept(x, idx, w):
+        _, _, plan = ep_dispatch(x, idx, num_experts=shape.experts, strategy=strategy, capacity=capacity,
+                                 backend=backend)
+        return lax.psum(plan.keep_TK.sum(dtype="int32"), EP_AXIS)
+
+    run = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(act,) * 3, out_specs=act, check_vma=False))
+    count = jax.jit(jax.shard_map(kept, mesh=mesh, in_specs=(act,) * 3, out_specs=jax.sharding.PartitionSpec(),
+                                  check_vma=False))
+    return run, reps, lambda *args: int(count(*args))
 
 
-def _collective_loop(mesh, shape: Shape, label: str, smoke: bool):
+def _collective_loop(mesh, shape: Shape, variant: Variant, smoke: bool):
     """The bare exchanges, there and back, `reps` times: `all_to_all` of the dropless padded
-    buffer ([P*R, D] per rank, as our padded strategy moves; [P*C, D] with "cf=" in `label`) or `ragged_all_to_all` with this
-    routing's exact block sizes (counts_PP[src, dst], offsets from it), or ("ppermute cf=1.25")
-    the swap of the peer's [C, D] block that our padded strategy does at P = 2 (for blocks of
-    `exchange._PAIR_MIN_BLOCK_BYTES` and more). Nothing else runs.
-    `(x, counts_PP) -> (buffer, routes moved per iteration)`."""
+    buffer ([P*R, D] per rank, as our padded strategy moves; [P*C, D] with `variant.capacity`) or
+    `ragged_all_to_all` with this routing's exact block sizes (counts_PP[src, dst], offsets from
+    it), or `ppermute`, the swap of the peer's [C, D] block that our padded strategy does at P = 2
+    (for blocks of `exchange._PAIR_MIN_BLOCK_BYTES` and more). Nothing else runs.
+    `(run, reps, delivered)` as for `_jax_loop`, with `run(x, counts_PP)`."""
     import jax
     import jax.numpy as jnp
     from jax import lax
@@ -274,11 +318,11 @@ def _collective_loop(mesh, shape: Shape, label: str, smoke: bool):
     from moe_jax.parallel import EP_AXIS, activation_spec, capacity_for
 
     routes = shape.tokens * shape.top_k
-    reps = _reps(2 * routes * shape.d_model * 2, smoke)
-    ragged = label.startswith("ragged")
-    pair = label.startswith("ppermute")
-    # "all_to_all cf=1.25": blocks of our capacity C instead of the dropless R rows.
-    block = capacity_for(shape.tokens, shape.top_k, RANKS, CAPACITY_FACTOR) if "cf=" in label else routes
+    reps = _reps(shape, smoke)
+    ragged = variant.exchange == "ragged_all_to_all"
+    pair = variant.exchange == "ppermute"
+    # Capacity: blocks of our capacity C instead of the dropless R rows.
+    block = capacity_for(shape.tokens, shape.top_k, RANKS, CAPACITY_FACTOR) if variant.capacity else routes
 
     def body(x, counts):
         counts = counts.reshape(RANKS, RANKS)  # every rank sees the whole [src, dst] matrix
@@ -304,12 +348,11 @@ def _collective_loop(mesh, shape: Shape, label: str, smoke: bool):
             send = send[:block]
         elif not ragged:  # padded layout: P blocks of R rows (dropless) or C rows
             send = jnp.tile(send[:block], (RANKS, 1))
-        out = lax.fori_loop(0, reps, one, send)
-        return out[:1], jnp.asarray(RANKS * routes, jnp.int32)
+        return lax.fori_loop(0, reps, one, send)[:1]
 
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(activation_spec(), PartitionSpec()),
-                       out_specs=(activation_spec(), PartitionSpec()), check_vma=False)
-    return jax.jit(fn), reps
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(activation_spec(), PartitionSpec()), out_specs=activation_spec(),
+                       check_vma=False)
+    return jax.jit(fn), reps, lambda *args: RANKS * routes
 
 
 # ----------------------------------------------------------------------------- torch worker
@@ -348,7 +391,7 @@ def _torch_rank(rank: int, world: int, shapes, smoke: bool) -> list[dict]:
                 recv_x, _, _, ctx = ep_dispatch(x, idx, shape.experts, dist.group.WORLD)
                 ep_combine(recv_x, w, ctx, shape.tokens, dist.group.WORLD)
 
-            reps = _reps(2 * routes * shape.d_model * 2, smoke)
+            reps = _reps(shape, smoke)
             base = dict(shape=shape.describe(), d_model=shape.d_model, routing=routing, rows_per_rank=float(routes),
                         dropped=0, reps=reps)
             with torch.no_grad():
@@ -598,17 +641,12 @@ def _worker(kind: str, variant: str, smoke: bool, out: str) -> None:
     shapes = SMOKE_SHAPES if smoke else GPU_SHAPES
     if kind == "jax-bench":
         if variant == "decomposer":
-            labels = ["ragged+decomp", "ragged_all_to_all+decomp"]
+            variants = DECOMPOSER_VARIANTS
         elif smoke or variant == "padded":  # XLA:CPU has no ragged_all_to_all
-            labels = ["padded", f"padded cf={CAPACITY_FACTOR}", f"padded cf={CAPACITY_FACTOR} no-a2a",
-                      f"padded cf={CAPACITY_FACTOR} xla-gather", "all_to_all",
-                      f"all_to_all cf={CAPACITY_FACTOR}", f"ppermute cf={CAPACITY_FACTOR}"]
+            variants = PADDED_VARIANTS
         else:
-            labels = ["padded", f"padded cf={CAPACITY_FACTOR}", f"padded cf={CAPACITY_FACTOR} no-a2a",
-                      f"padded cf={CAPACITY_FACTOR} xla-gather", "ragged",
-                      "all_to_all", f"all_to_all cf={CAPACITY_FACTOR}", f"ppermute cf={CAPACITY_FACTOR}",
-                      "ragged_all_to_all"]
-        result = dict(records=_jax_bench(shapes, labels, smoke))
+            variants = PADDED_VARIANTS + RAGGED_VARIANTS
+        result = dict(records=_jax_bench(shapes, variants, smoke))
     elif kind == "torch-bench":
         result = dict(records=_torch_bench(shapes, smoke))
     elif kind == "jax-check":

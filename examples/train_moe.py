@@ -430,6 +430,7 @@ class StepMetrics(NamedTuple):
     grad_norm: jax.Array
     lr: jax.Array
     stats: MoEStats  # per layer, stacked: counts_E [L, E], scalars [L] (all logged whatever --balance is)
+    rank_rows: jax.Array  # [L, ep] routed rows per EP rank (contiguous placement, before tile padding)
 
 
 def make_schedule(args) -> optax.Schedule:
@@ -462,6 +463,7 @@ def make_train_step(args):
     """The jitted step `(model, optimizer, inputs_BS, targets_BS) -> StepMetrics` (updates in place)."""
     schedule = make_schedule(args)
     balance, aux_coef, z_coef, bias_rate = args.balance, args.aux_coef, args.z_coef, args.bias_rate
+    ep = args.ep or 1
 
     def loss_fn(model, inputs_BS, targets_BS):
         logits_BSV, stats = model(inputs_BS)
@@ -482,7 +484,10 @@ def make_train_step(args):
         if balance == "loss_free":
             for block, counts_E in zip(model.blocks, stats.counts_E):
                 block.moe.update_selection_bias(counts_E, bias_rate)
-        return StepMetrics(loss=loss, ce=ce, grad_norm=optax.tree.norm(grads), lr=schedule(step), stats=stats)
+        # Inside the step, so logging never runs eager device ops per layer.
+        rank_rows = jnp.stack([per_rank_padding(c, 1, num_ranks=ep).useful_R for c in stats.counts_E])
+        return StepMetrics(loss=loss, ce=ce, grad_norm=optax.tree.norm(grads), lr=schedule(step), stats=stats,
+                           rank_rows=rank_rows)
 
     return train_step
 
@@ -594,11 +599,10 @@ def history_record(step: int, m: StepMetrics, ep: int) -> dict:
             "dropped": int(m.stats.dropped[i]),
         }
         if ep > 1:
-            # The slowest EP rank sets the layer's latency: its routed rows over the mean rank's
-            # (contiguous placement, E/ep experts per rank; tile 1 = rows, before tile padding).
-            ranks = per_rank_padding(counts_E, 1, num_ranks=ep)
-            layer["rank_rows"] = [int(r) for r in ranks.useful_R]
-            layer["rank_imbalance"] = float(ranks.imbalance)
+            # The slowest EP rank sets the layer's latency: its routed rows over the mean rank's.
+            rows = np.asarray(m.rank_rows[i])
+            layer["rank_rows"] = [int(r) for r in rows]
+            layer["rank_imbalance"] = float(rows.max() / rows.mean()) if rows.sum() else 1.0
         layers.append(layer)
     return {
         "step": step, "loss": float(m.loss), "ce": float(m.ce), "lr": float(m.lr),

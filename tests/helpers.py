@@ -3,10 +3,12 @@ Pallas kernels interpreted (`interpret=True`) on CPU, which `moe_jax.ops` select
 
 
 import contextlib
+import functools
 from unittest import mock
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -66,3 +68,38 @@ def _verify_triton_modules():
 
     with mock.patch.object(registration.lowering, "lower_jaxpr_to_triton_module", lower_and_verify):
         yield
+
+
+def emulated_ragged_all_to_all(
+    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name, axis_index_groups=None, fill=None
+):
+    """`jax.lax.ragged_all_to_all`'s documented semantics from all_gather, for XLA:CPU. A broken
+    contract (sizes that disagree with the senders', overlapping or out-of-range blocks) poisons
+    the whole result with NaN instead of raising, since nothing can raise under jit. With `fill`,
+    rows no sender writes hold `fill` instead of keeping `output`'s values."""
+    assert axis_index_groups is None
+    me = lax.axis_index(axis_name)
+    operand_all = lax.all_gather(operand, axis_name)  # [P, N, ...]
+    in_off, sizes, out_off = (lax.all_gather(a, axis_name)[:, me] for a in (input_offsets, send_sizes, output_offsets))
+    rows = jnp.arange(output.shape[0])
+    hit_PM = (rows >= out_off[:, None]) & (rows < (out_off + sizes)[:, None])
+    src = jnp.argmax(hit_PM, axis=0)
+    read = in_off[src] + rows - out_off[src]
+    result = jnp.where(
+        jnp.any(hit_PM, axis=0).reshape((-1,) + (1,) * (operand.ndim - 1)),
+        operand_all[src, jnp.clip(read, 0, operand.shape[0] - 1)],
+        output if fill is None else jnp.full_like(output, fill),
+    )
+    ok = (
+        jnp.all(sizes == recv_sizes)
+        & jnp.all(hit_PM.sum(axis=0) <= 1)
+        & jnp.all(in_off + sizes <= operand.shape[0])
+        & jnp.all(out_off + sizes <= output.shape[0])
+        & jnp.all((in_off >= 0) & (out_off >= 0) & (sizes >= 0))
+    )
+    return jnp.where(ok, result, jnp.nan)
+
+
+def poisoned_ragged():
+    """Patch ragged_all_to_all with the emulation, NaN in every row no sender writes."""
+    return mock.patch.object(jax.lax, "ragged_all_to_all", functools.partial(emulated_ragged_all_to_all, fill=jnp.nan))

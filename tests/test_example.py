@@ -231,6 +231,7 @@ def test_ep2_on_two_host_devices_matches_single_device(tmp_path, single_device_c
             half = len(layer["load"]) // 2
             load = np.asarray(layer["load"])
             rows = np.asarray(layer["rank_rows"])
+            assert rows.sum() == 4 * 16 * 2  # every route of the batch: --batch 4, --seq 16, --top-k 2
             np.testing.assert_allclose(rows / rows.sum(), [load[:half].sum(), load[half:].sum()], atol=1e-5)
             assert layer["rank_imbalance"] == pytest.approx(rows.max() / rows.mean())
 

@@ -8,9 +8,7 @@ Legend: N global tokens, T tokens per device, D width, E experts, El = E/P local
 P ep size, K top-k, C capacity.
 """
 
-import functools
 import math
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -23,9 +21,8 @@ from moe_jax import routing as R
 from moe_jax.layers import MoE
 from moe_jax.ops.config import gmm_config
 from moe_jax.parallel import capacity_for, make_mesh
-from tests.helpers import assert_close
+from tests.helpers import assert_close, poisoned_ragged
 from tests.test_layers import flat_params, module_value_and_grads
-from tests.test_parallel_exchange import _emulated_ragged_all_to_all
 
 B, S, D, F, E, K, L = 2, 8, 8, 6, 8, 2, 4
 N = B * S
@@ -198,15 +195,13 @@ def test_capacity_overflow_dropped_exactly(ep, data, factor):
 
 def test_ragged_strategy_matches_padded():
     """The ragged exchange (XLA:CPU lacks ragged_all_to_all: run through the all_gather emulation
-    of tests/test_parallel_exchange.py, NaN in rows no sender writes) gives the padded results."""
+    of tests/helpers.py, NaN in rows no sender writes) gives the padded results."""
     mesh = _mesh(2, 2)
     x, cot = _inputs(5)
     mask = jnp.ones((B, S), bool).at[0, :3].set(False)
     cot = jnp.where(mask[..., None], cot, 0.0)
     padded = module_value_and_grads(_layer(mesh, capacity_factor=1.0), x, cot, mask=mask)
-    with mock.patch.object(
-        jax.lax, "ragged_all_to_all", functools.partial(_emulated_ragged_all_to_all, fill=jnp.nan)
-    ):
+    with poisoned_ragged():
         ragged = module_value_and_grads(_layer(mesh, capacity_factor=1.0, ep_strategy="ragged"), x, cot, mask=mask)
     _assert_same(ragged, padded)
     assert int(ragged[1].dropped) == int(padded[1].dropped)

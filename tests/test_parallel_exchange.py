@@ -17,8 +17,6 @@ Legend: N global tokens (= devices * T), T tokens per rank, K top-k, D width, O 
 width, E experts, El local experts, P ep size, C capacity, M packed rows.
 """
 
-import functools
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +41,7 @@ from moe_jax.parallel import (
 )
 from moe_jax.parallel import exchange
 from moe_jax.parallel.exchange import check_capacity_factor
-from tests.helpers import ON_GPU, assert_close, h200_mesh, lower_for_gpu
+from tests.helpers import ON_GPU, assert_close, emulated_ragged_all_to_all, h200_mesh, lower_for_gpu, poisoned_ragged
 
 ACT = activation_spec()
 T, D, O, E = 6, 8, 5, 8
@@ -208,41 +206,6 @@ def _check_linear(mesh, pattern, *, k=2, capacity=None, strategy="padded", poiso
     return keep, packed, (y, grads)
 
 
-def _emulated_ragged_all_to_all(
-    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name, axis_index_groups=None, fill=None
-):
-    """`jax.lax.ragged_all_to_all`'s documented semantics from all_gather, for XLA:CPU. A broken
-    contract (sizes that disagree with the senders', overlapping or out-of-range blocks) poisons
-    the whole result with NaN instead of raising, since nothing can raise under jit. With `fill`,
-    rows no sender writes hold `fill` instead of keeping `output`'s values."""
-    assert axis_index_groups is None
-    me = lax.axis_index(axis_name)
-    operand_all = lax.all_gather(operand, axis_name)  # [P, N, ...]
-    in_off, sizes, out_off = (lax.all_gather(a, axis_name)[:, me] for a in (input_offsets, send_sizes, output_offsets))
-    rows = jnp.arange(output.shape[0])
-    hit_PM = (rows >= out_off[:, None]) & (rows < (out_off + sizes)[:, None])
-    src = jnp.argmax(hit_PM, axis=0)
-    read = in_off[src] + rows - out_off[src]
-    result = jnp.where(
-        jnp.any(hit_PM, axis=0).reshape((-1,) + (1,) * (operand.ndim - 1)),
-        operand_all[src, jnp.clip(read, 0, operand.shape[0] - 1)],
-        output if fill is None else jnp.full_like(output, fill),
-    )
-    ok = (
-        jnp.all(sizes == recv_sizes)
-        & jnp.all(hit_PM.sum(axis=0) <= 1)
-        & jnp.all(in_off + sizes <= operand.shape[0])
-        & jnp.all(out_off + sizes <= output.shape[0])
-        & jnp.all((in_off >= 0) & (out_off >= 0) & (sizes >= 0))
-    )
-    return jnp.where(ok, result, jnp.nan)
-
-
-def _poisoned_ragged():
-    """Patch ragged_all_to_all with the emulation, NaN in every row no sender writes."""
-    return mock.patch.object(jax.lax, "ragged_all_to_all", functools.partial(_emulated_ragged_all_to_all, fill=jnp.nan))
-
-
 # ----------------------------------------------------------------------------- mesh
 
 
@@ -288,7 +251,7 @@ def test_dispatch_layout_and_identity_round_trip(ep, data, strategy, pair, monke
     ep = 2 own block + ppermute exchange)."""
     _pair_path(monkeypatch, pair)
     if strategy == "ragged":
-        with _poisoned_ragged():
+        with poisoned_ragged():
             return _check_layout_and_round_trip(ep, data, strategy)
     _check_layout_and_round_trip(ep, data, strategy)
 
@@ -439,7 +402,7 @@ def test_ragged_emulation_matches_jax_docstring_example():
     mesh = _mesh(2, 1)
 
     def body(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes):
-        return _emulated_ragged_all_to_all(
+        return emulated_ragged_all_to_all(
             operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=EP_AXIS
         )
 
@@ -457,6 +420,18 @@ def test_ragged_emulation_matches_jax_docstring_example():
     np.testing.assert_array_equal(np.asarray(out), [1, 3, 0, 0, 2, 2, 4, 0])
 
 
+# The 2-GPU cases of test_ragged_strategy_on_gpus: (pattern, capacity) on an ep = 2 mesh.
+RAGGED_GPU_CASES = [("skewed", None), ("skewed", 4), ("starved", None)]
+
+
+@pytest.mark.parametrize("pattern,capacity", RAGGED_GPU_CASES)
+def test_ragged_strategy_gpu_cases_with_emulated_collective(pattern, capacity):
+    """test_ragged_strategy_on_gpus's cases (ep = 2, outputs and every gradient) on CPU, through
+    the emulated collective with NaN in every row it leaves unwritten."""
+    with poisoned_ragged():
+        _check_linear(_mesh(2, 1), pattern, capacity=capacity, strategy="ragged", poison=True, seed=4)
+
+
 @pytest.mark.parametrize("pattern,capacity,empty_rank", [("skewed", 2, False), ("starved", None, True)])
 def test_ragged_strategy_numerics_with_emulated_collective(pattern, capacity, empty_rank):
     """The ragged path's planning, offsets and reverse-exchange custom_vjp, run on CPU, with NaN in
@@ -467,17 +442,16 @@ def test_ragged_strategy_numerics_with_emulated_collective(pattern, capacity, em
     if empty_rank:
         mask = np.ones(8 * T, bool)
         mask[2 * T : 3 * T] = False
-    with _poisoned_ragged():
+    with poisoned_ragged():
         _check_linear(_mesh(4, 2), pattern, capacity=capacity, strategy="ragged", poison=True, mask=mask, seed=3)
 
 
 @pytest.mark.skipif(
     not ON_GPU or len(jax.devices()) < 2,
-    reason="the real ragged_all_to_all needs 2 GPUs (XLA:CPU lacks it); on CPU the same numerics are "
-    "checked through the emulated collective in test_ragged_strategy_numerics_with_emulated_collective "
-    "and test_dispatch_layout_and_identity_round_trip[2-2-ragged]",
+    reason="the real ragged_all_to_all needs 2 GPUs (XLA:CPU lacks it); on CPU the same cases run "
+    "through the emulated collective in test_ragged_strategy_gpu_cases_with_emulated_collective",
 )
-@pytest.mark.parametrize("pattern,capacity", [("skewed", None), ("skewed", 4), ("starved", None)])
+@pytest.mark.parametrize("pattern,capacity", RAGGED_GPU_CASES)
 def test_ragged_strategy_on_gpus(pattern, capacity):
     """The real collective (XLA:GPU), forward and custom_vjp backward, against the reference."""
     _check_linear(_mesh(2, 1), pattern, capacity=capacity, strategy="ragged", seed=4)
@@ -511,6 +485,7 @@ def test_ragged_strategy_lowers_for_gpu():
     )
     text = lower_for_gpu(grad, *avals, mesh=mesh)
     assert text.count("stablehlo.custom_call @ragged_all_to_all") == 4
+    assert "stablehlo.all_to_all" not in text  # JAX's own transpose would add all_to_all of the offsets
 
 
 def test_pairwise_padded_path_lowers_for_gpu(monkeypatch):

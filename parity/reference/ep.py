@@ -17,7 +17,7 @@ Layout (seed sections 4-5):
 Forward: `ep_dispatch` packs each token-expert route by destination rank (then local expert),
 exchanges counts, exchanges rows and integer metadata with `all_to_all_single`, and regroups the
 received rows by local expert so that one grouped GEMM per projection serves every local expert.
-The owner runs the SwiGLU experts (`grouped_linear`, Triton). `ep_combine` sends the outputs
+The owner runs the SwiGLU experts (`experts.expert_swiglu`, Triton). `ep_combine` sends the outputs
 back with the splits swapped and sums them into their tokens, weighted, in float32.
 
 Backward: `AllToAllRows` is differentiable; its backward is the reverse exchange (splits swapped),
@@ -42,8 +42,7 @@ from typing import Iterable, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-from parity.reference.experts import Packing, combine_pairs, pack_by_expert, swiglu
-from parity.reference.grouped_gemm import grouped_linear
+from parity.reference.experts import Packing, combine_pairs, expert_swiglu, pack_by_expert
 
 ProcessGroup = dist.ProcessGroup
 
@@ -324,24 +323,6 @@ def ep_combine(
 # --------------------------------------------------------------------------------------------
 
 
-def local_expert_swiglu(
-    recv_x: torch.Tensor,
-    offsets: torch.Tensor,
-    w_gate_local: torch.Tensor,
-    w_up_local: torch.Tensor,
-    w_down_local: torch.Tensor,
-) -> torch.Tensor:
-    """SwiGLU of this rank's experts over regrouped rows: `recv_x[R, D]` -> `packed_y[R, D]`.
-
-    `offsets[E_loc + 1]`, `w_gate_local/w_up_local[E_loc, F, D]`, `w_down_local[E_loc, D, F]`.
-    Triton grouped GEMMs with autograd; the nonlinearity is computed in float32 and rounded once,
-    like the single-process reference.
-    """
-    gate = grouped_linear(recv_x, w_gate_local, offsets)
-    up = grouped_linear(recv_x, w_up_local, offsets)
-    return grouped_linear(swiglu(gate, up), w_down_local, offsets)
-
-
 def _check_local_weights(
     x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, experts_per_rank: int,
 ) -> None:
@@ -383,7 +364,7 @@ def ep_moe_forward(
     experts_per_rank = _experts_per_rank(num_experts, dist.get_world_size(ep_group))
     _check_local_weights(x, w_gate_local, w_up_local, w_down_local, experts_per_rank)
     recv_x, _, offsets, context = ep_dispatch(x, topk_idx, num_experts, ep_group)
-    packed_y = local_expert_swiglu(recv_x, offsets, w_gate_local, w_up_local, w_down_local)
+    packed_y = expert_swiglu(recv_x, offsets, w_gate_local, w_up_local, w_down_local)
     return ep_combine(packed_y, topk_weight, context, x.shape[0], ep_group)
 
 

@@ -344,6 +344,15 @@ def selected_expert_path_backward_fused(
     return d_x, d_routing, d_w_gate_up, d_w_down
 
 
+def expert_swiglu(
+    a: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+) -> torch.Tensor:
+    """SwiGLU experts over packed rows `a[R, D]` grouped by `offsets[E + 1]`: `[R, D]`. Triton
+    grouped GEMMs with autograd; the nonlinearity in float32, rounded once."""
+    hidden = swiglu(grouped_linear(a, w_gate, offsets), grouped_linear(a, w_up, offsets))
+    return grouped_linear(hidden, w_down, offsets)
+
+
 def moe_experts_autograd(
     x: torch.Tensor,
     selected_expert: torch.Tensor,
@@ -359,8 +368,7 @@ def moe_experts_autograd(
     e, _ = _check_shapes(x, selected_expert, selected_weight, _check_weight_pair(w_gate, w_up),
                          w_down, "w_gate")
     packing, pair_weight, a = _pack(x, selected_expert, selected_weight, e)
-    hidden = swiglu(grouped_linear(a, w_gate, packing.offsets), grouped_linear(a, w_up, packing.offsets))
-    pair_out = grouped_linear(hidden, w_down, packing.offsets)
+    pair_out = expert_swiglu(a, packing.offsets, w_gate, w_up, w_down)
     return combine_pairs(pair_out, pair_weight, packing.token_ids, x.shape[0])
 
 

@@ -42,14 +42,14 @@ from jax.sharding import NamedSharding
 from moe_jax.layers import MoE
 from moe_jax.parallel import activation_spec, make_mesh
 from moe_jax.routing import Routing, SelectedSoftmax
+from parity.compare import THRESHOLDS, compare_tensor
 from parity.ours import load_state
 from parity.reference import route_selected_softmax, router_logits
 from parity.reference.ep import ep_moe_forward, make_parallel_groups, reduce_gradients
 from parity.reference.launch import rank_device, run_ranks
 from parity.theirs import precise_matmuls
-from tests.helpers import rel_err
 
-TOL = 1e-5  # fp32, DESIGN.md
+TOL = THRESHOLDS["float32"]
 PARAMS = ("w_router", "w_gate", "w_up", "w_down")  # the layer's nnx.Params, as Problem fields
 
 
@@ -261,8 +261,8 @@ def compare(world: int, ep: int, case: str, strategy: str, ref_ranks: list[dict]
     def check(what, got, want):
         if not np.isfinite(got).all():
             failures.append(f"W={world} ep={ep} {case}/{strategy}: {what} is not finite")
-        elif (err := rel_err(got, want)) > TOL:
-            failures.append(f"W={world} ep={ep} {case}/{strategy}: {what} rel err {err:.2e} > {TOL:g}")
+        elif not (c := compare_tensor(what, jnp.asarray(got), torch.from_numpy(np.asarray(want)), TOL)).passed:
+            failures.append(f"W={world} ep={ep} {case}/{strategy}: {c.summary()}")
 
     if ours["dropped"] != 0:
         failures.append(f"W={world} ep={ep} {case}/{strategy}: dropless layer reports {ours['dropped']} drops")
