@@ -513,7 +513,8 @@ def test_pairwise_padded_path_lowers_for_gpu(monkeypatch):
     text = lower_for_gpu(jax.grad(fn, argnums=(0, 2, 3)), *avals, mesh=mesh)
     assert text.count("stablehlo.collective_permute") == 4
     assert "all_to_all" not in text
-    # Forward: own and peer send gathers, the regroup, own and peer un-regroups (5). Backward,
-    # through the inverses: the regroup's two sources and the two un-regroups (4); the send
-    # gathers' backward is a scatter-add.
-    assert text.count('name = "moe_jax_gather_rows"') == 9
+    # Forward: the peer send gather, the regroup from (x, peer block) as one launch per source, the
+    # peer un-regroup (4); the own block is never built. Backward, through the inverses: the
+    # regroup's peer source and the peer un-regroup (2); x's share of the regroup and the send
+    # gather scatter-add.
+    assert text.count('name = "moe_jax_gather_rows"') == 6

@@ -74,15 +74,17 @@ def test_gather_rows_edge_cases(backend):
     np.testing.assert_array_equal(gather_rows(x, jnp.full((9,), 2), backend=backend), np.tile(x[2], (9, 1)))
 
 
-def test_every_output_element_is_written():
-    """NaN in the output buffer and in the rows nobody reads must not survive."""
+@pytest.mark.parametrize("splits", [(), (8,), (3, 11)])
+def test_every_output_element_is_written(splits):
+    """NaN in the output buffer and in the rows nobody reads must not survive, also when the
+    sources are written by one launch each (every launch leaves the other sources' rows alone)."""
     n, m, d = 20, 29, 40
     x = jax.random.normal(jax.random.PRNGKey(1), (n, d)).at[5].set(jnp.nan)
     rows = _rows(1, m, n)
     rows = jnp.where(rows == 5, -1, rows)
     block_d = 16 if not ON_GPU else 32  # a partial last column block
-    out = kernels.gather_rows_pallas((x,), rows, block_rows=8, block_d=block_d, num_warps=2, interpret=not ON_GPU,
-                                     out_init=jnp.full((m, d), jnp.nan, jnp.float32))
+    out = kernels.gather_rows_pallas(tuple(jnp.split(x, splits)), rows, block_rows=8, block_d=block_d, num_warps=2,
+                                     interpret=not ON_GPU, out_init=jnp.full((m, d), jnp.nan, jnp.float32))
     assert bool(jnp.all(jnp.isfinite(out)))
     np.testing.assert_array_equal(out, gather_rows_reference(x.at[5].set(0.0), rows))
 
@@ -107,6 +109,32 @@ def test_gather_rows_gradient(backend, with_inverse):
     got = jax.grad(lambda x: loss(gather_rows, x, inverse_N=inverse, backend=backend))(x)
     want = jax.grad(lambda x: loss(gather_rows_reference, x))(x)
     assert_close(got, want, jnp.float32, "d x")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gather_rows_inverse_per_source(backend):
+    """Inverses given per source: a source read several times (None, scatter-add backward) next to
+    one read at most once (gather backward), as EP's regroup reads (tokens, peer block)."""
+    d = 24
+    keys = jax.random.split(jax.random.PRNGKey(8), 3)
+    xs = (jax.random.normal(keys[0], (6, d)), jax.random.normal(keys[1], (7, d)))
+    # Token rows 0..5 read up to three times each, peer rows 6..12 at most once, -1 holes.
+    rows = jnp.asarray([0, 6, 3, 0, -1, 12, 8, 3, 5, 0, 9, -1, 7], jnp.int32)
+    peer = rows - 6
+    inverse_peer = jnp.full((7,), -1, jnp.int32).at[jnp.where(peer >= 0, peer, 7)].set(
+        jnp.arange(rows.shape[0], dtype=jnp.int32), mode="drop")
+    inverse = (None, inverse_peer)
+    out = gather_rows(xs, rows, inverse_N=inverse, backend=backend)
+    np.testing.assert_array_equal(out, gather_rows_reference(xs, rows))
+    cot = jax.random.normal(keys[2], out.shape)
+    got = jax.grad(lambda xs: jnp.sum(gather_rows(xs, rows, inverse_N=inverse, backend=backend) * cot))(xs)
+    want = jax.grad(lambda xs: jnp.sum(gather_rows_reference(xs, rows) * cot))(xs)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="one entry .* per source: 2 sources, got 1"):
+        gather_rows(xs, rows, inverse_N=(inverse_peer,), backend=backend)
+    with pytest.raises(ValueError, match=r"inverse_N\[1\] must be a 1-D int array \[N\] = \(7,\)"):
+        gather_rows(xs, rows, inverse_N=(None, inverse_peer[:5]), backend=backend)
 
 
 def test_gather_rows_bad_input():

@@ -38,10 +38,11 @@ route's returned row, weighted sum over K in float32.
 Strategies (one seam, `_move_rows`; planning and regrouping are shared):
 
 * `"padded"` -- `jax.lax.all_to_all` of `[P, C, D]` buffers: block p of the send buffer is rows
-  `[p*C, (p+1)*C)`, zero past the kept rows. S = M = P*C. Runs on every backend. At P = 2 the own
-  block never enters the collective (for blocks of `_PAIR_MIN_BLOCK_BYTES` and more): the
-  buffers are the pairs (own block, peer block), built and read by multi-source `gather_rows`,
-  and one `ppermute` swaps the peer blocks while the own block is gathered.
+  `[p*C, (p+1)*C)`, zero past the kept rows. S = M = P*C. Runs on every backend. At P = 2 (for
+  blocks of `_PAIR_MIN_BLOCK_BYTES` and more) the own block is never built: only the peer block
+  is gathered and swapped by one `ppermute`; the regroup reads this rank's own routes straight
+  from `x_TD` (the Pallas gather writes those rows while the peer block is in flight) and the
+  combine reads them straight from the expert output.
 * `"ragged"` -- `jax.lax.ragged_all_to_all`: the send buffer packs the kept routes tightly
   (S = R, blocks at exclusive cumsums of the kept counts), and each receiver packs the incoming
   blocks tightly in source order into M = P*C rows. GPU only (XLA:CPU does not implement it).
@@ -415,10 +416,10 @@ def _move_rows(rows_ND, ex: BlockExchange, out_rows: int, axis_name, strategy: s
     )
 
 
-# Smallest [C, D] block for which the two-rank padded exchange keeps its own block local and swaps
-# the other with a `ppermute`. On 2 H200s (benchmarks/results/2026-11-30-h200x2-ep-breakdown-2.md)
-# it saved 3-4% of dispatch+combine at 168 MB blocks (T = 16384), was within noise at 42 MB, and
-# cost 3-8% at decode's 9 MB blocks (206 vs 191 us balanced).
+# Smallest [C, D] block for which the two-rank padded exchange keeps its own routes local and
+# swaps the peer block with a `ppermute`. On 2 H200s (benchmarks/results/2026-11-30-h200x2-ep-breakdown-3.md)
+# it saved 8-9% of dispatch+combine against the all_to_all at 168 MB blocks (T = 16384), 7% at
+# 42 MB (T = 4096), and cost 5% at decode's 9 MB blocks (191 vs 181 us).
 _PAIR_MIN_BLOCK_BYTES = 16 << 20
 
 
@@ -433,11 +434,6 @@ def _own_and_peer(ids_S, me, capacity: int):
     """(own block, peer block) of a `[2C]` padded-layout vector (block p at rows p*C)."""
     return (lax.dynamic_slice(ids_S, (me * capacity,), (capacity,)),
             lax.dynamic_slice(ids_S, ((1 - me) * capacity,), (capacity,)))
-
-
-def _own_first(ids, me, capacity: int):
-    """Row ids of a `[2C]` padded buffer (block p at p*C) as ids into (own block, peer block)."""
-    return jnp.where(ids < 0, -1, jnp.where(ids // capacity == me, ids % capacity, capacity + ids % capacity))
 
 
 def _swap_pair(rows_ND, axis_name):
@@ -528,19 +524,24 @@ def ep_dispatch(
         token_R, mode="drop")
     regroup = _plan_regroup(counts_PPE[:, me, :], ex.recv_offsets_P, recv_rows)
     if _pairwise(strategy, ep, cap, x_TD):
-        # The receive buffer is the pair (own block, peer block): the own block is gathered
-        # straight from x_TD and never enters the collective.
+        # Only the peer block is built and swapped; packed rows of this rank's own routes read
+        # their tokens straight from x_TD (the own block is never materialised), so the regroup
+        # gathers from the pair (x_TD, received peer block).
         own_ids, peer_ids = _own_and_peer(send_ids_S, me, cap)
-        recv_x = (gather_rows(x_TD, own_ids, backend=backend),
-                  _swap_pair(gather_rows(x_TD, peer_ids, backend=backend), axis_name))
-        regroup_ids = _own_first(regroup.packed_to_recv_M, me, cap)
-        regroup_inverse = jnp.concatenate(_own_and_peer(regroup.recv_to_packed_M, me, cap))
+        peer_x = _swap_pair(gather_rows(x_TD, peer_ids, backend=backend), axis_name)
+        recv_M = regroup.packed_to_recv_M
+        own_M = recv_M // cap == me
+        slot_M = recv_M % cap
+        regroup_src = (x_TD, peer_x)
+        regroup_ids = jnp.where(recv_M < 0, -1, jnp.where(own_M, own_ids[slot_M], tokens + slot_M))
+        # x_TD rows may be read K times (a scatter-add backward); peer rows at most once.
+        regroup_inverse = (None, _own_and_peer(regroup.recv_to_packed_M, me, cap)[1])
     else:
         send_x_SD = gather_rows(x_TD, send_ids_S, backend=backend)
-        recv_x = _exchange_rows(send_x_SD, ex, out_rows=recv_rows, axis_name=axis_name, strategy=strategy)
+        regroup_src = _exchange_rows(send_x_SD, ex, out_rows=recv_rows, axis_name=axis_name, strategy=strategy)
         regroup_ids, regroup_inverse = regroup.packed_to_recv_M, regroup.recv_to_packed_M
     # Padding rows are written as zeros here, whatever the receive buffer holds there.
-    packed_x_MD = gather_rows(recv_x, regroup_ids, inverse_N=regroup_inverse, backend=backend)
+    packed_x_MD = gather_rows(regroup_src, regroup_ids, inverse_N=regroup_inverse, backend=backend)
 
     dropped = lax.psum(jnp.sum(real_R & ~sends.keep_R, dtype=jnp.int32), axis_name)
     plan = EPPlan(
@@ -611,15 +612,17 @@ def ep_combine(packed_y_MD: jax.Array, weights_TK: jax.Array, plan: EPPlan, *, a
     # Back to receive order, reading only valid rows, so padding can never leak.
     row_R = plan.route_row_TK.reshape(routes)
     if _pairwise(plan.strategy, ep, plan.capacity, packed_y_MD):
+        # Only the peer block goes back; routes this rank served itself read their packed rows
+        # directly (slots are p*C on both sides, so a route's send row is also its receive row).
         me, cap = lax.axis_index(axis_name), plan.capacity
-        own_ids, peer_ids = _own_and_peer(plan.recv_to_packed_M, me, cap)
+        peer_ids = _own_and_peer(plan.recv_to_packed_M, me, cap)[1]
         to_recv = plan.packed_to_recv_M
-        own_inverse = jnp.where(to_recv // cap == me, to_recv % cap, -1)
         peer_inverse = jnp.where((to_recv >= 0) & (to_recv // cap != me), to_recv % cap, -1)
-        own_back = gather_rows(packed_y_MD, own_ids, inverse_N=own_inverse, backend=backend)
-        peer_back = gather_rows(packed_y_MD, peer_ids, inverse_N=peer_inverse, backend=backend)
-        returned_SD = jnp.concatenate([own_back, _swap_pair(peer_back, axis_name)])
-        row_R = _own_first(row_R, me, cap)
+        peer_y = _swap_pair(gather_rows(packed_y_MD, peer_ids, inverse_N=peer_inverse, backend=backend), axis_name)
+        own_R = row_R // cap == me
+        row_R = jnp.where(row_R < 0, -1, jnp.where(own_R, plan.recv_to_packed_M[jnp.maximum(row_R, 0)],
+                                                   packed_y_MD.shape[0] + row_R % cap))
+        returned_SD = jnp.concatenate([packed_y_MD, peer_y])
     else:
         back_MD = gather_rows(packed_y_MD, plan.recv_to_packed_M, inverse_N=plan.packed_to_recv_M, backend=backend)
         returned_SD = _exchange_rows(
