@@ -1,15 +1,15 @@
-"""Expert-parallel dispatch + combine: benchmark and correctness check on 2 GPUs.
+"""Expert-parallel dispatch + combine: benchmark and correctness check on P GPUs (`--ranks`, default 2).
 
-    python -m benchmarks.ep [--skip-ragged] [--json PATH]  # the table (2 GPUs)
-    python -m benchmarks.ep --check              # forward/gradient checks on the GPU mesh
-    python -m benchmarks.ep --cpu-smoke [--check] # the same code paths at tiny sizes on 2 host devices
+    python -m benchmarks.ep [--ranks P] [--skip-ragged] [--json PATH]  # the table (P GPUs)
+    python -m benchmarks.ep [--ranks P] --check         # forward/gradient checks on the GPU mesh
+    python -m benchmarks.ep [--ranks P] --cpu-smoke [--check]  # the same code paths at tiny sizes on P host devices
 
 Benchmark. For each shape (prefill: T = 4096 and 16384 tokens per rank, D = 4096, top-2 of 64;
 decode: T = 128, D = 7168, top-8 of 256; bf16) and routing (balanced: every expert gets exactly
 T*K/E routes of each rank; zipf: expert popularity ~ rank^-1.2, hot experts scattered over the
 ranks) it times one dispatch + combine (identity experts) of:
 
-* ours, `moe_jax.parallel.ep_dispatch`/`ep_combine` on a `make_mesh(ep=2)` mesh, per strategy:
+* ours, `moe_jax.parallel.ep_dispatch`/`ep_combine` on a `make_mesh(ep=P)` mesh, per strategy:
   `padded` dropless (C = T*K), `padded cf=1.25` (capacity 1.25x the balanced load; drops are
   reported), `padded cf=1.25 no-a2a` (the same with the row collective replaced by the identity:
   what our planning, gathers and combine cost around the collective), `padded cf=1.25 xla-gather`
@@ -19,11 +19,11 @@ ranks) it times one dispatch + combine (identity experts) of:
   reads flags once);
 * xla, the bare collectives there and back and nothing else: `all_to_all` of the dropless padded
   buffers (P blocks of R rows), `all_to_all cf=1.25` of the capacity buffers (P blocks of C rows),
-  `ppermute cf=1.25` (the peer's C-row block only: what our padded strategy moves at P = 2 for
-  blocks of `_PAIR_MIN_BLOCK_BYTES` and more, i.e. at prefill here),
+  `ppermute cf=1.25` (P = 2 only: the peer's C-row block, what our padded strategy moves at P = 2
+  for blocks of `_PAIR_MIN_BLOCK_BYTES` and more, i.e. at prefill here),
   `ragged_all_to_all` with this routing's exact block sizes, and `ragged_all_to_all+decomp` (the
   same under the decomposer flag);
-* NCCL: two `torch.distributed.all_to_all_single` calls (2 processes) with this routing's split
+* NCCL: two `torch.distributed.all_to_all_single` calls (P processes) with this routing's split
   sizes, i.e. the bytes a dropless exchange must move, and nothing else;
 * torch-ref, the torch EP reference, `parity.reference.ep.ep_dispatch`/`ep_combine` (counts
   exchange, host sync, metadata and rows, regroup), on the same routing.
@@ -34,6 +34,12 @@ torch-ref): the ragged rows and the decomposer process take minutes.
 Payload = rows delivered * D * bytes/elt, both directions (dispatch sends them, combine brings
 them back), per GPU; GB/s = payload / time. Padding rows a strategy moves are not payload. The
 "x NCCL" column is time / NCCL time for the same shape and routing (lower is better).
+
+Rank tail (the seed's point that the slowest rank sets the layer's pace): every torch process
+times itself, the table reports the slowest rank's median and, under `slow/mean`, its ratio to
+the mean over ranks; below the table, each routing's received rows per rank, max / mean (the load
+the hottest rank must take). Our JAX rows are one SPMD program whose wall time is already the
+slowest device's.
 
 Timing: ours runs `reps` dispatch+combine iterations inside one jitted `fori_loop` (the output of
 one iteration is the input of the next, and the routing passes an optimization barrier each
@@ -53,7 +59,7 @@ must drop the same routes. It also reports, as a finding, whether `jax.grad` thr
 custom_vjp whose backward is the reverse exchange) matches the exact gradient, for operand rows
 greater than, equal to and smaller than output rows.
 
-`--cpu-smoke` runs everything at tiny sizes on 2 forced host devices and gloo: padded only
+`--cpu-smoke` runs everything at tiny sizes on P forced host devices and gloo: padded only
 (XLA:CPU has no ragged_all_to_all), to exercise the code paths without a GPU.
 
 Legend: P ranks (ep size), T tokens per rank, D width, K top-k, E experts, El = E/P, F expert
@@ -80,7 +86,7 @@ import numpy as np
 
 from parity.problem import ZIPF_EXPONENT
 
-RANKS = 2
+DEFAULT_RANKS = 2
 DECOMPOSER_FLAG = "--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true"
 CAPACITY_FACTOR = 1.25
 ROUTINGS = ("balanced", "zipf")
@@ -120,8 +126,9 @@ class CheckSize:
     top_k: int
 
 
-GPU_CHECK = CheckSize(tokens=256, d_model=256, d_ff=512, experts=16, top_k=4)
-SMOKE_CHECK = CheckSize(tokens=8, d_model=16, d_ff=32, experts=8, top_k=2)
+# Enough experts for "one_rank" routing (every route to rank 0's E/P experts, K distinct) at P = 8.
+GPU_CHECK = CheckSize(tokens=256, d_model=256, d_ff=512, experts=32, top_k=4)
+SMOKE_CHECK = CheckSize(tokens=8, d_model=16, d_ff=32, experts=16, top_k=2)
 
 
 # ----------------------------------------------------------------------------- routing (shared)
@@ -149,6 +156,9 @@ def make_routing(kind: str, ranks: int, tokens: int, experts: int, top_k: int, s
         if kind == "zipf":
             logp = -ZIPF_EXPONENT * np.log1p(rng.permutation(experts).astype(np.float64))
         else:
+            if experts // ranks < top_k:
+                raise ValueError(f"one_rank routing needs E/ranks >= K distinct experts on rank 0; got "
+                                 f"E={experts}, ranks={ranks}, K={top_k}.")
             logp = np.where(np.arange(experts) < experts // ranks, 0.0, -np.inf)
         keys = logp[None, :] + rng.gumbel(size=(n, experts))
         idx = np.argsort(-keys, axis=1)[:, :top_k]
@@ -199,7 +209,7 @@ class Variant(NamedTuple):
                 + (" no-a2a" if self.no_a2a else "") + (" xla-gather" if self.xla_gather else ""))
 
 
-# The padded rows (every backend) and the ragged ones (GPU only).
+# The padded rows (every backend; the ppermute row at P = 2 only) and the ragged ones (GPU only).
 PADDED_VARIANTS = (
     Variant("ours", "padded"),
     Variant("ours", "padded", capacity=True),
@@ -216,29 +226,43 @@ DECOMPOSER_VARIANTS = tuple(v._replace(decomposer=True) for v in RAGGED_VARIANTS
 # ----------------------------------------------------------------------------- JAX worker
 
 
-def _jax_bench(shapes, variants, smoke: bool) -> list[dict]:
+def _ep_mesh(ranks: int):
+    """`make_mesh(ep=ranks)` over this process's first `ranks` devices."""
+    import jax
+
+    from moe_jax.parallel import make_mesh
+
+    devices = jax.devices()
+    if len(devices) < ranks:
+        raise ValueError(f"--ranks {ranks} needs {ranks} devices; this process sees {len(devices)} "
+                         f"({devices[0].platform}). Use --ranks {len(devices)} or a machine with more GPUs.")
+    return make_mesh(ep=ranks, data=1, devices=devices[:ranks])
+
+
+def _jax_bench(shapes, variants, smoke: bool, ranks: int) -> list[dict]:
     """Time every `Variant` on every shape and routing; one record per (shape, routing, variant).
     NCCL and torch-ref rows come from `_torch_bench`."""
     import jax
     import jax.numpy as jnp
 
     from benchmarks.timing import time_compiled
-    from moe_jax.parallel import activation_spec, make_mesh
+    from moe_jax.parallel import activation_spec
 
-    mesh = make_mesh(ep=RANKS, data=1, devices=jax.devices()[:RANKS])
+    mesh = _ep_mesh(ranks)
     put = lambda a: jax.device_put(a, jax.sharding.NamedSharding(mesh, activation_spec()))  # noqa: E731
     records = []
     for shape in shapes:
         routes = shape.tokens * shape.top_k
         compiled = {}
-        x = put(jax.random.normal(jax.random.PRNGKey(0), (RANKS * shape.tokens, shape.d_model), jnp.bfloat16))
+        x = put(jax.random.normal(jax.random.PRNGKey(0), (ranks * shape.tokens, shape.d_model), jnp.bfloat16))
         for routing in ROUTINGS:
-            idx, weights = make_routing(routing, RANKS, shape.tokens, shape.experts, shape.top_k)
-            counts_PP = send_counts(idx, shape.experts, RANKS)
+            idx, weights = make_routing(routing, ranks, shape.tokens, shape.experts, shape.top_k)
+            counts_PP = send_counts(idx, shape.experts, ranks)
             inputs = dict(ours=(x, put(idx), put(weights)), xla=(x, put(counts_PP)))
             for variant in variants:
                 record = dict(side=variant.side, strategy=variant.label, shape=shape.describe(),
-                              d_model=shape.d_model, routing=routing)
+                              d_model=shape.d_model, routing=routing, ranks=ranks,
+                              recv_rows_P=counts_PP.sum(axis=0).tolist())
                 try:
                     if variant not in compiled:  # same shapes for every routing: compile once
                         build = _jax_loop if variant.side == "ours" else _collective_loop
@@ -247,7 +271,7 @@ def _jax_bench(shapes, variants, smoke: bool) -> list[dict]:
                     args = inputs[variant.side]
                     kept = delivered(*args)  # outside the timed executable
                     seconds = time_compiled(lambda: run(*args), reps, trials=2 if smoke else 5)
-                    record.update(seconds=seconds, rows_per_rank=kept / RANKS, dropped=routes * RANKS - kept,
+                    record.update(seconds=seconds, rows_per_rank=kept / ranks, dropped=routes * ranks - kept,
                                   reps=reps)
                 except Exception as err:  # a variant that cannot run is reported, not fatal
                     record["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
@@ -268,7 +292,8 @@ def _jax_loop(mesh, shape: Shape, variant: Variant, smoke: bool):
 
     strategy = variant.exchange
     backend = "xla" if variant.xla_gather else "auto"
-    capacity = capacity_for(shape.tokens, shape.top_k, RANKS, CAPACITY_FACTOR) if variant.capacity else None
+    ranks = mesh.shape[EP_AXIS]
+    capacity = capacity_for(shape.tokens, shape.top_k, ranks, CAPACITY_FACTOR) if variant.capacity else None
     act = activation_spec()
     reps = _reps(shape, smoke)
     # "no-a2a": the same planning, gathers and combine with the row collective replaced by the
@@ -319,13 +344,16 @@ def _collective_loop(mesh, shape: Shape, variant: Variant, smoke: bool):
 
     routes = shape.tokens * shape.top_k
     reps = _reps(shape, smoke)
+    ranks = mesh.shape[EP_AXIS]
     ragged = variant.exchange == "ragged_all_to_all"
     pair = variant.exchange == "ppermute"
+    if pair and ranks != 2:
+        raise ValueError(f"the ppermute row is the two-rank exchange; this mesh has {ranks} ranks.")
     # Capacity: blocks of our capacity C instead of the dropless R rows.
-    block = capacity_for(shape.tokens, shape.top_k, RANKS, CAPACITY_FACTOR) if variant.capacity else routes
+    block = capacity_for(shape.tokens, shape.top_k, ranks, CAPACITY_FACTOR) if variant.capacity else routes
 
     def body(x, counts):
-        counts = counts.reshape(RANKS, RANKS)  # every rank sees the whole [src, dst] matrix
+        counts = counts.reshape(ranks, ranks)  # every rank sees the whole [src, dst] matrix
         me = lax.axis_index(EP_AXIS)
         send = jnp.repeat(x, shape.top_k, axis=0)  # R rows, one per route
         start_src = jnp.cumsum(counts, axis=1) - counts  # [src, dst]: dst's block in src's send buffer
@@ -336,7 +364,7 @@ def _collective_loop(mesh, shape: Shape, variant: Variant, smoke: bool):
         def one(_, buf):
             buf = lax.optimization_barrier(buf)
             if ragged:
-                recv = lax.ragged_all_to_all(buf, jnp.zeros((RANKS * routes,) + buf.shape[1:], buf.dtype), *there,
+                recv = lax.ragged_all_to_all(buf, jnp.zeros((ranks * routes,) + buf.shape[1:], buf.dtype), *there,
                                              axis_name=EP_AXIS)
                 return lax.ragged_all_to_all(recv, jnp.zeros_like(buf), *back, axis_name=EP_AXIS)
             if pair:
@@ -347,12 +375,12 @@ def _collective_loop(mesh, shape: Shape, variant: Variant, smoke: bool):
         if pair:  # the peer's block only
             send = send[:block]
         elif not ragged:  # padded layout: P blocks of R rows (dropless) or C rows
-            send = jnp.tile(send[:block], (RANKS, 1))
+            send = jnp.tile(send[:block], (ranks, 1))
         return lax.fori_loop(0, reps, one, send)[:1]
 
     fn = jax.shard_map(body, mesh=mesh, in_specs=(activation_spec(), PartitionSpec()), out_specs=activation_spec(),
                        check_vma=False)
-    return jax.jit(fn), reps, lambda *args: RANKS * routes
+    return jax.jit(fn), reps, lambda *args: ranks * routes
 
 
 # ----------------------------------------------------------------------------- torch worker
@@ -393,14 +421,17 @@ def _torch_rank(rank: int, world: int, shapes, smoke: bool) -> list[dict]:
 
             reps = _reps(shape, smoke)
             base = dict(shape=shape.describe(), d_model=shape.d_model, routing=routing, rows_per_rank=float(routes),
-                        dropped=0, reps=reps)
+                        dropped=0, reps=reps, ranks=world, recv_rows_P=counts_PP.sum(axis=0).tolist())
             with torch.no_grad():
                 for side, fn in (("nccl", nccl), ("torch-ref", reference)):
-                    records.append(dict(base, side=side, strategy=side, seconds=_time_torch(fn, reps, smoke)))
+                    rank_seconds = _time_torch(fn, reps, smoke)
+                    records.append(dict(base, side=side, strategy=side, seconds=max(rank_seconds),
+                                        rank_seconds=rank_seconds))
     return records
 
 
-def _time_torch(fn, reps: int, smoke: bool) -> float:
+def _time_torch(fn, reps: int, smoke: bool) -> list[float]:
+    """Every rank's median seconds per call (the same list on every rank)."""
     import torch
     import torch.distributed as dist
 
@@ -416,18 +447,18 @@ def _time_torch(fn, reps: int, smoke: bool) -> float:
             fn()
         sync()
         samples.append((time.perf_counter() - t0) / reps)
-    # Every rank measured the same collectives; report the slowest rank's median.
-    t = torch.tensor([statistics.median(samples)], dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+    # Every rank measured the same collectives; the table reports the slowest beside the mean.
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mine = torch.tensor([statistics.median(samples)], dtype=torch.float64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [float(t.item()) for t in every]
 
 
-def _torch_bench(shapes, smoke: bool) -> list[dict]:
+def _torch_bench(shapes, smoke: bool, ranks: int) -> list[dict]:
     from parity.reference.launch import run_ranks
 
-    per_rank = run_ranks(RANKS, _torch_rank, shapes, smoke, backend="gloo" if smoke else "nccl", timeout_s=900)
+    per_rank = run_ranks(ranks, _torch_rank, shapes, smoke, backend="gloo" if smoke else "nccl", timeout_s=900)
     for record in per_rank[0]:
         _progress(record)
     return per_rank[0]
@@ -436,7 +467,7 @@ def _torch_bench(shapes, smoke: bool) -> list[dict]:
 # ----------------------------------------------------------------------------- check (JAX worker)
 
 
-def _jax_check(strategies, size: CheckSize, raw_ragged: bool) -> dict:
+def _jax_check(strategies, size: CheckSize, raw_ragged: bool, ranks: int) -> dict:
     import jax
     import jax.numpy as jnp
     from jax import lax
@@ -451,16 +482,15 @@ def _jax_check(strategies, size: CheckSize, raw_ragged: bool) -> dict:
         ep_combine,
         ep_dispatch,
         expert_spec,
-        make_mesh,
     )
     from moe_jax.routing import Routing
     from tests.helpers import TOL, rel_err
 
     tol = TOL[jnp.dtype(jnp.float32)]
     hi = lax.Precision.HIGHEST
-    mesh = make_mesh(ep=RANKS, data=1, devices=jax.devices()[:RANKS])
+    mesh = _ep_mesh(ranks)
     act, rep = activation_spec(), PartitionSpec()
-    n, e, k = RANKS * size.tokens, size.experts, size.top_k
+    n, e, k = ranks * size.tokens, size.experts, size.top_k
     keys = jax.random.split(jax.random.PRNGKey(1), 5)
     x = jax.random.normal(keys[0], (n, size.d_model), jnp.float32)
     cot = jax.random.normal(keys[1], (n, size.d_model), jnp.float32)
@@ -469,7 +499,7 @@ def _jax_check(strategies, size: CheckSize, raw_ragged: bool) -> dict:
     w_down = jax.random.normal(keys[4], (e, size.d_model, size.d_ff), jnp.float32) / math.sqrt(size.d_ff)
     experts = (w_gate, w_up, w_down)
     # Half the balanced load (floored at a row per local expert): zipf and one-rank routing overflow it.
-    small_cap = capacity_for(size.tokens, k, RANKS, 0.5, local_experts=e // RANKS)
+    small_cap = capacity_for(size.tokens, k, ranks, 0.5, local_experts=e // ranks)
 
     @functools.cache
     def ep_loss(strategy, capacity):
@@ -500,7 +530,7 @@ def _jax_check(strategies, size: CheckSize, raw_ragged: bool) -> dict:
     rows, failures = [], []
     ref_device = jax.devices()[0]
     for routing in ("zipf", "one_rank"):
-        idx_np, w_np = make_routing(routing, RANKS, size.tokens, e, k, seed=3)
+        idx_np, w_np = make_routing(routing, ranks, size.tokens, e, k, seed=3)
         idx, w = jnp.asarray(idx_np), jnp.asarray(w_np)
         keeps = {}
         for capacity in (None, small_cap):
@@ -546,20 +576,22 @@ def _raw_ragged_grad_finding(mesh) -> list[dict]:
 
     from moe_jax.parallel import EP_AXIS
 
-    sizes = np.array([[1, 2], [2, 1]])  # [src, dst]
+    ranks = mesh.shape[EP_AXIS]
+    sizes = 1 + (np.arange(ranks)[:, None] + np.arange(ranks)[None, :]) % 2  # [src, dst], 1 or 2 rows
+    longest = int(sizes.sum(axis=1).max())
     spec = PartitionSpec(EP_AXIS)
     findings = []
-    for label, in_rows, out_rows in (("operand > output", 8, 4), ("operand == output", 4, 4),
-                                     ("operand < output", 4, 8)):
+    for label, in_rows, out_rows in (("operand > output", 2 * longest + 2, longest), ("operand == output", longest + 1, longest + 1),
+                                     ("operand < output", longest + 1, 2 * longest)):
         in_off = 1 + np.cumsum(sizes, axis=1) - sizes  # [src, dst]
         out_off = np.cumsum(sizes, axis=0) - sizes  # [src, dst]: src's block in dst's output
         rng = np.random.default_rng(0)
-        operand = rng.standard_normal((RANKS, in_rows, 3)).astype(np.float32)
-        output = rng.standard_normal((RANKS, out_rows, 3)).astype(np.float32)
-        cot = rng.standard_normal((RANKS, out_rows, 3)).astype(np.float32)
+        operand = rng.standard_normal((ranks, in_rows, 3)).astype(np.float32)
+        output = rng.standard_normal((ranks, out_rows, 3)).astype(np.float32)
+        cot = rng.standard_normal((ranks, out_rows, 3)).astype(np.float32)
         want_op, want_out = np.zeros_like(operand), cot.copy()
-        for s in range(RANKS):
-            for d in range(RANKS):
+        for s in range(ranks):
+            for d in range(ranks):
                 for j in range(sizes[s, d]):
                     want_op[s, in_off[s, d] + j] = cot[d, out_off[s, d] + j]
                     want_out[d, out_off[s, d] + j] = 0.0
@@ -609,12 +641,12 @@ def _progress(record: dict) -> None:
               f"{record['seconds'] * 1e6:.1f} us", flush=True)
 
 
-def _worker_env(variant: str, smoke: bool) -> dict:
+def _worker_env(variant: str, smoke: bool, ranks: int) -> dict:
     env = dict(os.environ)
     flags = env.get("XLA_FLAGS", "")
     if smoke:
         env["JAX_PLATFORMS"] = "cpu"
-        flags += f" --xla_force_host_platform_device_count={RANKS}"
+        flags += f" --xla_force_host_platform_device_count={ranks}"
     if variant == "decomposer":
         flags += " " + DECOMPOSER_FLAG
     env["XLA_FLAGS"] = flags.strip()
@@ -622,49 +654,51 @@ def _worker_env(variant: str, smoke: bool) -> dict:
     return env
 
 
-def _run_worker(kind: str, variant: str, smoke: bool, timeout_s: float = 900) -> dict:
+def _run_worker(kind: str, variant: str, smoke: bool, ranks: int, timeout_s: float = 900) -> dict:
     """Run `--worker kind` in a fresh interpreter (XLA flags are read once per process)."""
     with tempfile.TemporaryDirectory(prefix="ep_bench_") as folder:
         out = os.path.join(folder, "out.json")
-        cmd = [sys.executable, "-m", "benchmarks.ep", "--worker", kind, "--variant", variant, "--out", out]
+        cmd = [sys.executable, "-m", "benchmarks.ep", "--worker", kind, "--variant", variant, "--out", out,
+               "--ranks", str(ranks)]
         if smoke:
             cmd.append("--cpu-smoke")
-        print(f"--- {kind} worker ({variant}{', cpu smoke' if smoke else ''})", flush=True)
-        proc = subprocess.run(cmd, env=_worker_env(variant, smoke), timeout=timeout_s)
+        print(f"--- {kind} worker ({variant}, {ranks} ranks{', cpu smoke' if smoke else ''})", flush=True)
+        proc = subprocess.run(cmd, env=_worker_env(variant, smoke, ranks), timeout=timeout_s)
         if proc.returncode != 0 or not os.path.exists(out):
             return dict(error=f"{kind}/{variant} worker exited with code {proc.returncode}")
         with open(out) as f:
             return json.load(f)
 
 
-def _worker(kind: str, variant: str, smoke: bool, out: str) -> None:
+def _worker(kind: str, variant: str, smoke: bool, out: str, ranks: int) -> None:
     shapes = SMOKE_SHAPES if smoke else GPU_SHAPES
     if kind == "jax-bench":
+        padded = tuple(v for v in PADDED_VARIANTS if ranks == 2 or v.exchange != "ppermute")
         if variant == "decomposer":
             variants = DECOMPOSER_VARIANTS
         elif smoke or variant == "padded":  # XLA:CPU has no ragged_all_to_all
-            variants = PADDED_VARIANTS
+            variants = padded
         else:
-            variants = PADDED_VARIANTS + RAGGED_VARIANTS
-        result = dict(records=_jax_bench(shapes, variants, smoke))
+            variants = padded + RAGGED_VARIANTS
+        result = dict(records=_jax_bench(shapes, variants, smoke, ranks))
     elif kind == "torch-bench":
-        result = dict(records=_torch_bench(shapes, smoke))
+        result = dict(records=_torch_bench(shapes, smoke, ranks))
     elif kind == "jax-check":
         strategies = ["ragged"] if variant == "decomposer" else (["padded"] if smoke else ["padded", "ragged"])
-        result = _jax_check(strategies, SMOKE_CHECK if smoke else GPU_CHECK, raw_ragged=not smoke)
+        result = _jax_check(strategies, SMOKE_CHECK if smoke else GPU_CHECK, raw_ragged=not smoke, ranks=ranks)
     else:
         raise ValueError(f"unknown worker {kind!r}")
-    result["env"] = _environment(kind)
+    result["env"] = _environment(kind, ranks)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
 
 
-def _environment(kind: str) -> dict:
+def _environment(kind: str, ranks: int) -> dict:
     env = dict(xla_flags=os.environ.get("XLA_FLAGS", ""))
     if kind.startswith("jax"):
         import jax
 
-        env.update(jax=jax.__version__, devices=[str(d) for d in jax.devices()[:RANKS]])
+        env.update(jax=jax.__version__, devices=[str(d) for d in jax.devices()[:ranks]])
     else:
         import torch
 
@@ -675,7 +709,7 @@ def _environment(kind: str) -> dict:
 def _table(records: list[dict]) -> str:
     nccl = {(r["shape"], r["routing"]): r["seconds"] for r in records if r["side"] == "nccl" and "seconds" in r}
     lines = [f"{'shape':<36} {'routing':<9} {'impl':<32} {'time us':>10} {'GB/s/GPU':>9} {'x NCCL':>7} "
-             f"{'dropped':>8}"]
+             f"{'dropped':>8} {'slow/mean':>9}"]
     order = {"nccl": 0, "torch-ref": 1, "xla": 2, "ours": 3}
     for r in sorted(records, key=lambda r: (r["shape"], r["routing"], order[r["side"]], r["strategy"])):
         name = f"{r['side']} {r['strategy']}" if r["side"] in ("ours", "xla") else r["strategy"]
@@ -685,15 +719,24 @@ def _table(records: list[dict]) -> str:
         gbps = 2 * r["rows_per_rank"] * r["d_model"] * 2 / r["seconds"] / 1e9  # bf16: 2 bytes
         base = nccl.get((r["shape"], r["routing"]))
         ratio = f"{r['seconds'] / base:7.2f}" if base else f"{'-':>7}"
+        ranks = r.get("rank_seconds")
+        tail = f"{max(ranks) / statistics.mean(ranks):9.2f}" if ranks else f"{'-':>9}"
         lines.append(f"{r['shape']:<36} {r['routing']:<9} {name:<32} {r['seconds'] * 1e6:10.1f} {gbps:9.1f} "
-                     f"{ratio} {int(r['dropped']):8d}")
+                     f"{ratio} {int(r['dropped']):8d} {tail}")
+    loads = {(r["shape"], r["routing"]): r["recv_rows_P"] for r in records if r.get("recv_rows_P")}
+    if loads:
+        lines.append("received rows per rank (dropless), max / mean:")
+        lines += [f"  {shape:<36} {routing:<9} {max(rows) / statistics.mean(rows):.2f}  ({rows})"
+                  for (shape, routing), rows in sorted(loads.items())]
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="forward/gradient checks instead of timing")
-    parser.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on 2 host devices, padded only")
+    parser.add_argument("--ranks", type=int, default=DEFAULT_RANKS,
+                        help="ep size P: GPUs (or host devices with --cpu-smoke) and torch processes (default 2)")
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on P host devices, padded only")
     parser.add_argument("--skip-ragged", action="store_true",
                         help="time the padded strategy and all_to_all only (ragged_all_to_all takes minutes)")
     parser.add_argument("--json", help="write the results here")
@@ -701,15 +744,17 @@ def main(argv=None) -> int:
     parser.add_argument("--variant", default="default", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.ranks < 2:
+        parser.error(f"--ranks must be at least 2 (expert parallelism over one rank exchanges nothing); got {args.ranks}")
     if args.worker:
-        _worker(args.worker, args.variant, args.cpu_smoke, args.out)
+        _worker(args.worker, args.variant, args.cpu_smoke, args.out, args.ranks)
         return 0
 
     smoke = args.cpu_smoke
     variants = ["default"] + ([] if smoke else ["decomposer"])
     t0 = time.time()
     if args.check:
-        results = {v: _run_worker("jax-check", v, smoke) for v in variants}
+        results = {v: _run_worker("jax-check", v, smoke, args.ranks) for v in variants}
         failed = []
         for v, r in results.items():
             failed += [f"{v}: {r['error']}"] if "error" in r else [f"{v}: {c}" for c in r["failures"]]
@@ -720,18 +765,18 @@ def main(argv=None) -> int:
                 print(f"finding ({v}): jax.grad through raw ragged_all_to_all "
                       + (f"is WRONG for: {', '.join(bad)}" if bad else "matches the exact gradient in every case"))
         print(f"check {'FAILED: ' + '; '.join(failed) if failed else 'passed'} ({time.time() - t0:.0f} s)")
-        payload = dict(mode="check", cpu_smoke=smoke, results=results)
+        payload = dict(mode="check", cpu_smoke=smoke, ranks=args.ranks, results=results)
     else:
         records = []
         jax_variants = ["padded"] if args.skip_ragged else variants
         for kind, variant in [("jax-bench", v) for v in jax_variants] + [("torch-bench", "default")]:
-            result = _run_worker(kind, variant, smoke)
+            result = _run_worker(kind, variant, smoke, args.ranks)
             if "error" in result:
                 print(f"  {result['error']}", flush=True)
             records += result.get("records", [])
         print(_table(records))
         print(f"({time.time() - t0:.0f} s)")
-        payload = dict(mode="bench", cpu_smoke=smoke, records=records)
+        payload = dict(mode="bench", cpu_smoke=smoke, ranks=args.ranks, records=records)
         failed = []
     if args.json:
         with open(args.json, "w") as f:

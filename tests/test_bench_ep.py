@@ -1,5 +1,6 @@
-"""`benchmarks.ep` runs its CPU smoke mode end to end (2 host devices, gloo, padded strategy):
-the benchmark and the GPU check share these code paths, so they cannot rot unnoticed in CI."""
+"""`benchmarks.ep` runs its CPU smoke mode end to end (P host devices, P gloo processes, padded
+strategy) at P = 2 and 4: the benchmark and the GPU check share these code paths, so they cannot
+rot unnoticed in CI, and the P = 4 run is what a 4-GPU machine will run."""
 
 import json
 import os
@@ -12,18 +13,19 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.parametrize("ranks", [2, 4])
 @pytest.mark.parametrize("mode", [["--check"], []], ids=["check", "bench"])
-def test_cpu_smoke(tmp_path, mode):
+def test_cpu_smoke(tmp_path, mode, ranks):
     out = tmp_path / "ep.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)  # the benchmark sets its own host-device count per worker
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.ep", "--cpu-smoke", *mode, "--json", str(out)],
+        [sys.executable, "-m", "benchmarks.ep", "--cpu-smoke", "--ranks", str(ranks), *mode, "--json", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     payload = json.loads(out.read_text())
-    assert payload["cpu_smoke"] is True
+    assert payload["cpu_smoke"] is True and payload["ranks"] == ranks
     if mode:
         assert payload["mode"] == "check"
         checks = [c for worker in payload["results"].values() for c in worker["checks"]]
@@ -33,9 +35,15 @@ def test_cpu_smoke(tmp_path, mode):
     else:
         assert payload["mode"] == "bench"
         variants = {(r["side"], r["strategy"]) for r in payload["records"]}
-        # gloo stands in for NCCL on CPU; the ragged strategies need a GPU.
+        # gloo stands in for NCCL on CPU; the ragged strategies need a GPU; the ppermute row is the
+        # two-rank exchange.
         assert variants == {("nccl", "nccl"), ("ours", "padded"), ("ours", "padded cf=1.25"),
                             ("ours", "padded cf=1.25 no-a2a"), ("ours", "padded cf=1.25 xla-gather"),
                             ("torch-ref", "torch-ref"), ("xla", "all_to_all"),
-                            ("xla", "all_to_all cf=1.25"), ("xla", "ppermute cf=1.25")}
-        assert all(r["seconds"] > 0 for r in payload["records"])
+                            ("xla", "all_to_all cf=1.25")} | ({("xla", "ppermute cf=1.25")} if ranks == 2 else set())
+        assert all(r["seconds"] > 0 and len(r["recv_rows_P"]) == ranks for r in payload["records"])
+        # Every torch process timed itself: the slowest rank is the reported time.
+        torch_rows = [r for r in payload["records"] if r["side"] in ("nccl", "torch-ref")]
+        assert torch_rows and all(len(r["rank_seconds"]) == ranks and r["seconds"] == max(r["rank_seconds"])
+                                  for r in torch_rows)
+        assert "received rows per rank (dropless), max / mean:" in proc.stdout

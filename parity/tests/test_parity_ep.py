@@ -68,6 +68,7 @@ GPU_SIZES = Sizes(tokens=128, d_model=256, d_ff=512, experts=16, top_k=4)
 PLANS = {
     2: [(2, "skewed"), (2, "one_owner"), (2, "router")],
     4: [(2, "skewed"), (2, "router"), (4, "skewed"), (4, "one_owner")],
+    8: [(8, "skewed"), (8, "router"), (4, "one_owner"), (2, "skewed")],
 }
 CASES = ("skewed", "one_owner", "router")
 
@@ -293,8 +294,9 @@ def strategies(world: int) -> tuple[str, ...]:
 
 @pytest.mark.parametrize("world", sorted(PLANS))
 def test_ep_layer_matches_torch_distributed_reference(world):
-    """All layouts of one world size: (W=2: ep 2 x data 1; W=4: ep 2 x data 2 and ep 4 x data 1)
-    x routing cases x exchange strategies, against one spawn of W reference ranks."""
+    """All layouts of one world size: (W=2: ep 2 x data 1; W=4: ep 2 x data 2 and ep 4 x data 1;
+    W=8: ep 8 x data 1, ep 4 x data 2, ep 2 x data 4) x routing cases x exchange strategies,
+    against one spawn of W reference ranks."""
     ref_ranks = reference_results(world)
     assert len(ref_ranks) == world
     failures = []
