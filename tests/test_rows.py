@@ -38,6 +38,24 @@ def test_gather_rows_matches_reference(backend, dtype, d):
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(gather_rows_reference(x, rows)))
 
 
+def _inverse_of(rows, n):
+    """`inverse[rows[i]] = i` over `[n]` source rows, -1 where no output reads a row."""
+    return jnp.full((n,), -1, jnp.int32).at[jnp.where(rows >= 0, rows, n)].set(
+        jnp.arange(rows.shape[0], dtype=jnp.int32), mode="drop")
+
+
+def _check_sources(xs, rows, inverse, backend, key):
+    """Forward equals the fp32 reference exactly; every source's gradient matches it."""
+    out = gather_rows(xs, rows, inverse_N=inverse, backend=backend)
+    np.testing.assert_array_equal(out, gather_rows_reference(xs, rows))
+    cot = jax.random.normal(key, out.shape)
+    got = jax.grad(lambda xs: jnp.sum(gather_rows(xs, rows, inverse_N=inverse, backend=backend) * cot))(xs)
+    want = jax.grad(lambda xs: jnp.sum(gather_rows_reference(xs, rows) * cot))(xs)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("with_inverse", [False, True])
 def test_gather_rows_from_several_sources(backend, with_inverse):
@@ -51,17 +69,7 @@ def test_gather_rows_from_several_sources(backend, with_inverse):
     perm = np.random.default_rng(7).permutation(18)  # rows 18.. (the last source) are never read
     perm[::4] = -1
     rows = jnp.asarray(perm, jnp.int32)
-    inverse = None
-    if with_inverse:
-        inverse = jnp.full((n,), -1, jnp.int32).at[jnp.where(rows >= 0, rows, n)].set(jnp.arange(18, dtype=jnp.int32), mode="drop")
-    out = gather_rows(xs, rows, inverse_N=inverse, backend=backend)
-    np.testing.assert_array_equal(out, gather_rows_reference(xs, rows))
-    cot = jax.random.normal(keys[3], out.shape)
-    got = jax.grad(lambda xs: jnp.sum(gather_rows(xs, rows, inverse_N=inverse, backend=backend) * cot))(xs)
-    want = jax.grad(lambda xs: jnp.sum(gather_rows_reference(xs, rows) * cot))(xs)
-    for g, w in zip(got, want):
-        assert g.shape == w.shape
-        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+    _check_sources(xs, rows, _inverse_of(rows, n) if with_inverse else None, backend, keys[3])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -99,7 +107,7 @@ def test_gather_rows_gradient(backend, with_inverse):
         perm = np.random.default_rng(4).permutation(n)[:m]
         perm[::5] = -1
         rows = jnp.asarray(perm, jnp.int32)
-        inverse = jnp.full((n,), -1, jnp.int32).at[jnp.where(rows >= 0, rows, n)].set(jnp.arange(m, dtype=jnp.int32), mode="drop")
+        inverse = _inverse_of(rows, n)
     else:  # rows read several times must collect every contribution
         rows, inverse = _rows(5, m, 7), None
 
@@ -120,17 +128,8 @@ def test_gather_rows_inverse_per_source(backend):
     xs = (jax.random.normal(keys[0], (6, d)), jax.random.normal(keys[1], (7, d)))
     # Token rows 0..5 read up to three times each, peer rows 6..12 at most once, -1 holes.
     rows = jnp.asarray([0, 6, 3, 0, -1, 12, 8, 3, 5, 0, 9, -1, 7], jnp.int32)
-    peer = rows - 6
-    inverse_peer = jnp.full((7,), -1, jnp.int32).at[jnp.where(peer >= 0, peer, 7)].set(
-        jnp.arange(rows.shape[0], dtype=jnp.int32), mode="drop")
-    inverse = (None, inverse_peer)
-    out = gather_rows(xs, rows, inverse_N=inverse, backend=backend)
-    np.testing.assert_array_equal(out, gather_rows_reference(xs, rows))
-    cot = jax.random.normal(keys[2], out.shape)
-    got = jax.grad(lambda xs: jnp.sum(gather_rows(xs, rows, inverse_N=inverse, backend=backend) * cot))(xs)
-    want = jax.grad(lambda xs: jnp.sum(gather_rows_reference(xs, rows) * cot))(xs)
-    for g, w in zip(got, want):
-        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+    inverse_peer = _inverse_of(rows - 6, 7)
+    _check_sources(xs, rows, (None, inverse_peer), backend, keys[2])
     with pytest.raises(ValueError, match="one entry .* per source: 2 sources, got 1"):
         gather_rows(xs, rows, inverse_N=(inverse_peer,), backend=backend)
     with pytest.raises(ValueError, match=r"inverse_N\[1\] must be a 1-D int array \[N\] = \(7,\)"):
