@@ -48,7 +48,7 @@ barrier, so XLA cannot fuse dispatch's regroup into combine's un-regroup, which 
 stage allows; tables before 2026-11-30's breakdown-2 lacked that barrier); torch runs `reps` eager calls.
 Both: median over trials of wall time / reps, after a warm-up, synchronised on the device.
 
-Check (`--check`). On the 2-GPU mesh, both strategies (and ragged once more under the decomposer
+Check (`--check`). On the P-GPU mesh (`--ranks`), both strategies (and ragged once more under the decomposer
 flag) run dispatch, SwiGLU experts and combine in fp32, HIGHEST, dropless and with a capacity that
 drops, on zipf routing and on "all routes to one rank"; the output and the gradients w.r.t. x, the
 routing weights and the three expert weights must match `moe_jax.dense_reference.moe_reference`
@@ -235,7 +235,8 @@ def _ep_mesh(ranks: int):
     devices = jax.devices()
     if len(devices) < ranks:
         raise ValueError(f"--ranks {ranks} needs {ranks} devices; this process sees {len(devices)} "
-                         f"({devices[0].platform}). Use --ranks {len(devices)} or a machine with more GPUs.")
+                         f"({devices[0].platform}): run on a machine with {ranks} GPUs, or add --cpu-smoke "
+                         "for host devices.")
     return make_mesh(ep=ranks, data=1, devices=devices[:ranks])
 
 
@@ -746,6 +747,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.ranks < 2:
         parser.error(f"--ranks must be at least 2 (expert parallelism over one rank exchanges nothing); got {args.ranks}")
+    experts = sorted({s.experts for s in (SMOKE_SHAPES if args.cpu_smoke else GPU_SHAPES)}
+                     | {(SMOKE_CHECK if args.cpu_smoke else GPU_CHECK).experts})
+    if any(e % args.ranks for e in experts):
+        parser.error(f"--ranks {args.ranks} must divide the expert counts of every shape, {experts}: "
+                     "every rank owns the same number of experts (e.g. 2, 4 or 8).")
     if args.worker:
         _worker(args.worker, args.variant, args.cpu_smoke, args.out, args.ranks)
         return 0
@@ -767,17 +773,17 @@ def main(argv=None) -> int:
         print(f"check {'FAILED: ' + '; '.join(failed) if failed else 'passed'} ({time.time() - t0:.0f} s)")
         payload = dict(mode="check", cpu_smoke=smoke, ranks=args.ranks, results=results)
     else:
-        records = []
+        records, failed = [], []
         jax_variants = ["padded"] if args.skip_ragged else variants
         for kind, variant in [("jax-bench", v) for v in jax_variants] + [("torch-bench", "default")]:
             result = _run_worker(kind, variant, smoke, args.ranks)
-            if "error" in result:
+            if "error" in result:  # a whole worker died (one failing row is only reported)
                 print(f"  {result['error']}", flush=True)
+                failed.append(result["error"])
             records += result.get("records", [])
         print(_table(records))
-        print(f"({time.time() - t0:.0f} s)")
+        print(f"({time.time() - t0:.0f} s)" + (f"; FAILED workers: {'; '.join(failed)}" if failed else ""))
         payload = dict(mode="bench", cpu_smoke=smoke, ranks=args.ranks, records=records)
-        failed = []
     if args.json:
         with open(args.json, "w") as f:
             json.dump(payload, f, indent=1)

@@ -237,8 +237,9 @@ def test_check_mesh_errors():
 
 
 def _pair_path(monkeypatch, on: bool):
-    """Force the ep = 2 padded exchange onto the own block + `ppermute` path (`on`) or onto
-    all_to_all: the test blocks are far below the GPU-measured `_PAIR_MIN_BLOCK_BYTES`."""
+    """Force the ep = 2 padded exchange onto the two-rank path (own routes local, the peer block
+    swapped by a `ppermute`; `on`) or onto all_to_all: the test blocks are far below the
+    GPU-measured `_PAIR_MIN_BLOCK_BYTES`."""
     monkeypatch.setattr(exchange, "_PAIR_MIN_BLOCK_BYTES", 0 if on else 1 << 62)
 
 
@@ -248,7 +249,7 @@ def _pair_path(monkeypatch, on: bool):
 def test_dispatch_layout_and_identity_round_trip(ep, data, strategy, pair, monkeypatch):
     """Packed rows are exactly the contract's layout with zero padding, and identity experts give
     back sum_k w_tk x_t bit for bit (ragged: emulated collective, unwritten rows NaN; pair: the
-    ep = 2 own block + ppermute exchange)."""
+    ep = 2 path: own routes local, peer block ppermuted)."""
     _pair_path(monkeypatch, pair)
     if strategy == "ragged":
         with poisoned_ragged():
@@ -318,6 +319,22 @@ def test_capacity_overflow_drops_exactly(ep, data, capacity, pair, monkeypatch):
     # 12 routes per rank over the ep destinations, rank 0's experts hot: overflow is certain.
     keep, _, _ = _check_linear(mesh, "skewed", capacity=capacity, seed=3)
     assert 0 < (~keep).sum() < keep.size
+
+
+@pytest.mark.parametrize("pair", [False, True])
+def test_masked_routes_on_a_rank_that_receives_nothing(pair, monkeypatch):
+    """ep rank 1 receives no route ("starved"), so its whole expert output is NaN padding, and it
+    has masked tokens and capacity drops whose routes have no row: they read nothing that leaks,
+    on both exchanges (the two-rank path reads its own routes straight from that expert output)."""
+    _pair_path(monkeypatch, pair)
+    n = 2 * 2 * T
+    mask = np.random.default_rng(3).random(n) < 0.6
+    keep, packed, (y, (dx, dw, _)) = _check_linear(_mesh(2, 2), "starved", capacity=5, poison=True, mask=mask,
+                                                   seed=3)
+    assert all(len(packed[dev][0]) == 0 for dev in (1, 3)) and (~keep[mask]).any()
+    for got in (y, dx, dw):
+        assert np.all(np.isfinite(np.asarray(got)))
+    np.testing.assert_array_equal(np.asarray(y)[~mask], 0.0)
 
 
 def test_masked_tokens_and_a_rank_without_tokens():
@@ -489,8 +506,8 @@ def test_ragged_strategy_lowers_for_gpu():
 
 
 def test_pairwise_padded_path_lowers_for_gpu(monkeypatch):
-    """At ep = 2 with blocks above `_PAIR_MIN_BLOCK_BYTES` the padded exchange is own block +
-    `ppermute`: forward and backward lower for an H200 under check_vma, with the Pallas row gather
+    """At ep = 2 with blocks above `_PAIR_MIN_BLOCK_BYTES` the padded exchange keeps its own routes
+    local and ppermutes the peer block: forward and backward lower for an H200 under check_vma, with the Pallas row gather
     and collective_permutes (the dispatch and combine swaps and their transposes), and no
     all_to_all."""
     _pair_path(monkeypatch, True)

@@ -358,6 +358,9 @@ def gather_rows_pallas(
 
     Row offsets are int32 inside the kernel: `N_i * D` and `M * D` must stay below 2**31.
     """
+    if not xs or any(x.shape[0] == 0 for x in xs):
+        raise ValueError(f"gather_rows_pallas needs non-empty sources (drop empty ones first); got row counts "
+                         f"{[x.shape[0] for x in xs]}.")
     d = xs[0].shape[1]
     m = rows.shape[0]
     total = sum(x.shape[0] for x in xs)

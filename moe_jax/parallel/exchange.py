@@ -424,8 +424,8 @@ _PAIR_MIN_BLOCK_BYTES = 16 << 20
 
 
 def _pairwise(strategy: str, ep: int, capacity: int, rows_ND) -> bool:
-    """Whether this padded exchange runs between two ranks as own block + `ppermute` of the peer
-    block (see the module docstring) rather than an `all_to_all` of both."""
+    """Whether this padded exchange runs between two ranks with the own routes kept local and a
+    `ppermute` of the peer block (see the module docstring) rather than an `all_to_all`."""
     block_bytes = capacity * rows_ND.shape[1] * rows_ND.dtype.itemsize
     return strategy == "padded" and ep == 2 and block_bytes >= _PAIR_MIN_BLOCK_BYTES
 
@@ -609,7 +609,8 @@ def ep_combine(packed_y_MD: jax.Array, weights_TK: jax.Array, plan: EPPlan, *, a
     if routes == 0:
         return jnp.zeros((tokens, packed_y_MD.shape[1]), packed_y_MD.dtype)
 
-    # Back to receive order, reading only valid rows, so padding can never leak.
+    # Routes without a row (-1) read row 0 below and are zeroed by a select, never a multiply by a
+    # mask: that row may be padding (NaN included), and the select's gradient there is exactly 0.
     row_R = plan.route_row_TK.reshape(routes)
     if _pairwise(plan.strategy, ep, plan.capacity, packed_y_MD):
         # Only the peer block goes back; routes this rank served itself read their packed rows
