@@ -262,8 +262,7 @@ def _jax_bench(shapes, variants, smoke: bool, ranks: int) -> list[dict]:
             inputs = dict(ours=(x, put(idx), put(weights)), xla=(x, put(counts_PP)))
             for variant in variants:
                 record = dict(side=variant.side, strategy=variant.label, shape=shape.describe(),
-                              d_model=shape.d_model, routing=routing, ranks=ranks,
-                              recv_rows_P=counts_PP.sum(axis=0).tolist())
+                              d_model=shape.d_model, routing=routing)
                 try:
                     if variant not in compiled:  # same shapes for every routing: compile once
                         build = _jax_loop if variant.side == "ours" else _collective_loop
@@ -341,15 +340,13 @@ def _collective_loop(mesh, shape: Shape, variant: Variant, smoke: bool):
     from jax import lax
     from jax.sharding import PartitionSpec
 
-    from moe_jax.parallel import EP_AXIS, activation_spec, capacity_for
+    from moe_jax.parallel import EP_AXIS, activation_spec, capacity_for, exchange
 
     routes = shape.tokens * shape.top_k
     reps = _reps(shape, smoke)
     ranks = mesh.shape[EP_AXIS]
     ragged = variant.exchange == "ragged_all_to_all"
     pair = variant.exchange == "ppermute"
-    if pair and ranks != 2:
-        raise ValueError(f"the ppermute row is the two-rank exchange; this mesh has {ranks} ranks.")
     # Capacity: blocks of our capacity C instead of the dropless R rows.
     block = capacity_for(shape.tokens, shape.top_k, ranks, CAPACITY_FACTOR) if variant.capacity else routes
 
@@ -368,9 +365,8 @@ def _collective_loop(mesh, shape: Shape, variant: Variant, smoke: bool):
                 recv = lax.ragged_all_to_all(buf, jnp.zeros((ranks * routes,) + buf.shape[1:], buf.dtype), *there,
                                              axis_name=EP_AXIS)
                 return lax.ragged_all_to_all(recv, jnp.zeros_like(buf), *back, axis_name=EP_AXIS)
-            if pair:
-                swap = [(0, 1), (1, 0)]
-                return lax.ppermute(lax.ppermute(buf, EP_AXIS, swap), EP_AXIS, swap)
+            if pair:  # the library's own two-rank swap, there and back
+                return exchange._swap_pair(exchange._swap_pair(buf, EP_AXIS), EP_AXIS)
             return lax.all_to_all(lax.all_to_all(buf, EP_AXIS, 0, 0, tiled=True), EP_AXIS, 0, 0, tiled=True)
 
         if pair:  # the peer's block only
@@ -422,12 +418,14 @@ def _torch_rank(rank: int, world: int, shapes, smoke: bool) -> list[dict]:
 
             reps = _reps(shape, smoke)
             base = dict(shape=shape.describe(), d_model=shape.d_model, routing=routing, rows_per_rank=float(routes),
-                        dropped=0, reps=reps, ranks=world, recv_rows_P=counts_PP.sum(axis=0).tolist())
+                        dropped=0, reps=reps)
+            # The NCCL row carries the dropless load of every receiving rank (once per routing).
+            loads = dict(recv_rows_P=counts_PP.sum(axis=0).tolist())
             with torch.no_grad():
-                for side, fn in (("nccl", nccl), ("torch-ref", reference)):
+                for side, fn, extra in (("nccl", nccl, loads), ("torch-ref", reference, {})):
                     rank_seconds = _time_torch(fn, reps, smoke)
                     records.append(dict(base, side=side, strategy=side, seconds=max(rank_seconds),
-                                        rank_seconds=rank_seconds))
+                                        rank_seconds=rank_seconds, **extra))
     return records
 
 
@@ -724,7 +722,7 @@ def _table(records: list[dict]) -> str:
         tail = f"{max(ranks) / statistics.mean(ranks):9.2f}" if ranks else f"{'-':>9}"
         lines.append(f"{r['shape']:<36} {r['routing']:<9} {name:<32} {r['seconds'] * 1e6:10.1f} {gbps:9.1f} "
                      f"{ratio} {int(r['dropped']):8d} {tail}")
-    loads = {(r["shape"], r["routing"]): r["recv_rows_P"] for r in records if r.get("recv_rows_P")}
+    loads = {(r["shape"], r["routing"]): r["recv_rows_P"] for r in records if "recv_rows_P" in r}
     if loads:
         lines.append("received rows per rank (dropless), max / mean:")
         lines += [f"  {shape:<36} {routing:<9} {max(rows) / statistics.mean(rows):.2f}  ({rows})"

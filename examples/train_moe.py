@@ -53,7 +53,6 @@ from moe_jax import routing
 from moe_jax.layers import MoE, MoEStats
 from moe_jax.ops.backends import BACKENDS as GEMM_BACKENDS
 from moe_jax.ops.backends import resolve_backend
-from moe_jax.padding import per_rank_padding
 from moe_jax.parallel import STRATEGIES as EP_STRATEGIES
 from moe_jax.parallel import activation_spec, make_mesh
 
@@ -430,7 +429,6 @@ class StepMetrics(NamedTuple):
     grad_norm: jax.Array
     lr: jax.Array
     stats: MoEStats  # per layer, stacked: counts_E [L, E], scalars [L] (all logged whatever --balance is)
-    rank_rows: jax.Array  # [L, ep] routed rows per EP rank (contiguous placement, before tile padding)
 
 
 def make_schedule(args) -> optax.Schedule:
@@ -463,7 +461,6 @@ def make_train_step(args):
     """The jitted step `(model, optimizer, inputs_BS, targets_BS) -> StepMetrics` (updates in place)."""
     schedule = make_schedule(args)
     balance, aux_coef, z_coef, bias_rate = args.balance, args.aux_coef, args.z_coef, args.bias_rate
-    ep = args.ep or 1
 
     def loss_fn(model, inputs_BS, targets_BS):
         logits_BSV, stats = model(inputs_BS)
@@ -484,10 +481,7 @@ def make_train_step(args):
         if balance == "loss_free":
             for block, counts_E in zip(model.blocks, stats.counts_E):
                 block.moe.update_selection_bias(counts_E, bias_rate)
-        # Inside the step, so logging never runs eager device ops per layer.
-        rank_rows = jnp.stack([per_rank_padding(c, 1, num_ranks=ep).useful_R for c in stats.counts_E])
-        return StepMetrics(loss=loss, ce=ce, grad_norm=optax.tree.norm(grads), lr=schedule(step), stats=stats,
-                           rank_rows=rank_rows)
+        return StepMetrics(loss=loss, ce=ce, grad_norm=optax.tree.norm(grads), lr=schedule(step), stats=stats)
 
     return train_step
 
@@ -599,8 +593,9 @@ def history_record(step: int, m: StepMetrics, ep: int) -> dict:
             "dropped": int(m.stats.dropped[i]),
         }
         if ep > 1:
-            # The slowest EP rank sets the layer's latency: its routed rows over the mean rank's.
-            rows = np.asarray(m.rank_rows[i])
+            # The slowest EP rank sets the layer's latency: its routed rows over the mean rank's
+            # (contiguous placement, E/ep experts per rank, before tile padding; host numpy).
+            rows = counts_E.reshape(ep, -1).sum(axis=1)
             layer["rank_rows"] = [int(r) for r in rows]
             layer["rank_imbalance"] = float(rows.max() / rows.mean()) if rows.sum() else 1.0
         layers.append(layer)

@@ -72,9 +72,11 @@ def exclusive_cumsum(a, axis: int = 0):
     return jnp.cumsum(a, axis=axis) - a
 
 
-def stable_rank(key_R: jax.Array, num_keys: int) -> jax.Array:
-    """`rank_R[r]` = #{r' < r : key_R[r'] == key_R[r]} for keys in `[0, num_keys)` (other keys get
-    unspecified ranks): what a stable sort by key would tell, from dense counts instead.
+def stable_rank(key_R: jax.Array, num_keys: int) -> tuple[jax.Array, jax.Array]:
+    """`(rank_R, counts_K)`: `rank_R[r]` = #{r' < r : key_R[r'] == key_R[r]} for keys in
+    `[0, num_keys)` (other keys get unspecified ranks), what a stable sort by key would tell, from
+    dense counts instead; `counts_K` int32, routes per key (keys outside `[0, num_keys)` are not
+    counted), the histogram the ranks are built from, so callers need no scatter of their own.
 
     Routes form blocks of B: within a block, a `[B, B]` comparison counts the earlier equal keys;
     across blocks, an exclusive running sum of the `[blocks, num_keys]` block histograms. Both are
@@ -92,7 +94,7 @@ def stable_rank(key_R: jax.Array, num_keys: int) -> jax.Array:
     hist_NK = jnp.sum(key_NB[:, :, None] == jnp.arange(num_keys, dtype=key_R.dtype), axis=1, dtype=jnp.int32)
     before_NK = exclusive_cumsum(hist_NK, axis=0)
     prior_NB = jnp.take_along_axis(before_NK, jnp.clip(key_NB, 0, num_keys - 1), axis=1)
-    return (prior_NB + in_block_NB).reshape(-1)[:routes]
+    return (prior_NB + in_block_NB).reshape(-1)[:routes], jnp.sum(hist_NK, axis=0, dtype=jnp.int32)
 
 
 def pack(expert_idx_TK: jax.Array, num_experts: int, *, mask_T: jax.Array | None = None) -> Packing:
@@ -120,8 +122,8 @@ def pack(expert_idx_TK: jax.Array, num_experts: int, *, mask_T: jax.Array | None
         packed_R &= jnp.repeat(mask_T, top_k)
     # Unpacked routes get key E: they go after every expert and fall out of group_sizes_E.
     key_R = jnp.where(packed_R, expert_R, num_experts)
-    counts = jnp.zeros((num_experts + 1,), jnp.int32).at[key_R].add(1)
-    inverse_R = exclusive_cumsum(counts)[key_R] + stable_rank(key_R, num_experts + 1)
+    rank_R, counts = stable_rank(key_R, num_experts + 1)
+    inverse_R = exclusive_cumsum(counts)[key_R] + rank_R
     route_R = jnp.arange(key_R.shape[0], dtype=jnp.int32)
     order_R = jnp.zeros_like(route_R).at[inverse_R].set(route_R)
     group_sizes_E = counts[:num_experts]

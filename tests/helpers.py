@@ -32,12 +32,22 @@ def assert_close(out, ref, dtype, what=""):
     assert err <= tol, f"{what}: rel Frobenius error {err:.3e} > {tol:.0e} ({jnp.dtype(dtype).name})"
 
 
-def h200_mesh(shape: tuple[int, ...], names: tuple[str, ...], *, axis_types=None,
-              device_kind: str = "NVIDIA H200") -> jax.sharding.AbstractMesh:
-    """Abstract mesh of `shape` over axes `names` on CUDA devices of `device_kind`: lowers for GPUs
-    this host does not have (`axis_types` as `jax.sharding.AbstractMesh` takes them)."""
-    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=None, platform="cuda")
+def mesh_devices(n: int) -> list:
+    """The first `n` GPUs when this process has that many, else the first `n` forced host CPU
+    devices (the root conftest forces 8): meshes that run compiled where the hardware allows."""
+    return (jax.devices() if ON_GPU and len(jax.devices()) >= n else jax.devices("cpu"))[:n]
+
+
+def h200_mesh(shape: tuple[int, ...], names: tuple[str, ...], *, axis_types=None) -> jax.sharding.AbstractMesh:
+    """Abstract mesh of `shape` over axes `names` on H200s: lowers for GPUs this host does not
+    have (`axis_types` as `jax.sharding.AbstractMesh` takes them)."""
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
     return jax.sharding.AbstractMesh(shape, names, axis_types, abstract_device=device)
+
+
+def sharded_aval(mesh, shape: tuple[int, ...], dtype, spec) -> jax.ShapeDtypeStruct:
+    """An abstract argument for `lower_for_gpu`, laid out by `spec` over `mesh`."""
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
 
 
 def lower_for_gpu(fn, *avals, mesh: jax.sharding.AbstractMesh | None = None) -> str:

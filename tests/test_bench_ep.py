@@ -41,7 +41,8 @@ def test_cpu_smoke(tmp_path, mode, ranks):
                             ("ours", "padded cf=1.25 no-a2a"), ("ours", "padded cf=1.25 xla-gather"),
                             ("torch-ref", "torch-ref"), ("xla", "all_to_all"),
                             ("xla", "all_to_all cf=1.25")} | ({("xla", "ppermute cf=1.25")} if ranks == 2 else set())
-        assert all(r["seconds"] > 0 and len(r["recv_rows_P"]) == ranks for r in payload["records"])
+        assert all(r["seconds"] > 0 for r in payload["records"])
+        assert all(len(r["recv_rows_P"]) == ranks for r in payload["records"] if r["side"] == "nccl")
         # Every torch process timed itself: the slowest rank is the reported time.
         torch_rows = [r for r in payload["records"] if r["side"] in ("nccl", "torch-ref")]
         assert torch_rows and all(len(r["rank_seconds"]) == ranks and r["seconds"] == max(r["rank_seconds"])

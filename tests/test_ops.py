@@ -28,7 +28,7 @@ from moe_jax.ops import (
     tgmm_config,
     tgmm_reference,
 )
-from tests.helpers import ON_GPU, assert_close, h200_mesh, lower_for_gpu, rel_err
+from tests.helpers import ON_GPU, assert_close, h200_mesh, lower_for_gpu, rel_err, sharded_aval
 
 BACKENDS = ["pallas_triton", "xla"]
 DTYPES = [jnp.float32, jnp.bfloat16]
@@ -370,7 +370,7 @@ def test_kernels_lower_for_h200_inside_shard_map(m, e, fwd_kernel):
     gradient kernels lower for a 2-GPU ep mesh, with the weights replicated then cast to varying as
     the layer does, for both forward kernels. (Interpret mode on CPU cannot run there: JAX's
     Pallas interpreter pads with invariant constants; `auto` picks the xla backend on CPU.)"""
-    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+    from jax.sharding import AxisType, PartitionSpec
 
     k, n = 64, 32
     assert _kernel_for(m, n, k, e) == fwd_kernel, "the config table moved: pick shapes that cover both kernels"
@@ -386,11 +386,9 @@ def test_kernels_lower_for_h200_inside_shard_map(m, e, fwd_kernel):
     def loss_and_grads(x, w, gs):
         return jax.value_and_grad(lambda x, w: jnp.sum(layer(x, w, gs).astype(jnp.float32) ** 2), (0, 1))(x, w)
 
-    def sds(shape, dtype, spec):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
-
-    args = (sds((2 * m, k), jnp.bfloat16, PartitionSpec("ep")), sds((e, n, k), jnp.bfloat16, PartitionSpec()),
-            sds((2 * e,), jnp.int32, PartitionSpec("ep")))
+    args = (sharded_aval(mesh, (2 * m, k), jnp.bfloat16, PartitionSpec("ep")),
+            sharded_aval(mesh, (e, n, k), jnp.bfloat16, PartitionSpec()),
+            sharded_aval(mesh, (2 * e,), jnp.int32, PartitionSpec("ep")))
     text = lower_for_gpu(loss_and_grads, *args, mesh=mesh)
     names = re.findall(r'name = "(moe_jax_\w+)"', text)
     assert sorted(names)[-1] == "moe_jax_tgmm"

@@ -41,7 +41,16 @@ from moe_jax.parallel import (
 )
 from moe_jax.parallel import exchange
 from moe_jax.parallel.exchange import check_capacity_factor
-from tests.helpers import ON_GPU, assert_close, emulated_ragged_all_to_all, h200_mesh, lower_for_gpu, poisoned_ragged
+from tests.helpers import (
+    ON_GPU,
+    assert_close,
+    emulated_ragged_all_to_all,
+    h200_mesh,
+    lower_for_gpu,
+    mesh_devices,
+    poisoned_ragged,
+    sharded_aval,
+)
 
 ACT = activation_spec()
 T, D, O, E = 6, 8, 5, 8
@@ -52,9 +61,7 @@ HOST = jax.devices("cpu")  # 8 forced host devices on any machine
 
 
 def _mesh(ep, data):
-    n = ep * data
-    devices = jax.devices() if ON_GPU and len(jax.devices()) >= n else HOST
-    return make_mesh(ep=ep, data=data, devices=devices[:n])
+    return make_mesh(ep=ep, data=data, devices=mesh_devices(ep * data))
 
 
 def _backend(mesh):
@@ -474,33 +481,31 @@ def test_ragged_strategy_on_gpus(pattern, capacity):
     _check_linear(_mesh(2, 1), pattern, capacity=capacity, strategy="ragged", seed=4)
 
 
-def test_ragged_strategy_lowers_for_gpu():
-    """Forward and backward of the ragged path lower for an H200 from this CPU host, with four
-    ragged_all_to_all (dispatch, combine, and their reverse exchanges) and no JAX transpose, under
-    shard_map's varying-axes checks (check_vma, as the MoE layer runs it)."""
-    mesh = h200_mesh((2, 4), (DATA_AXIS, EP_AXIS))
-    k, n = 2, 8 * T
+def _lower_ep_grad(mesh_shape, *, strategy, capacity, dtype, k=2) -> str:
+    """StableHLO of the gradient (w.r.t. x, the routing weights and the expert weights) of a linear
+    EP layer on an H200 mesh of `mesh_shape` = (data, ep), under shard_map's check_vma as the
+    MoE layer runs it."""
+    mesh = h200_mesh(mesh_shape, (DATA_AXIS, EP_AXIS))
+    n = mesh_shape[0] * mesh_shape[1] * T
 
     def body(x, idx, w, W):
         W = lax.pcast(W, (DATA_AXIS,), to="varying")  # per-device weight gradients, psum'd over data
         expert_fn = lambda px, gs: grouped_linear(px, W, gs, backend="xla")
-        y, stats = ep_moe(x, idx, w, expert_fn, num_experts=E, strategy="ragged", capacity=3)
+        y, stats = ep_moe(x, idx, w, expert_fn, num_experts=E, strategy=strategy, capacity=capacity)
         # stats.dropped is an ep-group total: sum the data replicas' groups for a replicated result.
         return lax.psum(jnp.sum(y), (DATA_AXIS, EP_AXIS)) + 0.0 * lax.psum(stats.dropped, DATA_AXIS)
 
     fn = jax.shard_map(body, mesh=mesh, in_specs=(ACT, ACT, ACT, expert_spec()), out_specs=dense_spec())
-    grad = jax.grad(fn, argnums=(0, 2, 3))
+    avals = (sharded_aval(mesh, (n, D), dtype, ACT), sharded_aval(mesh, (n, k), jnp.int32, ACT),
+             sharded_aval(mesh, (n, k), jnp.float32, ACT), sharded_aval(mesh, (E, O, D), dtype, expert_spec()))
+    return lower_for_gpu(jax.grad(fn, argnums=(0, 2, 3)), *avals, mesh=mesh)
 
-    def aval(shape, dtype, spec):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
 
-    avals = (
-        aval((n, D), jnp.float32, ACT),
-        aval((n, k), jnp.int32, ACT),
-        aval((n, k), jnp.float32, ACT),
-        aval((E, O, D), jnp.float32, expert_spec()),
-    )
-    text = lower_for_gpu(grad, *avals, mesh=mesh)
+def test_ragged_strategy_lowers_for_gpu():
+    """Forward and backward of the ragged path lower for an H200 from this CPU host, with four
+    ragged_all_to_all (dispatch, combine, and their reverse exchanges) and no JAX transpose, under
+    shard_map's varying-axes checks (check_vma, as the MoE layer runs it)."""
+    text = _lower_ep_grad((2, 4), strategy="ragged", capacity=3, dtype=jnp.float32)
     assert text.count("stablehlo.custom_call @ragged_all_to_all") == 4
     assert "stablehlo.all_to_all" not in text  # JAX's own transpose would add all_to_all of the offsets
 
@@ -511,23 +516,7 @@ def test_pairwise_padded_path_lowers_for_gpu(monkeypatch):
     and collective_permutes (the dispatch and combine swaps and their transposes), and no
     all_to_all."""
     _pair_path(monkeypatch, True)
-    mesh = h200_mesh((1, 2), (DATA_AXIS, EP_AXIS))
-    k, n = 2, 2 * T
-
-    def body(x, idx, w, W):
-        W = lax.pcast(W, (DATA_AXIS,), to="varying")  # per-device weight gradients, psum'd over data
-        expert_fn = lambda px, gs: grouped_linear(px, W, gs, backend="xla")
-        y, stats = ep_moe(x, idx, w, expert_fn, num_experts=E, strategy="padded", capacity=T * k)
-        return lax.psum(jnp.sum(y), (DATA_AXIS, EP_AXIS)) + 0.0 * lax.psum(stats.dropped, DATA_AXIS)
-
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(ACT, ACT, ACT, expert_spec()), out_specs=dense_spec())
-
-    def aval(shape, dtype, spec):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
-
-    avals = (aval((n, D), jnp.bfloat16, ACT), aval((n, k), jnp.int32, ACT), aval((n, k), jnp.float32, ACT),
-             aval((E, O, D), jnp.bfloat16, expert_spec()))
-    text = lower_for_gpu(jax.grad(fn, argnums=(0, 2, 3)), *avals, mesh=mesh)
+    text = _lower_ep_grad((1, 2), strategy="padded", capacity=T * 2, dtype=jnp.bfloat16)
     assert text.count("stablehlo.collective_permute") == 4
     assert "all_to_all" not in text
     # Forward: the peer send gather, the regroup from (x, peer block) as one launch per source, the

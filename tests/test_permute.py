@@ -191,9 +191,10 @@ def test_stable_rank_matches_a_stable_sort(routes, num_keys):
     rng = np.random.default_rng(routes)
     keys = rng.integers(-2, num_keys + 2, routes).astype(np.int32)
     keys[: routes // 3] = rng.integers(0, 2, routes // 3)  # long runs of a few hot keys
-    got = np.asarray(stable_rank(jnp.asarray(keys), num_keys))
+    got, counts = map(np.asarray, stable_rank(jnp.asarray(keys), num_keys))
     order = np.argsort(keys, kind="stable")
     want = np.empty(routes, np.int64)
     want[order] = np.arange(routes) - np.searchsorted(keys[order], keys[order])
     valid = (keys >= 0) & (keys < num_keys)
     np.testing.assert_array_equal(got[valid], want[valid])
+    np.testing.assert_array_equal(counts, np.bincount(keys[valid], minlength=num_keys))

@@ -76,7 +76,6 @@ from moe_jax.ops.backends import BackendName
 from moe_jax.ops.rows import gather_rows
 from moe_jax.parallel.mesh import EP_AXIS
 from moe_jax.permute import check_mask, exclusive_cumsum, pack, stable_rank
-from moe_jax.routing import expert_counts
 
 __all__ = [
     "STRATEGIES",
@@ -295,7 +294,7 @@ def _block_of(rows, offsets_P):
 
     A dense `[rows, P]` comparison, one fused elementwise kernel: `jnp.searchsorted` would be a
     while loop, a sequence of launches on GPU, for a handful of ranks."""
-    return (jnp.sum(offsets_P[None, :] <= rows[:, None], axis=1, dtype=jnp.int32) - 1).astype(jnp.int32)
+    return jnp.sum(offsets_P[None, :] <= rows[:, None], axis=1, dtype=jnp.int32) - 1
 
 
 # ----------------------------------------------------------------------------- planning
@@ -321,15 +320,16 @@ def _plan_sends(expert_R, real_R, num_experts: int, ep: int, capacity: int) -> _
     # Invalid ids and masked tokens go to a bin past the ranks: never sent, never counted.
     dest_R = jnp.where(valid_R, expert_R // local, ep)
     # Capacity keeps each destination's first C routes in token order.
-    keep_R = valid_R & (stable_rank(dest_R, ep) < capacity)
+    dest_rank_R, send_counts_P = stable_rank(dest_R, ep)
+    keep_R = valid_R & (dest_rank_R < capacity)
     # expert = dest * El + local, so packing the kept routes by expert id orders them by
     # (destination, local expert), and within an expert by token.
     kept = pack(expert_R[:, None], num_experts, mask_T=keep_R)
     return _SendPlan(
         keep_R=keep_R,
-        dest_R=dest_R.astype(jnp.int32),
+        dest_R=dest_R,
         kept_PE=kept.group_sizes_E.reshape(ep, local),
-        send_counts_P=expert_counts(dest_R[:, None], ep),
+        send_counts_P=send_counts_P,
         send_rank_R=kept.inverse_R,
     )
 
@@ -436,6 +436,23 @@ def _own_and_peer(ids_S, me, capacity: int):
             lax.dynamic_slice(ids_S, ((1 - me) * capacity,), (capacity,)))
 
 
+class _PairMaps(NamedTuple):
+    """The two-rank path's view of the packed layout (blocks of C slots, block p at p*C; -1: none)."""
+
+    own_slot_M: jax.Array  # slot in this rank's own block of each packed row
+    peer_slot_M: jax.Array  # slot in the peer's block of each packed row
+    peer_to_packed_C: jax.Array  # packed row filled by each slot of the peer's block
+
+
+def _pair_maps(recv_to_packed_M, packed_to_recv_M, me, capacity: int) -> _PairMaps:
+    from_own = packed_to_recv_M // capacity == me
+    slot_M = packed_to_recv_M % capacity
+    real_M = packed_to_recv_M >= 0
+    return _PairMaps(own_slot_M=jnp.where(real_M & from_own, slot_M, -1),
+                     peer_slot_M=jnp.where(real_M & ~from_own, slot_M, -1),
+                     peer_to_packed_C=_own_and_peer(recv_to_packed_M, me, capacity)[1])
+
+
 def _swap_pair(rows_ND, axis_name):
     """The two ranks of the ep axis swap `rows_ND` (its transpose is the same swap)."""
     return lax.ppermute(rows_ND, axis_name, [(0, 1), (1, 0)])
@@ -529,13 +546,12 @@ def ep_dispatch(
         # gathers from the pair (x_TD, received peer block).
         own_ids, peer_ids = _own_and_peer(send_ids_S, me, cap)
         peer_x = _swap_pair(gather_rows(x_TD, peer_ids, backend=backend), axis_name)
-        recv_M = regroup.packed_to_recv_M
-        own_M = recv_M // cap == me
-        slot_M = recv_M % cap
+        pair = _pair_maps(regroup.recv_to_packed_M, regroup.packed_to_recv_M, me, cap)
         regroup_src = (x_TD, peer_x)
-        regroup_ids = jnp.where(recv_M < 0, -1, jnp.where(own_M, own_ids[slot_M], tokens + slot_M))
+        regroup_ids = jnp.where(pair.own_slot_M >= 0, own_ids[jnp.maximum(pair.own_slot_M, 0)],
+                                jnp.where(pair.peer_slot_M >= 0, tokens + pair.peer_slot_M, -1))
         # x_TD rows may be read K times (a scatter-add backward); peer rows at most once.
-        regroup_inverse = (None, _own_and_peer(regroup.recv_to_packed_M, me, cap)[1])
+        regroup_inverse = (None, pair.peer_to_packed_C)
     else:
         send_x_SD = gather_rows(x_TD, send_ids_S, backend=backend)
         regroup_src = _exchange_rows(send_x_SD, ex, out_rows=recv_rows, axis_name=axis_name, strategy=strategy)
@@ -547,7 +563,7 @@ def ep_dispatch(
     plan = EPPlan(
         strategy=strategy,
         capacity=cap,
-        route_row_TK=route_row_R.reshape(tokens, top_k).astype(jnp.int32),
+        route_row_TK=route_row_R.reshape(tokens, top_k),
         recv_to_packed_M=regroup.recv_to_packed_M,
         packed_to_recv_M=regroup.packed_to_recv_M,
         group_sizes_El=regroup.group_sizes_El,
@@ -616,10 +632,9 @@ def ep_combine(packed_y_MD: jax.Array, weights_TK: jax.Array, plan: EPPlan, *, a
         # Only the peer block goes back; routes this rank served itself read their packed rows
         # directly (slots are p*C on both sides, so a route's send row is also its receive row).
         me, cap = lax.axis_index(axis_name), plan.capacity
-        peer_ids = _own_and_peer(plan.recv_to_packed_M, me, cap)[1]
-        to_recv = plan.packed_to_recv_M
-        peer_inverse = jnp.where((to_recv >= 0) & (to_recv // cap != me), to_recv % cap, -1)
-        peer_y = _swap_pair(gather_rows(packed_y_MD, peer_ids, inverse_N=peer_inverse, backend=backend), axis_name)
+        pair = _pair_maps(plan.recv_to_packed_M, plan.packed_to_recv_M, me, cap)
+        peer_y = _swap_pair(gather_rows(packed_y_MD, pair.peer_to_packed_C, inverse_N=pair.peer_slot_M,
+                                        backend=backend), axis_name)
         own_R = row_R // cap == me
         row_R = jnp.where(row_R < 0, -1, jnp.where(own_R, plan.recv_to_packed_M[jnp.maximum(row_R, 0)],
                                                    packed_y_MD.shape[0] + row_R % cap))

@@ -42,7 +42,7 @@ from typing import Iterable, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
-from parity.reference.experts import Packing, combine_pairs, expert_swiglu, pack_by_expert
+from parity.reference.experts import Packing, combine_pairs, expert_swiglu, pack_by_expert, sort_by_key
 
 ProcessGroup = dist.ProcessGroup
 
@@ -265,7 +265,7 @@ def ep_dispatch(
 
     # 4. The receive buffer is source-major; grouped GEMM needs each local expert contiguous.
     #    Stable, so one expert's rows stay in source-rank order, then source token order.
-    regroup = pack_by_expert(recv_meta[:, META_LOCAL_EXPERT:META_LOCAL_EXPERT + 1], experts_per_rank)
+    regroup = sort_by_key(recv_meta[:, META_LOCAL_EXPERT], experts_per_rank)
     expert_order = regroup.order
     recv_x = recv_x[expert_order]
     recv_meta = recv_meta[expert_order]

@@ -78,11 +78,16 @@ def pack_by_expert(selected_expert: torch.Tensor, num_experts: int) -> Packing:
         int(selected_expert.min()) < 0 or int(selected_expert.max()) >= num_experts
     ):
         raise ValueError(f"selected_expert values must lie in [0, {num_experts})")
-    top_k = selected_expert.shape[1]
-    flat = selected_expert.reshape(-1).long()
+    return sort_by_key(selected_expert.reshape(-1), num_experts, top_k=selected_expert.shape[1])
+
+
+def sort_by_key(flat: torch.Tensor, num_keys: int, *, top_k: int = 1) -> Packing:
+    """`pack_by_expert` of a flat `[N]` key vector already known to lie in `[0, num_keys)`: no
+    checks, so no host sync (the EP reference regroups by keys it built itself)."""
+    flat = flat.long()
     order = torch.argsort(flat, stable=True)
     expert_ids = flat[order]
-    counts = torch.bincount(expert_ids, minlength=num_experts)
+    counts = torch.bincount(expert_ids, minlength=num_keys)
     offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
     return Packing(order // max(top_k, 1), expert_ids, order, offsets)
 

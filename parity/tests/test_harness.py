@@ -34,21 +34,19 @@ else:
 
 # Case name -> overrides of the device's sizes.
 LAYER_CASES = {
-    "balanced": lambda s: dict(skew="balanced"),
-    "zipf": lambda s: dict(skew="zipf"),
-    "one_hot": lambda s: dict(skew="one_hot"),
-    "empty_experts": lambda s: dict(skew="empty"),
-    "top1": lambda s: dict(top_k=1, skew="zipf"),
-    "top8": lambda s: dict(top_k=8, num_experts=max(16, s["num_experts"]), skew="zipf"),
-    "shared_experts": lambda s: dict(shared_experts=2, skew="zipf"),
-    "latent": lambda s: dict(latent_dim=s["d_model"] // 2, skew="one_hot"),
-    "latent_shared_fused": lambda s: dict(
-        latent_dim=s["d_model"] // 2, shared_experts=1, fused_gate_up=True, skew="empty",
-    ),
+    "balanced": dict(skew="balanced"),
+    "zipf": dict(skew="zipf"),
+    "one_hot": dict(skew="one_hot"),
+    "empty_experts": dict(skew="empty"),
+    "top1": dict(top_k=1, skew="zipf"),
+    "top8": dict(top_k=8, num_experts=max(16, SIZES["num_experts"]), skew="zipf"),
+    "shared_experts": dict(shared_experts=2, skew="zipf"),
+    "latent": dict(latent_dim=SIZES["d_model"] // 2, skew="one_hot"),
+    "latent_shared_fused": dict(latent_dim=SIZES["d_model"] // 2, shared_experts=1, fused_gate_up=True, skew="empty"),
     # On CPU "auto" is XLA: this case runs our Pallas kernels (interpreted) once per dtype.
-    "pallas_triton": lambda s: dict(backend="pallas_triton", skew="empty"),
+    "pallas_triton": dict(backend="pallas_triton", skew="empty"),
     # Our side on 4 devices: GPUs when jax has 4, else the forced host CPUs (`harness.ep_mesh`).
-    "ep4": lambda s: dict(ep_size=4, skew="zipf"),
+    "ep4": dict(ep_size=4, skew="zipf"),
 }
 DTYPES = ["float32", "bfloat16"]
 
@@ -69,7 +67,7 @@ def unused_experts(problem: harness.ParityProblem, num_experts: int) -> np.ndarr
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", list(LAYER_CASES), ids=list(LAYER_CASES))
 def test_layer_parity(case, dtype):
-    config = make_config(dtype=dtype, **LAYER_CASES[case](SIZES))
+    config = make_config(dtype=dtype, **LAYER_CASES[case])
     problem = harness.build_problem(config)
     ours = harness.run_ours(config, problem)
     theirs = harness.run_reference(config, problem)

@@ -262,7 +262,7 @@ def compare(world: int, ep: int, case: str, strategy: str, ref_ranks: list[dict]
     def check(what, got, want):
         if not np.isfinite(got).all():
             failures.append(f"W={world} ep={ep} {case}/{strategy}: {what} is not finite")
-        elif not (c := compare_tensor(what, jnp.asarray(got), torch.from_numpy(np.asarray(want)), TOL)).passed:
+        elif not (c := compare_tensor(what, torch.tensor(got), want, TOL)).passed:
             failures.append(f"W={world} ep={ep} {case}/{strategy}: {c.summary()}")
 
     if ours["dropped"] != 0:
@@ -273,14 +273,14 @@ def compare(world: int, ep: int, case: str, strategy: str, ref_ranks: list[dict]
         shard = slice((rank % ep) * local, (rank % ep + 1) * local)
         if case != "router":
             assert np.array_equal(got["topk_idx"].numpy(), make_problem(world, ep, case, sz).expert_idx[mine])
-        check(f"rank {rank} y", ours["out"][mine], got["out"].numpy())
-        check(f"rank {rank} d x", ours["d_x"][mine], got["d_x"].numpy())
+        check(f"rank {rank} y", ours["out"][mine], got["out"])
+        check(f"rank {rank} d x", ours["d_x"][mine], got["d_x"])
         if case == "router":
-            check(f"rank {rank} d w_router (dense-DP reduced)", ours["grads"]["w_router"], got["d_router"].numpy())
+            check(f"rank {rank} d w_router (dense-DP reduced)", ours["grads"]["w_router"], got["d_router"])
         else:
-            check(f"rank {rank} d routing weights", ours["d_weights"][mine], got["d_weights"].numpy())
+            check(f"rank {rank} d routing weights", ours["d_weights"][mine], got["d_weights"])
         for name, g in zip(("w_gate", "w_up", "w_down"), got["d_experts"]):
-            check(f"rank {rank} d {name} (expert-DP reduced)", ours["grads"][name][shard], g.numpy())
+            check(f"rank {rank} d {name} (expert-DP reduced)", ours["grads"][name][shard], g)
     if case != "router":
         # The router is skipped with an injected routing: its gradient is exactly zero.
         if np.any(ours["grads"]["w_router"] != 0):
