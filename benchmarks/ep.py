@@ -12,8 +12,8 @@ ranks) it times one dispatch + combine (identity experts) of:
 * ours, `moe_jax.parallel.ep_dispatch`/`ep_combine` on a `make_mesh(ep=P)` mesh, per strategy:
   `padded` dropless (C = T*K), `padded cf=1.25` (capacity 1.25x the balanced load; drops are
   reported), `padded cf=1.25 no-a2a` (the same with the row collective replaced by the identity:
-  what our planning, gathers and combine cost around the collective), `padded cf=1.25 xla-gather`
-  (the row gathers through XLA instead of our Pallas kernel), `ragged`
+  what our planning, gathers and combine cost around the collective), `padded cf=1.25 xla-ops`
+  (the row gathers and the send plan through XLA instead of our Pallas kernels), `ragged`
   (`ragged_all_to_all`), and `ragged+decomp` (the same with
   `--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true`, in its own process since XLA
   reads flags once);
@@ -191,7 +191,7 @@ class Variant(NamedTuple):
       "ragged_all_to_all".
     capacity: capacity buffers, C = `capacity_for(..., CAPACITY_FACTOR)`, instead of dropless.
     no_a2a: ours, with the row collective replaced by the identity (the cost around it).
-    xla_gather: ours, with the row gathers through XLA instead of the Pallas kernel.
+    xla_ops: ours, with the row gathers and the send plan through XLA instead of our Pallas kernels.
     decomposer: run in the process started with XLA's ragged_all_to_all decomposer flag.
     """
 
@@ -199,14 +199,14 @@ class Variant(NamedTuple):
     exchange: str
     capacity: bool = False
     no_a2a: bool = False
-    xla_gather: bool = False
+    xla_ops: bool = False
     decomposer: bool = False
 
     @property
     def label(self) -> str:
         return (self.exchange + ("+decomp" if self.decomposer else "")
                 + (f" cf={CAPACITY_FACTOR}" if self.capacity else "")
-                + (" no-a2a" if self.no_a2a else "") + (" xla-gather" if self.xla_gather else ""))
+                + (" no-a2a" if self.no_a2a else "") + (" xla-ops" if self.xla_ops else ""))
 
 
 # The padded rows (every backend; the ppermute row at P = 2 only) and the ragged ones (GPU only).
@@ -214,7 +214,7 @@ PADDED_VARIANTS = (
     Variant("ours", "padded"),
     Variant("ours", "padded", capacity=True),
     Variant("ours", "padded", capacity=True, no_a2a=True),
-    Variant("ours", "padded", capacity=True, xla_gather=True),
+    Variant("ours", "padded", capacity=True, xla_ops=True),
     Variant("xla", "all_to_all"),
     Variant("xla", "all_to_all", capacity=True),
     Variant("xla", "ppermute", capacity=True),
@@ -291,7 +291,7 @@ def _jax_loop(mesh, shape: Shape, variant: Variant, smoke: bool):
     from moe_jax.parallel import EP_AXIS, activation_spec, capacity_for, ep_combine, ep_dispatch, exchange
 
     strategy = variant.exchange
-    backend = "xla" if variant.xla_gather else "auto"
+    backend = "xla" if variant.xla_ops else "auto"
     ranks = mesh.shape[EP_AXIS]
     capacity = capacity_for(shape.tokens, shape.top_k, ranks, CAPACITY_FACTOR) if variant.capacity else None
     act = activation_spec()

@@ -38,7 +38,7 @@ def test_cpu_smoke(tmp_path, mode, ranks):
         # gloo stands in for NCCL on CPU; the ragged strategies need a GPU; the ppermute row is the
         # two-rank exchange.
         assert variants == {("nccl", "nccl"), ("ours", "padded"), ("ours", "padded cf=1.25"),
-                            ("ours", "padded cf=1.25 no-a2a"), ("ours", "padded cf=1.25 xla-gather"),
+                            ("ours", "padded cf=1.25 no-a2a"), ("ours", "padded cf=1.25 xla-ops"),
                             ("torch-ref", "torch-ref"), ("xla", "all_to_all"),
                             ("xla", "all_to_all cf=1.25")} | ({("xla", "ppermute cf=1.25")} if ranks == 2 else set())
         assert all(r["seconds"] > 0 for r in payload["records"])

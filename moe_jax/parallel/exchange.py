@@ -18,7 +18,8 @@ Dispatch (`ep_dispatch`), after the seed's section 4.3:
    rather than by local expert keeps the overflow spread over all experts of the destination
    instead of always hitting its highest-numbered one.
 3. Send layout: the kept routes to each destination form one block, ordered by (local expert,
-   token, slot). Block p starts at `send_offsets_P[p]`.
+   token, slot). Block p starts at `send_offsets_P[p]`. Steps 1-3 are `moe_jax.ops.plan_sends`:
+   one Pallas launch on GPU for up to 4096 routes (decode), XLA dense counts above.
 4. Count exchange: one `all_gather` of every rank's kept counts per (destination, local expert),
    `[P, El]` int32 each. From the resulting `[P, P, El]` matrix every rank computes the same
    block offsets on both sides of every exchange, so no offsets travel separately, and the
@@ -75,7 +76,8 @@ from jax import lax
 from moe_jax.ops.backends import BackendName
 from moe_jax.ops.rows import gather_rows
 from moe_jax.parallel.mesh import EP_AXIS
-from moe_jax.permute import check_mask, exclusive_cumsum, pack, stable_rank
+from moe_jax.ops.send_plan import plan_sends
+from moe_jax.permute import check_mask, exclusive_cumsum
 
 __all__ = [
     "STRATEGIES",
@@ -300,40 +302,6 @@ def _block_of(rows, offsets_P):
 # ----------------------------------------------------------------------------- planning
 
 
-class _SendPlan(NamedTuple):
-    """Sender-side, purely local decisions (no collectives)."""
-
-    keep_R: jax.Array  # bool, route kept
-    dest_R: jax.Array  # int32, destination rank (P for an invalid expert id or a masked token)
-    kept_PE: jax.Array  # [P, El] int32, kept routes per (destination, local expert)
-    send_counts_P: jax.Array  # int32, routes per destination before dropping
-    send_rank_R: jax.Array  # int32, place of each kept route in (dest, local expert, token) order
-
-
-def _plan_sends(expert_R, real_R, num_experts: int, ep: int, capacity: int) -> _SendPlan:
-    """Capacity decisions and each kept route's place in the send order, by dense counts
-    (`permute.stable_rank`, `permute.pack`), not sorts: XLA's two stable argsorts took 39 us at
-    R = 8192 on an H200 (benchmarks/results/2026-11-30-h200x2-ep-breakdown-2.md)."""
-    local = num_experts // ep
-    expert_R = expert_R.astype(jnp.int32)
-    valid_R = real_R & (expert_R >= 0) & (expert_R < num_experts)
-    # Invalid ids and masked tokens go to a bin past the ranks: never sent, never counted.
-    dest_R = jnp.where(valid_R, expert_R // local, ep)
-    # Capacity keeps each destination's first C routes in token order.
-    dest_rank_R, send_counts_P = stable_rank(dest_R, ep)
-    keep_R = valid_R & (dest_rank_R < capacity)
-    # expert = dest * El + local, so packing the kept routes by expert id orders them by
-    # (destination, local expert), and within an expert by token.
-    kept = pack(expert_R[:, None], num_experts, mask_T=keep_R)
-    return _SendPlan(
-        keep_R=keep_R,
-        dest_R=dest_R,
-        kept_PE=kept.group_sizes_E.reshape(ep, local),
-        send_counts_P=send_counts_P,
-        send_rank_R=kept.inverse_R,
-    )
-
-
 def _plan_exchange(counts_PP, send_sizes, me, strategy: str, capacity: int) -> BlockExchange:
     """Block offsets of the dispatch exchange from the kept-row matrix `counts_PP[src, dst]`, the
     same matrix on every rank, so sender and receiver agree without exchanging offsets.
@@ -368,18 +336,19 @@ class _Regroup(NamedTuple):
     group_sizes_El: jax.Array
 
 
-def _plan_regroup(recv_PE, recv_offsets_P, rows: int) -> _Regroup:
+def _plan_regroup(recv_PE, recv_offsets_P, rows: int, capacity: int | None) -> _Regroup:
     """Map receive-buffer rows to the grouped-GEMM layout.
 
     `recv_PE[s, e]`: rows of local expert e in the block from source s. Each block is ordered by
     local expert (sender's send order), so a row's expert, and its packed position (expert
     offset + rows of that expert from earlier sources + rank within its run), follow from the
-    counts alone: no expert ids travel and no sort is needed.
+    counts alone: no expert ids travel and no sort is needed. `capacity`: the padded layout's
+    fixed block size (blocks at s*C), None for blocks at `recv_offsets_P`.
     """
     recv_P = recv_PE.sum(axis=1)
     group_sizes_El = recv_PE.sum(axis=0)
     i_M = jnp.arange(rows, dtype=jnp.int32)
-    src_M = _block_of(i_M, recv_offsets_P)
+    src_M = _block_of(i_M, recv_offsets_P) if capacity is None else i_M // capacity
     j_M = i_M - recv_offsets_P[src_M]  # position within the source block
     valid_M = j_M < recv_P[src_M]
     run_end_PE = jnp.cumsum(recv_PE, axis=1)
@@ -524,22 +493,17 @@ def ep_dispatch(
     if routes == 0:
         return _empty_dispatch(x_TD, tokens, top_k, strategy, ep, local)
 
-    real_R = jnp.ones((routes,), jnp.bool_) if mask_T is None else jnp.repeat(mask_T, top_k)
-    sends = _plan_sends(expert_idx_TK.reshape(routes), real_R, num_experts, ep, cap)
+    real_R = None if mask_T is None else jnp.repeat(mask_T, top_k)
+    # Send-buffer row of each kept route and the token each send row reads (-1: padding).
+    sends = plan_sends(expert_idx_TK.reshape(routes), real_R, num_experts=num_experts, ep=ep, capacity=cap,
+                       top_k=top_k, padded=strategy == "padded", send_rows=send_rows, backend=backend)
     # The count exchange: every rank's [P, El] kept counts, integers, not differentiated.
     counts_PPE = lax.all_gather(sends.kept_PE, axis_name)
     me = lax.axis_index(axis_name)
-    ex = _plan_exchange(counts_PPE.sum(axis=2), sends.kept_PE.sum(axis=1), me, strategy, cap)
-
-    # Send-buffer row of each kept route (block of its destination, then its place among the
-    # kept routes to it), and the token each send row reads (-1: padding).
-    dest_R = jnp.minimum(sends.dest_R, ep - 1)  # invalid-id routes are masked by keep below
-    slot_R = sends.send_rank_R - exclusive_cumsum(ex.send_sizes_P)[dest_R]
-    route_row_R = jnp.where(sends.keep_R, ex.send_offsets_P[dest_R] + slot_R, -1)
-    token_R = jnp.arange(routes, dtype=jnp.int32) // top_k
-    send_ids_S = jnp.full((send_rows,), -1, jnp.int32).at[jnp.where(sends.keep_R, route_row_R, send_rows)].set(
-        token_R, mode="drop")
-    regroup = _plan_regroup(counts_PPE[:, me, :], ex.recv_offsets_P, recv_rows)
+    ex = _plan_exchange(counts_PPE.sum(axis=2), sends.send_sizes_P, me, strategy, cap)
+    route_row_R, send_ids_S = sends.route_row_R, sends.send_ids_S
+    regroup = _plan_regroup(counts_PPE[:, me, :], ex.recv_offsets_P, recv_rows,
+                            cap if strategy == "padded" else None)
     if _pairwise(strategy, ep, cap, x_TD):
         # Only the peer block is built and swapped; packed rows of this rank's own routes read
         # their tokens straight from x_TD (the own block is never materialised), so the regroup
@@ -559,7 +523,9 @@ def ep_dispatch(
     # Padding rows are written as zeros here, whatever the receive buffer holds there.
     packed_x_MD = gather_rows(regroup_src, regroup_ids, inverse_N=regroup_inverse, backend=backend)
 
-    dropped = lax.psum(jnp.sum(real_R & ~sends.keep_R, dtype=jnp.int32), axis_name)
+    # Every route of a real token that is not sent counts: over capacity or an invalid expert id.
+    real_routes = routes if real_R is None else jnp.sum(real_R, dtype=jnp.int32)
+    dropped = lax.psum(real_routes - jnp.sum(sends.send_sizes_P), axis_name)
     plan = EPPlan(
         strategy=strategy,
         capacity=cap,
