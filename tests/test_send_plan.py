@@ -153,11 +153,13 @@ def test_kernel_lowers_for_h200_inside_shard_map(padded, masked):
     assert text.count('name = "moe_jax_send_plan"') == 1
 
 
+@pytest.mark.parametrize("backend", ["auto", "pallas_triton"])
 @pytest.mark.parametrize("routes, kernel", [(PALLAS_MAX_ROUTES, True), (PALLAS_MAX_ROUTES + 2, False)])
-def test_auto_uses_the_kernel_only_up_to_its_route_limit(routes, kernel):
+def test_the_kernel_runs_only_up_to_its_route_limit(backend, routes, kernel):
+    """On GPU, both the default and the explicit Pallas backend plan large R with XLA."""
     def plan(expert_R):
         return plan_sends(expert_R, num_experts=64, ep=2, capacity=routes, top_k=2, padded=True,
-                          send_rows=2 * routes).route_row_R
+                          send_rows=2 * routes, backend=backend).route_row_R
 
     text = lower_for_gpu(plan, jax.ShapeDtypeStruct((routes,), jnp.int32))
     assert ('name = "moe_jax_send_plan"' in text) == kernel

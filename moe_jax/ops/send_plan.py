@@ -16,7 +16,8 @@ the order the receiver regroups by. Layout of the blocks:
 Backends (purely local integer work, no collectives, not differentiated):
 
 - `pallas_triton`: `kernels.send_plan_pallas`, one launch. Each program compares its routes with
-  every route (`R*R` compares in all), so `auto` uses it only up to `PALLAS_MAX_ROUTES` routes.
+  every route (`R*R` compares in all), so it runs only up to `PALLAS_MAX_ROUTES` routes; above
+  that this backend plans with XLA too.
   At decode (R = 1024) it replaces a chain of about a dozen small XLA kernels (about 29 us
   between the previous combine and the send gather on an H200), and dispatch+combine drops from
   186 to 168 us.
@@ -39,7 +40,7 @@ from moe_jax.permute import exclusive_cumsum, pack, stable_rank
 
 __all__ = ["PALLAS_MAX_ROUTES", "SendPlan", "plan_sends", "plan_sends_reference"]
 
-# Largest R for which backend="auto" runs the Pallas kernel on GPU (its compares grow as R*R).
+# Largest R the Pallas backend runs its kernel for (its compares grow as R*R; XLA plans above).
 # In the EP loop on 2 H200s (padded cf=1.25, D=7168, top-8 of 256), dispatch+combine with the
 # kernel vs XLA's plan: R=1024 168 vs 186 us, R=2048 260 vs 284, R=4096 448 vs 462; at R=8192
 # (D=4096, top-2 of 64) an earlier config lost, 583 vs 515 us.
@@ -113,6 +114,9 @@ def _xla_plan(expert_R, real_R, *, num_experts, ep, capacity, top_k, padded, sen
 
 def _pallas_plan(expert_R, real_R, *, num_experts, ep, capacity, top_k, padded, send_rows) -> SendPlan:
     routes = expert_R.shape[0]
+    if routes > PALLAS_MAX_ROUTES:  # the kernel's R*R compares lose to XLA's dense counts here
+        return _xla_plan(expert_R, real_R, num_experts=num_experts, ep=ep, capacity=capacity, top_k=top_k,
+                         padded=padded, send_rows=send_rows)
     block = min(_BLOCK, _kernels._pow2_at_least(routes))
     rows, ids, kept_E, counts, sizes = _kernels.send_plan_pallas(
         expert_R, None if real_R is None else real_R.astype(jnp.int32), num_experts=num_experts, ep=ep,
@@ -161,15 +165,13 @@ def plan_sends(
       top_k: K (send rows carry tokens `r // K`).
       padded: block p at row p*C (`True`) or blocks packed tightly (`False`).
       send_rows: S, rows of the send buffer (>= P*C padded, >= R tight).
-      backend: `"auto"` (Pallas on GPU up to `PALLAS_MAX_ROUTES` routes, else XLA),
-        `"pallas_triton"` or `"xla"`.
+      backend: `"auto"` (`"pallas_triton"` on GPU, else `"xla"`), `"pallas_triton"` (the kernel up
+        to `PALLAS_MAX_ROUTES` routes, XLA's dense counts above) or `"xla"`.
 
     Returns a `SendPlan`.
     """
     _check(expert_R, real_R, num_experts, ep, capacity, top_k, padded, send_rows)
     name = resolve_backend(backend)
-    if backend == "auto" and expert_R.shape[0] > PALLAS_MAX_ROUTES:
-        name = "xla"
     if expert_R.shape[0] == 0:
         none_P = jnp.zeros((ep,), jnp.int32)
         return SendPlan(jnp.zeros((0,), jnp.int32), jnp.full((send_rows,), -1, jnp.int32),

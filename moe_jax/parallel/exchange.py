@@ -49,8 +49,8 @@ Strategies (one seam, `_move_rows`; planning and regrouping are shared):
   blocks tightly in source order into M = P*C rows. GPU only (XLA:CPU does not implement it).
   Measured on 2 H200s with jax 0.11.2 (benchmarks/results/2026-11-30-h200x2-ep.md): about 5 GB/s
   by default, about 100-115 GB/s with XLA_FLAGS=--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true
-  at prefill, against 250-315 GB/s for `"padded"` there at capacity factor 1.25 (about 150-160 GB/s at decode;
-  benchmarks/results/2026-11-30-h200x2-ep-breakdown-3.md); hence
+  at prefill, against 250-310 GB/s for `"padded"` there at capacity factor 1.25 (about 165-170 GB/s at decode;
+  benchmarks/results/2026-11-30-h200x2-ep-breakdown-4.md); hence
   `"padded"` is the default.
 
 Both strategies keep the same routes and produce the same packed layout, so results agree
