@@ -12,9 +12,11 @@ packed row through the inverse permutation and the K rows of a token are summed 
 weights in float32.
 
 Everything is `jnp` (the row gather is `moe_jax.ops.gather_rows`) with static shapes (R rows
-whatever the routing), traceable under `jit`, and differentiable in the float arrays: gathers
-transpose to scatter-adds (or to gathers through the inverse permutation), so gradients reach
-`x_TD`, `y_RD` and `weights_TK`; the integer `Packing` is not differentiated.
+whatever the routing), traceable under `jit`, and differentiable in the float arrays: `gather_rows`'
+backward sums each token's K packed-row cotangents in float32 (a gather through `inverse_R`, no
+atomics, the same bits every run), `combine`'s gather of each route's row transposes to a scatter
+with distinct rows; gradients reach `x_TD`, `y_RD` and `weights_TK`; the integer `Packing` is not
+differentiated.
 """
 
 from __future__ import annotations
@@ -151,7 +153,11 @@ def gather_rows(x_TD: jax.Array, packing: Packing, *, backend: BackendName = "au
             f"gather_rows: x_TD has {num_tokens} tokens but the packing has {num_routes} routes; "
             "pack the same tokens' expert_idx_TK."
         )
-    return _rows.gather_rows(x_TD, jnp.where(_packed_rows(packing), packing.token_R, -1), backend=backend)
+    # The backward sums each token's K packed rows (its routes' inverse), in float32, without atomics.
+    packed_R = packing.inverse_R < jnp.sum(packing.group_sizes_E)
+    readers_TK = jnp.where(packed_R, packing.inverse_R, -1).reshape(num_tokens, num_routes // max(num_tokens, 1))
+    return _rows.gather_rows(x_TD, jnp.where(_packed_rows(packing), packing.token_R, -1), inverse_N=readers_TK,
+                             backend=backend)
 
 
 def combine(

@@ -44,6 +44,17 @@ def _inverse_of(rows, n):
         jnp.arange(rows.shape[0], dtype=jnp.int32), mode="drop")
 
 
+def _readers_of(rows, n, k):
+    """`[n, k]`: the output rows reading each source row (in output order), -1 padded."""
+    readers = np.full((n, k), -1, np.int32)
+    filled = np.zeros(n, int)
+    for i, row in enumerate(np.asarray(rows)):
+        if 0 <= row < n:
+            readers[row, filled[row]] = i
+            filled[row] += 1
+    return jnp.asarray(readers)
+
+
 def _check_sources(xs, rows, inverse, backend, key):
     """Forward equals the fp32 reference exactly; every source's gradient matches it."""
     out = gather_rows(xs, rows, inverse_N=inverse, backend=backend)
@@ -127,8 +138,34 @@ def test_gather_rows_inverse_per_source(backend):
     _check_sources(xs, rows, (None, inverse_peer), backend, keys[2])
     with pytest.raises(ValueError, match="one entry .* per source: 2 sources, got 1"):
         gather_rows(xs, rows, inverse_N=(inverse_peer,), backend=backend)
-    with pytest.raises(ValueError, match=r"inverse_N\[1\] must be a 1-D int array \[N\] = \(7,\)"):
+    with pytest.raises(ValueError, match=r"inverse_N\[1\] must be an int array \[N\] = \(7,\) or \[N, K\]"):
         gather_rows(xs, rows, inverse_N=(None, inverse_peer[:5]), backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gather_rows_readers_inverse(backend):
+    """An `[N, K]` inverse (the output rows reading each source row) gives the scatter-add's
+    gradient; in bf16 it is the float32 sum rounded once, whatever the order of the rows."""
+    n, m, d = 9, 31, 40
+    rows = _rows(11, m, n)
+    k = int(np.bincount(np.asarray(rows)[(rows >= 0) & (rows < n)], minlength=n).max()) + 1  # a spare column
+    readers = _readers_of(rows, n, k)
+    x = jax.random.normal(jax.random.PRNGKey(4), (n, d))
+    _check_sources((x,), rows, readers, backend, jax.random.PRNGKey(5))
+    # Two sources, the first read several times through its readers, the second once.
+    xs = (x, jax.random.normal(jax.random.PRNGKey(6), (4, d)))
+    own = np.where((rows >= 0) & (rows < n), rows, -1)  # ids past 8 would read xs[1] now
+    two = jnp.asarray(np.r_[own, [9, 12, -1, 10]], jnp.int32)
+    _check_sources(xs, two, (_readers_of(two, n, k), _inverse_of(two - n, 4)), backend, jax.random.PRNGKey(7))
+
+    cot = jax.random.normal(jax.random.PRNGKey(8), (m, d)).astype(jnp.bfloat16)
+    xb = x.astype(jnp.bfloat16)
+    got = jax.vjp(lambda x: gather_rows(x, rows, inverse_N=readers, backend=backend), xb)[1](cot)[0]
+    onehot = np.asarray(rows)[None, :] == np.arange(n)[:, None]
+    want = (onehot.astype(np.float32) @ np.asarray(cot, np.float32)).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    with pytest.raises(ValueError, match=r"inverse_N must be an int array \[N\] = \(9,\) or \[N, K\]"):
+        gather_rows(x, rows, inverse_N=readers[:, :, None])
 
 
 def test_gather_rows_bad_input():
@@ -139,7 +176,7 @@ def test_gather_rows_bad_input():
         gather_rows(x, jnp.zeros((2, 2), jnp.int32))
     with pytest.raises(TypeError, match="rows_M must hold integer"):
         gather_rows(x, jnp.zeros((2,)))
-    with pytest.raises(ValueError, match=r"inverse_N must be a 1-D int array \[N\]"):
+    with pytest.raises(ValueError, match=r"inverse_N must be an int array \[N\]"):
         gather_rows(x, jnp.arange(2), inverse_N=jnp.arange(3))
     with pytest.raises(ValueError, match="share the width D and the dtype"):
         gather_rows((x, jnp.zeros((4, 2))), jnp.arange(2))

@@ -15,11 +15,18 @@ concatenation. Backends as for the grouped GEMM:
   benchmarks/results/2026-11-30-h200x2-ep-breakdown-2.md).
 - `xla`: `jnp` indexing and a select; what `auto` picks off GPU.
 
-Differentiable in `x_ND`. The backward is a scatter-add of the output cotangent into the source
-rows (rows used twice get both contributions); when the caller knows the gather is injective it
-passes `inverse_N` (`inverse_N[rows[i]] = i`, -1 for source rows no output reads) and the backward
-is the gather `gather_rows(g_MD, inverse_N)`, with no atomics. With several sources the inverse can
-be given per source (a tuple with None for a source read more than once).
+Differentiable in `x_ND`. Without more information the backward is a scatter-add of the output
+cotangent into the source rows (rows used twice get both contributions), whose order of additions
+XLA does not fix. A caller that knows who reads each source row passes `inverse_N`:
+
+- `[N]`, for a gather that reads each source row at most once (`inverse_N[rows[i]] = i`, -1 for
+  rows no output reads): the backward is the gather `gather_rows(g_MD, inverse_N)`.
+- `[N, K]`, for a row read up to K times (a token's K routes): `inverse_N[n]` lists the output
+  rows that read row n, -1 in unused entries. The backward gathers those K rows and sums them in
+  float32: no atomics, the same result every run, one rounding per row.
+
+With several sources the inverse can be given per source (a tuple with None for a source whose
+backward should stay a scatter-add).
 """
 
 from __future__ import annotations
@@ -80,7 +87,7 @@ def _inverses(inverse_N, sizes) -> tuple:
     if inverse_N is None:
         return (None,) * len(sizes)
     if not isinstance(inverse_N, (tuple, list)):
-        _check_ids("inverse_N", inverse_N, sum(sizes))
+        _check_ids("inverse_N", inverse_N, sum(sizes), readers=True)
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         inverse_N = tuple(inverse_N[start:start + size] for start, size in zip(starts, sizes))
     elif len(inverse_N) != len(sizes):
@@ -90,14 +97,26 @@ def _inverses(inverse_N, sizes) -> tuple:
         )
     for i, (inverse, size) in enumerate(zip(inverse_N, sizes)):
         if inverse is not None:
-            _check_ids(f"inverse_N[{i}]", inverse, size)
+            _check_ids(f"inverse_N[{i}]", inverse, size, readers=True)
     return tuple(None if inverse is None else inverse.astype(jnp.int32) for inverse in inverse_N)
 
 
-def _check_ids(name, a, size):
-    if a.ndim != 1 or (size is not None and a.shape[0] != size):
-        want = "[M]" if size is None else f"[N] = ({size},)"
-        raise ValueError(f"{name} must be a 1-D int array {want}; got shape {tuple(a.shape)}.")
+def _sum_of_readers(g_MD, readers_NK):
+    """`out[n] = sum_k g_MD[readers_NK[n, k]]` over the entries in `[0, M)`, summed in float32;
+    `[N, D]` in `g_MD.dtype`."""
+    # Materialised once: fused into the sum, XLA would recompute the index arithmetic per element
+    # (see ep_combine).
+    readers_NK = jax.lax.optimization_barrier(readers_NK)
+    ok_NK = (readers_NK >= 0) & (readers_NK < g_MD.shape[0])
+    g_NKD = g_MD[jnp.where(ok_NK, readers_NK, 0)].astype(jnp.float32)
+    return jnp.sum(jnp.where(ok_NK[:, :, None], g_NKD, 0.0), axis=1).astype(g_MD.dtype)
+
+
+def _check_ids(name, a, size, *, readers: bool = False):
+    if not (a.ndim == 1 or (readers and a.ndim == 2)) or (size is not None and a.shape[0] != size):
+        want = "[M]" if size is None else f"[N] = ({size},)" + (f" or [N, K] = ({size}, K)" if readers else "")
+        raise ValueError(f"{name} must be a{' 1-D' if not readers else 'n'} int array {want}; got shape "
+                         f"{tuple(a.shape)}.")
     if not jnp.issubdtype(a.dtype, jnp.integer):
         raise TypeError(f"{name} must hold integer row ids; got dtype {a.dtype}.")
 
@@ -115,11 +134,12 @@ def gather_rows(
         memory (the XLA path concatenates).
       rows_M: int `[M]` source row of each output row; -1 (or any id outside `[0, N)`) gives a
         zero row.
-      inverse_N: optional int `[N]`, only for a gather that reads each source row at most once:
-        `inverse_N[n]` is the output row that reads row n, -1 if none. Makes the backward a
-        gather instead of a scatter-add. Not checked: a wrong inverse gives wrong gradients. With a
-        tuple of sources it may also be a tuple of `[N_i]` inverses, None for a source whose rows
-        can be read more than once (that source's backward stays a scatter-add).
+      inverse_N: optional int `[N]`, for a gather that reads each source row at most once:
+        `inverse_N[n]` is the output row that reads row n, -1 if none; or `[N, K]`: the output
+        rows that read row n (-1 in unused entries), for rows read up to K times. Makes the
+        backward a gather (summed over K in float32) instead of a scatter-add. Not checked: a wrong
+        inverse gives wrong gradients. With a tuple of sources it may also be a tuple of per-source
+        inverses, None for a source whose backward should stay a scatter-add.
       backend: `"auto"` (Pallas on GPU, XLA elsewhere), `"pallas_triton"` or `"xla"`.
 
     Returns `[M, D]` in the sources' dtype. Differentiable in the sources.
@@ -148,6 +168,8 @@ def gather_rows(
         for start, size, inverse in zip(starts, sizes, inverses):
             if size == 0:
                 grads.append(jnp.zeros((0, width), g_MD.dtype))
+            elif inverse is not None and inverse.ndim == 2:
+                grads.append(_sum_of_readers(g_MD, inverse))
             elif inverse is not None:
                 grads.append(impl((g_MD,), inverse))
             else:

@@ -504,20 +504,28 @@ def ep_dispatch(
     route_row_R, send_ids_S = sends.route_row_R, sends.send_ids_S
     regroup = _plan_regroup(counts_PPE[:, me, :], ex.recv_offsets_P, recv_rows,
                             cap if strategy == "padded" else None)
+    # x_TD's backward through each gather sums, per token, the rows its K routes were read into
+    # (`gather_rows`' [T, K] inverse: float32, no atomics); -1 where a route is not read there.
+    route_row_TK = route_row_R.reshape(tokens, top_k)
     if _pairwise(strategy, ep, cap, x_TD):
         # Only the peer block is built and swapped; packed rows of this rank's own routes read
         # their tokens straight from x_TD (the own block is never materialised), so the regroup
         # gathers from the pair (x_TD, received peer block).
         own_ids, peer_ids = _own_and_peer(send_ids_S, me, cap)
-        peer_x = _swap_pair(gather_rows(x_TD, peer_ids, backend=backend), axis_name)
+        block_TK = route_row_TK // cap  # destination of each sent route
+        peer_readers_TK = jnp.where((route_row_TK >= 0) & (block_TK != me), route_row_TK % cap, -1)
+        peer_x = _swap_pair(gather_rows(x_TD, peer_ids, inverse_N=peer_readers_TK, backend=backend), axis_name)
         pair = _pair_maps(regroup.recv_to_packed_M, regroup.packed_to_recv_M, me, cap)
         regroup_src = (x_TD, peer_x)
         regroup_ids = jnp.where(pair.own_slot_M >= 0, own_ids[jnp.maximum(pair.own_slot_M, 0)],
                                 jnp.where(pair.peer_slot_M >= 0, tokens + pair.peer_slot_M, -1))
-        # x_TD rows may be read K times (a scatter-add backward); peer rows at most once.
-        regroup_inverse = (None, pair.peer_to_packed_C)
+        # A route this rank serves itself sits at receive row = send row (slots are p*C on both
+        # sides); peer rows are read at most once.
+        own_readers_TK = jnp.where((route_row_TK >= 0) & (block_TK == me),
+                                   regroup.recv_to_packed_M[jnp.maximum(route_row_TK, 0)], -1)
+        regroup_inverse = (own_readers_TK, pair.peer_to_packed_C)
     else:
-        send_x_SD = gather_rows(x_TD, send_ids_S, backend=backend)
+        send_x_SD = gather_rows(x_TD, send_ids_S, inverse_N=route_row_TK, backend=backend)
         regroup_src = _exchange_rows(send_x_SD, ex, out_rows=recv_rows, axis_name=axis_name, strategy=strategy)
         regroup_ids, regroup_inverse = regroup.packed_to_recv_M, regroup.recv_to_packed_M
     # Padding rows are written as zeros here, whatever the receive buffer holds there.
@@ -529,7 +537,7 @@ def ep_dispatch(
     plan = EPPlan(
         strategy=strategy,
         capacity=cap,
-        route_row_TK=route_row_R.reshape(tokens, top_k),
+        route_row_TK=route_row_TK,
         recv_to_packed_M=regroup.recv_to_packed_M,
         packed_to_recv_M=regroup.packed_to_recv_M,
         group_sizes_El=regroup.group_sizes_El,
