@@ -226,7 +226,8 @@ class MoE(nnx.Module):
       fused_gate_up: store gate and up as one `w_gate_up [E, 2F, Din]` (gate rows first).
       dtype: compute dtype of every GEMM except the router (default: the input's dtype).
       param_dtype: parameter dtype.
-      backend: grouped-GEMM backend (`"auto"`, `"pallas_triton"`, `"xla"`); the EP row gathers use it too.
+      backend: grouped-GEMM backend (`"auto"`, `"pallas_triton"`, `"xla"`); the row gathers and EP's send
+        plan use it too.
       precision: dot precision for the expert/shared/latent GEMMs (default: HIGHEST for fp32).
       mesh: a `make_mesh` mesh for data/expert parallelism (see the module docstring).
       ep_strategy: EP exchange strategy, `"padded"` (default, fastest measured) or `"ragged"`

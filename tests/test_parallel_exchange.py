@@ -521,6 +521,8 @@ def test_pairwise_padded_path_lowers_for_gpu(monkeypatch):
     assert "all_to_all" not in text
     # Forward: the peer send gather, the regroup from (x, peer block) as one launch per source, the
     # peer un-regroup (4); the own block is never built. Backward, through the inverses: the
-    # regroup's peer source and the peer un-regroup (2); x's share of the regroup and the send
-    # gather scatter-add.
+    # regroup's peer source and the peer un-regroup (2); x's share of the regroup and of the peer
+    # send gather sum each token's rows (XLA gathers, no scatter-add).
     assert text.count('name = "moe_jax_gather_rows"') == 6
+    # The only scatters: the integer packed-to-receive map and combine's backward (distinct rows).
+    assert text.count('"stablehlo.scatter"(') == 2

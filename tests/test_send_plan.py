@@ -4,6 +4,9 @@ reference, a worked example, edge cases, argument errors and the kernel's GPU lo
 The Pallas kernel runs compiled on a GPU and interpreted on CPU, from the same test bodies.
 """
 
+import contextlib
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_jax.ops.send_plan import PALLAS_MAX_ROUTES, plan_sends, plan_sends_reference
+from moe_jax.ops import send_plan
+from moe_jax.ops.send_plan import PALLAS_MAX_RANKS, PALLAS_MAX_ROUTES, plan_sends, plan_sends_reference
 from tests.helpers import h200_mesh, lower_for_gpu, sharded_aval
 
 BACKENDS = ["pallas_triton", "xla"]
@@ -53,7 +57,7 @@ def test_worked_example():
     np.testing.assert_array_equal(tight.send_ids_S, [0, 2, 0, 1, -1, -1, -1, -1, -1, -1])
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(
     tokens=st.integers(1, 70),
     top_k=st.integers(1, 4),
@@ -64,12 +68,14 @@ def test_worked_example():
     masked=st.booleans(),
     invalid=st.sampled_from([0.0, 0.15]),
     spare=st.integers(0, 5),
+    small_tiles=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_backends_match_the_sorting_reference(tokens, top_k, ep, local, capacity_frac, padded, masked, invalid,
-                                              spare, seed):
+                                              spare, small_tiles, seed):
     """Any routing (ids out of range, masked tokens, hot experts via a skewed draw), any
-    capacity from heavy dropping to none, both layouts, spare send rows."""
+    capacity from heavy dropping to none, both layouts, spare send rows; `small_tiles` makes the
+    kernel loop over many chunks (4 routes per program, 16 per step), as large R does."""
     rng = np.random.default_rng(seed)
     experts, routes = ep * local, tokens * top_k
     popularity = rng.pareto(1.0, experts) + 1e-3
@@ -79,14 +85,16 @@ def test_backends_match_the_sorting_reference(tokens, top_k, ep, local, capacity
     real_R = jnp.asarray(rng.random(tokens) > 0.25).repeat(top_k) if masked else None
     capacity = max(1, round(capacity_frac * routes))
     send_rows = (ep * capacity if padded else routes) + spare
-    _plan_all(jnp.asarray(expert_R, jnp.int32), real_R, num_experts=experts, ep=ep, capacity=capacity,
-              top_k=top_k, padded=padded, send_rows=send_rows)
+    tiles = dict(_BLOCK=4, _CHUNK=16) if small_tiles else {}
+    with mock.patch.multiple(send_plan, **tiles) if tiles else contextlib.nullcontext():
+        _plan_all(jnp.asarray(expert_R, jnp.int32), real_R, num_experts=experts, ep=ep, capacity=capacity,
+                  top_k=top_k, padded=padded, send_rows=send_rows)
 
 
 @pytest.mark.parametrize("case", ["one_hot_expert", "nothing_dropped", "all_invalid", "single_route", "multi_chunk"])
 def test_edge_cases(case):
     experts, ep, top_k = 8, 2, 2
-    tokens = {"single_route": 1, "multi_chunk": 300}.get(case, 40)
+    tokens = {"single_route": 1, "multi_chunk": 600}.get(case, 40)  # 1200 routes: two 1024-route steps
     routes = tokens * top_k
     expert_R = np.random.default_rng(3).integers(0, experts, routes)
     capacity = 7
@@ -133,24 +141,37 @@ def test_argument_errors():
         plan_sends(e, backend="cuda", **kw)
 
 
-@pytest.mark.parametrize("padded, masked", [(True, False), (False, True)])
-def test_kernel_lowers_for_h200_inside_shard_map(padded, masked):
-    """Decode's plan (128 tokens, top-8 of 256 experts, 2 ranks) compiles for an H200 inside
-    shard_map, both layouts, with and without a token mask."""
-    mesh = h200_mesh((2,), ("ep",))
+@pytest.mark.parametrize("ep, routes, capacity, padded, masked", [
+    (2, 1024, 640, True, False),  # decode: 128 tokens, top-8 of 256 experts, capacity factor 1.25
+    (2, 1024, 640, False, True),
+    (3, 999, 333, False, False),  # nothing a power of two
+    (PALLAS_MAX_RANKS, PALLAS_MAX_ROUTES, PALLAS_MAX_ROUTES, True, True),  # the largest tiles: dropless
+])
+def test_kernel_lowers_for_h200_inside_shard_map(ep, routes, capacity, padded, masked):
+    """The kernel compiles for an H200 inside shard_map, both layouts, with and without a token
+    mask, up to its rank and route limits."""
+    mesh = h200_mesh((ep,), ("ep",))
     spec = jax.sharding.PartitionSpec("ep")
-    routes, capacity = 1024, 640
+    top_k = 8 if routes % 8 == 0 else 1
 
     def plan(expert_R, real_R):
         def body(expert_R, real_R):
-            out = plan_sends(expert_R, real_R if masked else None, num_experts=256, ep=2, capacity=capacity, top_k=8,
-                             padded=padded, send_rows=2 * capacity if padded else routes)
+            out = plan_sends(expert_R, real_R if masked else None, num_experts=32 * ep, ep=ep, capacity=capacity,
+                             top_k=top_k, padded=padded, send_rows=ep * capacity if padded else routes)
             return out.route_row_R, out.send_ids_S
         return jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=(spec, spec))(expert_R, real_R)
 
-    text = lower_for_gpu(plan, sharded_aval(mesh, (2 * routes,), jnp.int32, spec),
-                         sharded_aval(mesh, (2 * routes,), jnp.bool_, spec), mesh=mesh)
+    text = lower_for_gpu(plan, sharded_aval(mesh, (ep * routes,), jnp.int32, spec),
+                         sharded_aval(mesh, (ep * routes,), jnp.bool_, spec), mesh=mesh)
     assert text.count('name = "moe_jax_send_plan"') == 1
+
+
+def test_xla_plans_beyond_the_kernel_rank_limit():
+    def plan(expert_R):
+        return plan_sends(expert_R, num_experts=64, ep=2 * PALLAS_MAX_RANKS, capacity=16, top_k=2, padded=True,
+                          send_rows=32 * PALLAS_MAX_RANKS).route_row_R
+
+    assert 'name = "moe_jax_send_plan"' not in lower_for_gpu(plan, jax.ShapeDtypeStruct((64,), jnp.int32))
 
 
 @pytest.mark.parametrize("backend", ["auto", "pallas_triton"])

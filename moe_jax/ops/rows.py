@@ -23,7 +23,7 @@ XLA does not fix. A caller that knows who reads each source row passes `inverse_
   rows no output reads): the backward is the gather `gather_rows(g_MD, inverse_N)`.
 - `[N, K]`, for a row read up to K times (a token's K routes): `inverse_N[n]` lists the output
   rows that read row n, -1 in unused entries. The backward gathers those K rows and sums them in
-  float32: no atomics, the same result every run, one rounding per row.
+  float32: no atomics, the same result every run, one rounding per element.
 
 With several sources the inverse can be given per source (a tuple with None for a source whose
 backward should stay a scatter-add).

@@ -16,13 +16,13 @@ the order the receiver regroups by. Layout of the blocks:
 Backends (purely local integer work, no collectives, not differentiated):
 
 - `pallas_triton`: `kernels.send_plan_pallas`, one launch. Each program compares its routes with
-  every route (`R*R` compares in all), so it runs only up to `PALLAS_MAX_ROUTES` routes; above
-  that this backend plans with XLA too.
+  every route (`R*R` compares in all), so it runs only up to `PALLAS_MAX_ROUTES` routes (and
+  `PALLAS_MAX_RANKS` ranks); beyond, this backend plans with XLA too.
   At decode (R = 1024) it replaces a chain of about a dozen small XLA kernels (about 29 us
   between the previous combine and the send gather on an H200), and dispatch+combine drops from
   186 to 168 us.
-- `xla`: dense counts (`permute.stable_rank`, `permute.pack`): a handful of fused reductions
-  whose work grows as `R*(256 + E)`, for prefill sizes.
+- `xla`: dense counts (`permute.stable_rank` by destination, `permute.pack` by expert): a handful
+  of fused reductions, about `R*(512 + P + E)` compares, for prefill sizes.
 
 `plan_sends_reference` computes the same plan with stable sorts, for tests.
 """
@@ -38,13 +38,17 @@ from moe_jax.ops import kernels as _kernels
 from moe_jax.ops.backends import BackendName, _on_gpu, resolve_backend
 from moe_jax.permute import exclusive_cumsum, pack, stable_rank
 
-__all__ = ["PALLAS_MAX_ROUTES", "SendPlan", "plan_sends", "plan_sends_reference"]
+__all__ = ["PALLAS_MAX_RANKS", "PALLAS_MAX_ROUTES", "SendPlan", "plan_sends", "plan_sends_reference"]
 
 # Largest R the Pallas backend runs its kernel for (its compares grow as R*R; XLA plans above).
 # In the EP loop on 2 H200s (padded cf=1.25, D=7168, top-8 of 256), dispatch+combine with the
 # kernel vs XLA's plan: R=1024 168 vs 186 us, R=2048 260 vs 284, R=4096 448 vs 462; at R=8192
 # (D=4096, top-2 of 64) an earlier config lost, 583 vs 515 us.
 PALLAS_MAX_ROUTES = 4096
+# Largest ep the Pallas backend runs its kernel for: its [routes, ranks] and [send rows, ranks]
+# tiles grow with P (Triton caps a tile at 2**20 elements, dropless padded plans reach that at
+# P = 256), and it was measured at P = 2 only; XLA plans for larger P.
+PALLAS_MAX_RANKS = 8
 # Of 32/256/4, 16/512/4, 16/1024/4, 8/1024/4, 32/1024/8 (routes per program, per loop step,
 # warps), 16/1024/4 was the fastest or within 1% at R = 1024-4096.
 _BLOCK = 16
@@ -114,7 +118,7 @@ def _xla_plan(expert_R, real_R, *, num_experts, ep, capacity, top_k, padded, sen
 
 def _pallas_plan(expert_R, real_R, *, num_experts, ep, capacity, top_k, padded, send_rows) -> SendPlan:
     routes = expert_R.shape[0]
-    if routes > PALLAS_MAX_ROUTES:  # the kernel's R*R compares lose to XLA's dense counts here
+    if routes > PALLAS_MAX_ROUTES or ep > PALLAS_MAX_RANKS:  # see the two limits
         return _xla_plan(expert_R, real_R, num_experts=num_experts, ep=ep, capacity=capacity, top_k=top_k,
                          padded=padded, send_rows=send_rows)
     block = min(_BLOCK, _kernels._pow2_at_least(routes))
@@ -166,7 +170,8 @@ def plan_sends(
       padded: block p at row p*C (`True`) or blocks packed tightly (`False`).
       send_rows: S, rows of the send buffer (>= P*C padded, >= R tight).
       backend: `"auto"` (`"pallas_triton"` on GPU, else `"xla"`), `"pallas_triton"` (the kernel up
-        to `PALLAS_MAX_ROUTES` routes, XLA's dense counts above) or `"xla"`.
+        to `PALLAS_MAX_ROUTES` routes and `PALLAS_MAX_RANKS` ranks, XLA's dense counts beyond) or
+        `"xla"`.
 
     Returns a `SendPlan`.
     """

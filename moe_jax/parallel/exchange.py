@@ -75,8 +75,8 @@ from jax import lax
 
 from moe_jax.ops.backends import BackendName
 from moe_jax.ops.rows import gather_rows
-from moe_jax.parallel.mesh import EP_AXIS
 from moe_jax.ops.send_plan import plan_sends
+from moe_jax.parallel.mesh import EP_AXIS
 from moe_jax.permute import check_mask, exclusive_cumsum
 
 __all__ = [
@@ -474,7 +474,8 @@ def ep_dispatch(
         raise ValueError.
       mask_T: optional bool `[T]`, True for real tokens. Routes of masked tokens are neither sent
         nor counted (not in `send_counts_P`, not dropped); their combined output is zero.
-      backend: row-gather backend (`"auto"`: Pallas on GPU, XLA elsewhere; see `gather_rows`).
+      backend: backend of the row gathers and the send plan (`"auto"`: our Pallas kernels on GPU,
+        XLA elsewhere; see `moe_jax.ops.gather_rows` and `moe_jax.ops.plan_sends`).
 
     Returns:
       packed_x_MD: `[M, D]`, M = P*C, rows of local expert 0, then 1, ... (within an expert by
@@ -646,7 +647,7 @@ def ep_moe(
     the packed rows group by group (grouped-GEMM layout, e.g. `moe_jax.ops.grouped_linear`),
     returning `[M, D_out]`; its rows past `sum(group_sizes_El)` are ignored.
     `mask_T` (bool `[T]`) excludes padding tokens: they are not sent and their output is zero.
-    `backend` picks the row-gather backend (see `ep_dispatch`).
+    `backend` picks the row-gather and send-plan backend (see `ep_dispatch`).
     Returns `(y_TD, EPStats)`.
     """
     packed_x_MD, group_sizes_El, plan = ep_dispatch(
