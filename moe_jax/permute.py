@@ -132,6 +132,11 @@ def pack(expert_idx_TK: jax.Array, num_experts: int, *, mask_T: jax.Array | None
     return Packing(order_R=order_R, token_R=order_R // top_k, inverse_R=inverse_R, group_sizes_E=group_sizes_E)
 
 
+def _packed_routes(packing: Packing) -> jax.Array:
+    """bool `[R]`: route r sits in an expert group (its packed row is below sum(group_sizes))."""
+    return packing.inverse_R < jnp.sum(packing.group_sizes_E)
+
+
 def _packed_rows(packing: Packing) -> jax.Array:
     """bool `[R]`: packed row i belongs to an expert group (i < sum(group_sizes))."""
     num_routes = packing.order_R.shape[0]
@@ -154,8 +159,7 @@ def gather_rows(x_TD: jax.Array, packing: Packing, *, backend: BackendName = "au
             "pack the same tokens' expert_idx_TK."
         )
     # The backward sums each token's K packed rows (its routes' inverse), in float32, without atomics.
-    packed_R = packing.inverse_R < jnp.sum(packing.group_sizes_E)
-    readers_TK = jnp.where(packed_R, packing.inverse_R, -1).reshape(num_tokens, num_routes // max(num_tokens, 1))
+    readers_TK = jnp.where(_packed_routes(packing), packing.inverse_R, -1).reshape(num_tokens, num_routes // max(num_tokens, 1))
     return _rows.gather_rows(x_TD, jnp.where(_packed_rows(packing), packing.token_R, -1), inverse_N=readers_TK,
                              backend=backend)
 
@@ -189,7 +193,7 @@ def combine(
         )
     mask_T = check_mask(mask_T, num_tokens, "combine")
 
-    valid_R = packing.inverse_R < jnp.sum(packing.group_sizes_E)
+    valid_R = _packed_routes(packing)
     if mask_T is not None:
         valid_R &= jnp.repeat(mask_T, top_k)
     valid_TK1 = valid_R.reshape(num_tokens, top_k, 1)

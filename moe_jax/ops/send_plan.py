@@ -125,7 +125,7 @@ def _pallas_plan(expert_R, real_R, *, num_experts, ep, capacity, top_k, padded, 
     rows, ids, kept_E, counts, sizes = _kernels.send_plan_pallas(
         expert_R, None if real_R is None else real_R.astype(jnp.int32), num_experts=num_experts, ep=ep,
         capacity=capacity, top_k=top_k, padded=padded, send_rows=send_rows, block=block,
-        chunk=max(block, min(_CHUNK, _kernels._pow2_at_least(routes))), num_warps=_NUM_WARPS,
+        chunk=min(_CHUNK, _kernels._pow2_at_least(routes)), num_warps=_NUM_WARPS,
         interpret=not _on_gpu(),
     )
     return SendPlan(rows, ids, kept_E.reshape(ep, num_experts // ep), counts, sizes)

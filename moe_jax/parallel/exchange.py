@@ -406,20 +406,29 @@ def _own_and_peer(ids_S, me, capacity: int):
 
 
 class _PairMaps(NamedTuple):
-    """The two-rank path's view of the packed layout (blocks of C slots, block p at p*C; -1: none)."""
+    """The two-rank path's view of the packed layout (blocks of C slots, block p at p*C; -1: none).
+    A route this rank serves itself sits at receive row = send row, since slots are p*C on both
+    sides."""
 
     own_slot_M: jax.Array  # slot in this rank's own block of each packed row
     peer_slot_M: jax.Array  # slot in the peer's block of each packed row
     peer_to_packed_C: jax.Array  # packed row filled by each slot of the peer's block
+    own_packed_R: jax.Array  # packed row of each route this rank serves itself
+    peer_slot_R: jax.Array  # slot in the peer's block of each route sent to the peer
 
 
-def _pair_maps(recv_to_packed_M, packed_to_recv_M, me, capacity: int) -> _PairMaps:
-    from_own = packed_to_recv_M // capacity == me
-    slot_M = packed_to_recv_M % capacity
-    real_M = packed_to_recv_M >= 0
-    return _PairMaps(own_slot_M=jnp.where(real_M & from_own, slot_M, -1),
-                     peer_slot_M=jnp.where(real_M & ~from_own, slot_M, -1),
-                     peer_to_packed_C=_own_and_peer(recv_to_packed_M, me, capacity)[1])
+def _pair_maps(recv_to_packed_M, packed_to_recv_M, route_row_R, me, capacity: int) -> _PairMaps:
+    def split(row, real):
+        """(own slot, peer slot) of padded-layout rows, -1 where not real or not that side."""
+        own = row // capacity == me
+        return jnp.where(real & own, row % capacity, -1), jnp.where(real & ~own, row % capacity, -1)
+
+    own_slot_M, peer_slot_M = split(packed_to_recv_M, packed_to_recv_M >= 0)
+    own_slot_R, peer_slot_R = split(route_row_R, route_row_R >= 0)
+    return _PairMaps(own_slot_M=own_slot_M, peer_slot_M=peer_slot_M,
+                     peer_to_packed_C=_own_and_peer(recv_to_packed_M, me, capacity)[1],
+                     own_packed_R=jnp.where(own_slot_R >= 0, recv_to_packed_M[jnp.maximum(route_row_R, 0)], -1),
+                     peer_slot_R=peer_slot_R)
 
 
 def _swap_pair(rows_ND, axis_name):
@@ -512,19 +521,14 @@ def ep_dispatch(
         # Only the peer block is built and swapped; packed rows of this rank's own routes read
         # their tokens straight from x_TD (the own block is never materialised), so the regroup
         # gathers from the pair (x_TD, received peer block).
+        pair = _pair_maps(regroup.recv_to_packed_M, regroup.packed_to_recv_M, route_row_R, me, cap)
         own_ids, peer_ids = _own_and_peer(send_ids_S, me, cap)
-        block_TK = route_row_TK // cap  # destination of each sent route
-        peer_readers_TK = jnp.where((route_row_TK >= 0) & (block_TK != me), route_row_TK % cap, -1)
-        peer_x = _swap_pair(gather_rows(x_TD, peer_ids, inverse_N=peer_readers_TK, backend=backend), axis_name)
-        pair = _pair_maps(regroup.recv_to_packed_M, regroup.packed_to_recv_M, me, cap)
+        peer_x = _swap_pair(gather_rows(x_TD, peer_ids, inverse_N=pair.peer_slot_R.reshape(tokens, top_k),
+                                        backend=backend), axis_name)
         regroup_src = (x_TD, peer_x)
         regroup_ids = jnp.where(pair.own_slot_M >= 0, own_ids[jnp.maximum(pair.own_slot_M, 0)],
                                 jnp.where(pair.peer_slot_M >= 0, tokens + pair.peer_slot_M, -1))
-        # A route this rank serves itself sits at receive row = send row (slots are p*C on both
-        # sides); peer rows are read at most once.
-        own_readers_TK = jnp.where((route_row_TK >= 0) & (block_TK == me),
-                                   regroup.recv_to_packed_M[jnp.maximum(route_row_TK, 0)], -1)
-        regroup_inverse = (own_readers_TK, pair.peer_to_packed_C)
+        regroup_inverse = (pair.own_packed_R.reshape(tokens, top_k), pair.peer_to_packed_C)  # peer rows: read once
     else:
         send_x_SD = gather_rows(x_TD, send_ids_S, inverse_N=route_row_TK, backend=backend)
         regroup_src = _exchange_rows(send_x_SD, ex, out_rows=recv_rows, axis_name=axis_name, strategy=strategy)
@@ -606,13 +610,12 @@ def ep_combine(packed_y_MD: jax.Array, weights_TK: jax.Array, plan: EPPlan, *, a
     if _pairwise(plan.strategy, ep, plan.capacity, packed_y_MD):
         # Only the peer block goes back; routes this rank served itself read their packed rows
         # directly (slots are p*C on both sides, so a route's send row is also its receive row).
-        me, cap = lax.axis_index(axis_name), plan.capacity
-        pair = _pair_maps(plan.recv_to_packed_M, plan.packed_to_recv_M, me, cap)
+        pair = _pair_maps(plan.recv_to_packed_M, plan.packed_to_recv_M, row_R, lax.axis_index(axis_name),
+                          plan.capacity)
         peer_y = _swap_pair(gather_rows(packed_y_MD, pair.peer_to_packed_C, inverse_N=pair.peer_slot_M,
                                         backend=backend), axis_name)
-        own_R = row_R // cap == me
-        row_R = jnp.where(row_R < 0, -1, jnp.where(own_R, plan.recv_to_packed_M[jnp.maximum(row_R, 0)],
-                                                   packed_y_MD.shape[0] + row_R % cap))
+        row_R = jnp.where(pair.own_packed_R >= 0, pair.own_packed_R,
+                          jnp.where(pair.peer_slot_R >= 0, packed_y_MD.shape[0] + pair.peer_slot_R, -1))
         returned_SD = jnp.concatenate([packed_y_MD, peer_y])
     else:
         back_MD = gather_rows(packed_y_MD, plan.recv_to_packed_M, inverse_N=plan.packed_to_recv_M, backend=backend)
