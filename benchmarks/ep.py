@@ -53,7 +53,7 @@ flag) run dispatch, SwiGLU experts and combine in fp32, HIGHEST, dropless and wi
 drops, on zipf routing and on "all routes to one rank"; the output and the gradients w.r.t. x, the
 routing weights and the three expert weights must match `moe_jax.dense_reference.moe_reference`
 of the whole batch on one device (weights of dropped routes zeroed) within the fp32 relative
-Frobenius tolerance of `tests.helpers.TOL` (1e-5; a non-finite value fails), and both strategies
+Frobenius tolerance of `moe_jax.testing` (1e-5; a non-finite value fails), and both strategies
 must drop the same routes. It also reports, as a finding, whether `jax.grad` through a raw
 `jax.lax.ragged_all_to_all` (JAX's own transpose, which our exchanges never use: they carry a
 custom_vjp whose backward is the reverse exchange) matches the exact gradient, for operand rows
@@ -80,7 +80,6 @@ import sys
 import tempfile
 from typing import NamedTuple
 import time
-from unittest import mock
 
 import numpy as np
 
@@ -288,7 +287,7 @@ def _jax_loop(mesh, shape: Shape, variant: Variant, smoke: bool):
     import jax
     from jax import lax
 
-    from moe_jax.parallel import EP_AXIS, activation_spec, capacity_for, ep_combine, ep_dispatch, exchange
+    from moe_jax.parallel import EP_AXIS, activation_spec, capacity_for, ep_combine, ep_dispatch, select_transport
 
     strategy = variant.exchange
     backend = "xla" if variant.xla_ops else "auto"
@@ -296,20 +295,20 @@ def _jax_loop(mesh, shape: Shape, variant: Variant, smoke: bool):
     capacity = capacity_for(shape.tokens, shape.top_k, ranks, CAPACITY_FACTOR) if variant.capacity else None
     act = activation_spec()
     reps = _reps(shape, smoke)
-    # "no-a2a": the same planning, gathers and combine with the row collective replaced by the
-    # identity (same buffer shape under "padded"): what our code costs around the collective.
-    def body(x, idx, w):
-        if variant.no_a2a:
-            identity = lambda rows, *a, **k: rows  # noqa: E731
-            with mock.patch.object(exchange, "_move_rows", identity), mock.patch.object(exchange, "_swap_pair", identity):
-                return _body(x, idx, w)
-        return _body(x, idx, w)
+    # "no-a2a": the transport "auto" picks, with its collective replaced by the identity (same
+    # buffer shape under "padded"): what our code costs around the collective.
+    transport = "auto"
+    if variant.no_a2a:
+        block_bytes = (capacity or shape.tokens * shape.top_k) * shape.d_model * 2  # bf16 rows
+        chosen = select_transport(strategy, "auto", ep=ranks, block_bytes=block_bytes)
+        transport = dataclasses.replace(chosen, name=chosen.name + " (identity)",
+                                        move=lambda rows, ex, out_rows, axis_name: rows)
 
-    def _body(x, idx, w):
+    def body(x, idx, w):
         def one(_, carry):
             x, idx, w = lax.optimization_barrier(carry)  # keep the planning inside the loop
             packed, _, plan = ep_dispatch(x, idx, num_experts=shape.experts, strategy=strategy, capacity=capacity,
-                                          backend=backend)
+                                          backend=backend, transport=transport)
             # The identity experts sit behind a barrier, as a real expert stage would: otherwise
             # XLA fuses the regroup gather into combine's un-regroup and one row pass disappears.
             return ep_combine(lax.optimization_barrier(packed), w, plan, backend=backend), idx, w
@@ -340,7 +339,7 @@ def _collective_loop(mesh, shape: Shape, variant: Variant, smoke: bool):
     from jax import lax
     from jax.sharding import PartitionSpec
 
-    from moe_jax.parallel import EP_AXIS, activation_spec, capacity_for, exchange
+    from moe_jax.parallel import EP_AXIS, PAIR_SWAP, activation_spec, capacity_for
 
     routes = shape.tokens * shape.top_k
     reps = _reps(shape, smoke)
@@ -366,7 +365,7 @@ def _collective_loop(mesh, shape: Shape, variant: Variant, smoke: bool):
                                              axis_name=EP_AXIS)
                 return lax.ragged_all_to_all(recv, jnp.zeros_like(buf), *back, axis_name=EP_AXIS)
             if pair:  # the library's own two-rank swap, there and back
-                return exchange._swap_pair(exchange._swap_pair(buf, EP_AXIS), EP_AXIS)
+                return PAIR_SWAP.move(PAIR_SWAP.move(buf, None, block, EP_AXIS), None, block, EP_AXIS)
             return lax.all_to_all(lax.all_to_all(buf, EP_AXIS, 0, 0, tiled=True), EP_AXIS, 0, 0, tiled=True)
 
         if pair:  # the peer's block only
@@ -483,9 +482,9 @@ def _jax_check(strategies, size: CheckSize, raw_ragged: bool, ranks: int) -> dic
         expert_spec,
     )
     from moe_jax.routing import Routing
-    from tests.helpers import TOL, rel_err
+    from moe_jax.testing import rel_err, tolerance
 
-    tol = TOL[jnp.dtype(jnp.float32)]
+    tol = tolerance(jnp.float32)
     hi = lax.Precision.HIGHEST
     mesh = _ep_mesh(ranks)
     act, rep = activation_spec(), PartitionSpec()
@@ -540,7 +539,7 @@ def _jax_check(strategies, size: CheckSize, raw_ragged: bool, ranks: int) -> dic
                     keep = np.asarray(keep)
                     args = jax.device_put((x, w, *experts, idx, cot, jnp.asarray(keep, jnp.float32)), ref_device)
                     (_, y_ref), grads_ref = single_device(*args)
-                    # rel_err raises on a non-finite output: the except below fails the row.
+                    # rel_err is inf on a non-finite output: the row fails.
                     errs = {name: rel_err(a, b) for name, a, b in zip(
                         ("y", "dx", "dweights", "dw_gate", "dw_up", "dw_down"), (y, *grads), (y_ref, *grads_ref))}
                     dropped = int((~keep).sum())

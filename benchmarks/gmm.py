@@ -8,8 +8,8 @@ instead of the built-in table.
 
 `run` times, on the same inputs in one process: our `gmm` (Pallas/Triton) forward and
 forward+backward, `jax.lax.ragged_dot`, JAX's Mosaic GPU example `ragged_dot_mgpu` (forward),
-`torch._grouped_mm` (CUTLASS; autograd for backward), the seed-style Triton kernel from
-`parity.reference` (forward), and a dense bf16 matmul of equal FLOPs. Prefill shapes run with
+`torch._grouped_mm` (CUTLASS; autograd for backward), the reference Triton kernel of
+`parity.reference` (forward; `seed_triton` in the records), and a dense bf16 matmul of equal FLOPs. Prefill shapes run with
 balanced and Zipf-skewed counts at the same total; decode buckets report achieved bandwidth on
 the active experts' weight bytes against a device copy measured in the same run.
 
@@ -36,16 +36,11 @@ import numpy as np
 
 from benchmarks import shapes as S
 from benchmarks.timing import compile_jax, time_compiled, time_torch
-from moe_jax.ops import TileConfig, gmm, gmm_config, grouped_linear, make_group_metadata, tgmm
-from moe_jax.ops.kernels import gmm_pallas
+from moe_jax.ops import FAMILIES, GmmConfig, TileConfig, gmm, gmm_config, grouped_linear, make_group_metadata, tgmm
+from moe_jax.ops.gmm.row_tile import gmm_row_tile_pallas
+from moe_jax.testing import rel_err
 
 RAGGED_DOT_MAX_BYTES = 32 << 30
-
-
-def _rel(a, b) -> float:
-    a = np.asarray(jnp.asarray(a, jnp.float32), np.float64)
-    b = np.asarray(jnp.asarray(b, jnp.float32), np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def _torch():
@@ -96,8 +91,25 @@ def measure_copy_tbps() -> float:
 # run
 
 
+def encode_config(config: GmmConfig | TileConfig) -> list:
+    """A candidate as JSON: `[family, *tiles]` for a `GmmConfig`, the six tile fields for a `TileConfig`."""
+    if isinstance(config, GmmConfig):
+        return [config.family, *dataclasses.astuple(config.tiles)]
+    return list(dataclasses.astuple(config))
+
+
+def decode_config(fields: list) -> GmmConfig | TileConfig:
+    """`encode_config`'s inverse; also reads tune files written before kernel families had names,
+    whose seventh field was a bool choosing the group-major kernel."""
+    if isinstance(fields[0], str):
+        return GmmConfig(fields[0], TileConfig(*fields[1:]))
+    if len(fields) == 7:
+        return GmmConfig("group_major" if fields[6] else "row_tile", TileConfig(*fields[:6]))
+    return TileConfig(*fields)
+
+
 def load_tuned(path) -> dict:
-    """`{shape name: {kernel: TileConfig}}` from the `best` summary of a `tune` JSON."""
+    """`{shape name: {kernel: GmmConfig or TileConfig}}` from the `best` summary of a `tune` JSON."""
     if not path:
         return {}
     with open(path) as f:
@@ -105,7 +117,7 @@ def load_tuned(path) -> dict:
     out: dict = {}
     for key, v in best.items():
         shape, kernel = (p.strip() for p in key.split("|"))
-        out.setdefault(shape, {})[kernel] = TileConfig(*v["config"])
+        out.setdefault(shape, {})[kernel] = decode_config(v["config"])
     return out
 
 
@@ -164,11 +176,12 @@ def _decode_jobs(case: Case):
     x, ws, gs = case.inputs["x"], case.inputs["ws"], case.inputs["gs"]
     shape = case.shape
     cfg = case.configs.get("fwd") or gmm_config(shape.m, shape.n, shape.k, shape.e)
-    tiles = dataclasses.replace(cfg, by_group=False)
+    tiles = cfg.tiles if isinstance(cfg, GmmConfig) else cfg
     meta = make_group_metadata(gs, num_rows=shape.m, block_m=tiles.block_m)
-    tiles_kernel = lambda x, w, meta: gmm_pallas(x, w, meta, transpose_rhs=True, config=tiles, out_dtype=x.dtype,
-                                                 precision=jax.lax.Precision.DEFAULT, interpret=False)
-    case.rec["configs"] = {"fwd": dataclasses.astuple(cfg), "tiles_kernel": dataclasses.astuple(tiles)}
+    tiles_kernel = lambda x, w, meta: gmm_row_tile_pallas(x, w, meta, transpose_rhs=True, tiles=tiles,
+                                                          out_dtype=x.dtype, precision=jax.lax.Precision.DEFAULT,
+                                                          interpret=False)
+    case.rec["configs"] = {"fwd": encode_config(cfg), "tiles_kernel": encode_config(tiles)}
     return [
         ("ours", lambda x, w, gs: gmm(x, w, gs, config=cfg), [(x, w, gs) for w in ws], 40),
         ("ours_tiles_kernel", tiles_kernel, [(x, w, meta) for w in ws], 40),
@@ -186,7 +199,7 @@ def _err_vs_torch(case: Case, w, tx, tw, offs) -> float:
     """Relative error of our forward (`case`'s fwd config) against `torch._grouped_mm` on `w`."""
     ty = _torch()._grouped_mm(tx, tw.transpose(-2, -1), offs=offs)
     y = jax.jit(lambda x, w, gs: gmm(x, w, gs, config=case.configs.get("fwd")))(case.inputs["x"], w, case.inputs["gs"])
-    return _rel(y, ty.float().cpu().numpy())
+    return rel_err(jnp.asarray(y, jnp.float32), ty.float().cpu().numpy())
 
 
 def _torch_prefill(case: Case, quick: bool):
@@ -292,7 +305,7 @@ def cmd_run(args):
             case.rec = dict(shape=shape.name, skew=skew, m=shape.m, e=shape.e, k=shape.k, n=shape.n,
                             flops=2 * int(counts.sum()) * shape.n * shape.k, max_count=int(counts.max()),
                             active=int((counts > 0).sum()),
-                            configs={k: dataclasses.astuple(v) for k, v in case.configs.items()})
+                            configs={k: encode_config(v) for k, v in case.configs.items()})
             cases.append(case)
             jobs += [(case, *j) for j in _prefill_jobs(case)]
     # Every bucket shares these weights, rotated over 4 copies: one bucket's active experts fit in L2.
@@ -384,8 +397,8 @@ _DECODE_TILES = [
     TileConfig(16, 32, 256, 4, 3, 1), TileConfig(16, 64, 128, 4, 4, 1), TileConfig(16, 64, 256, 4, 3, 1),
     TileConfig(16, 16, 256, 4, 3, 1), TileConfig(16, 32, 512, 4, 3, 1), TileConfig(16, 128, 128, 4, 4, 1),
 ]
-# Each decode tile shape with both kernels: the row-tile schedule and the group-major launch.
-DECODE_CANDIDATES = [c for t in _DECODE_TILES for c in (t, dataclasses.replace(t, by_group=True))]
+# Each decode tile shape with both kernel families: the row-tile schedule and the group-major launch.
+DECODE_CANDIDATES = [GmmConfig(family, t) for t in _DECODE_TILES for family in FAMILIES]
 
 
 def cmd_tune(args):
@@ -398,19 +411,19 @@ def cmd_tune(args):
         x, (w,), dy, gs = _inputs(shape, counts)
         reps = _reps(shape.m * max(shape.n, shape.k) * 2, cap=8)
         for c in FWD_CANDIDATES:
-            jobs.append((dict(shape=shape.name, kernel="fwd", config=dataclasses.astuple(c)),
+            jobs.append((dict(shape=shape.name, kernel="fwd", config=encode_config(c)),
                          lambda x, w, gs, c=c: gmm(x, w, gs, config=c), [(x, w, gs)], reps, shape))
-            jobs.append((dict(shape=shape.name, kernel="dgrad", config=dataclasses.astuple(c)),
+            jobs.append((dict(shape=shape.name, kernel="dgrad", config=encode_config(c)),
                          lambda dy, w, gs, c=c: gmm(dy, w, gs, transpose_rhs=False, config=c), [(dy, w, gs)], reps, shape))
         wreps = _reps(shape.e * shape.n * shape.k * 2, cap=6)
         for c in TGMM_CANDIDATES:
-            jobs.append((dict(shape=shape.name, kernel="wgrad", config=dataclasses.astuple(c)),
+            jobs.append((dict(shape=shape.name, kernel="wgrad", config=encode_config(c)),
                          lambda x, dy, gs, c=c: tgmm(x, dy, gs, config=c), [(x, dy, gs)], wreps, shape))
     for tokens in decode:
         shape = S.decode_shape(tokens)
         x, ws, _, gs = _inputs(shape, S.decode_counts(tokens), weight_sets=4)
         for c in DECODE_CANDIDATES:
-            jobs.append((dict(shape=shape.name, kernel="fwd", config=dataclasses.astuple(c)),
+            jobs.append((dict(shape=shape.name, kernel="fwd", config=encode_config(c)),
                          lambda x, w, gs, c=c: gmm(x, w, gs, config=c), [(x, w, gs) for w in ws], 20, shape))
 
     print(f"compiling {len(jobs)} candidates ...", flush=True)

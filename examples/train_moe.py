@@ -51,8 +51,8 @@ from tqdm.auto import tqdm
 
 from moe_jax import routing
 from moe_jax.layers import MoE, MoEStats
-from moe_jax.ops.backends import BACKENDS as GEMM_BACKENDS
-from moe_jax.ops.backends import resolve_backend
+from moe_jax.ops import BACKENDS as GEMM_BACKENDS
+from moe_jax.ops import resolve_backend
 from moe_jax.parallel import STRATEGIES as EP_STRATEGIES
 from moe_jax.parallel import activation_spec, make_mesh
 

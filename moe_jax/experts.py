@@ -19,9 +19,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moe_jax.ops import grouped_linear
-from moe_jax.ops.backends import BackendName
-from moe_jax.ops.reference import gmm_reference
+from moe_jax.ops import gmm_reference, grouped_linear
+from moe_jax.ops.platform import BackendName
 
 __all__ = [
     "fuse_gate_up",

@@ -4,15 +4,16 @@ Legend (shape suffixes): T tokens, D row width, K experts per token (top-k), R =
 (route r = t*K + k is token t's k-th choice), E experts.
 
 `pack` orders the R routes by expert (stably, so within an expert routes keep token order; by
-dense counts, `stable_rank`, not a sort), which gives the grouped-GEMM layout: expert 0's rows, then expert 1's, ... with `group_sizes_E` rows
-each (the seed's section 2, "Packing"). Routes of masked tokens (and routes with an expert id
-outside `[0, E)`) are not counted in any group and sort past `sum(group_sizes_E)`: the grouped
-GEMM skips them and `gather_rows` zeroes them. `combine` is the reverse: every route reads its
-packed row through the inverse permutation and the K rows of a token are summed with the routing
-weights in float32.
+dense counts, `stable_rank`, not a sort), which gives the grouped-GEMM layout: expert 0's rows,
+then expert 1's, ... with `group_sizes_E` rows each (docs/architecture.md, "The routed stage").
+Routes of masked tokens (and routes with an expert id outside `[0, E)`) are not counted in any
+group and sort past `sum(group_sizes_E)`: the grouped GEMM skips them and `pack_rows` zeroes them.
+`pack_rows` gathers the token rows into that layout; `combine` is the reverse: every route reads
+its packed row through the inverse permutation and the K rows of a token are summed with the
+routing weights in float32.
 
 Everything is `jnp` (the row gather is `moe_jax.ops.gather_rows`) with static shapes (R rows
-whatever the routing), traceable under `jit`, and differentiable in the float arrays: `gather_rows`'
+whatever the routing), traceable under `jit`, and differentiable in the float arrays: `pack_rows`'
 backward sums each token's K packed-row cotangents in float32 (a gather through `inverse_R`, no
 atomics, the same bits every run), `combine`'s gather of each route's row transposes to a scatter
 with distinct rows; gradients reach `x_TD`, `y_RD` and `weights_TK`; the integer `Packing` is not
@@ -26,10 +27,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moe_jax.ops import rows as _rows
-from moe_jax.ops.backends import BackendName
+from moe_jax import ops
+from moe_jax.ops.platform import BackendName
+from moe_jax.validation import check_int
 
-__all__ = ["Packing", "pack", "gather_rows", "combine", "stable_rank", "exclusive_cumsum", "check_mask"]
+__all__ = ["Packing", "pack", "pack_rows", "gather_rows", "combine", "stable_rank", "exclusive_cumsum", "check_mask"]
 
 _RANK_BLOCK = 256
 
@@ -48,12 +50,6 @@ class Packing(NamedTuple):
     token_R: jax.Array
     inverse_R: jax.Array
     group_sizes_E: jax.Array
-
-
-def _check_num_experts(num_experts) -> int:
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
-        raise ValueError(f"num_experts={num_experts!r}: must be an int >= 1.")
-    return num_experts
 
 
 def check_mask(mask_T, num_tokens: int, fn: str) -> jax.Array | None:
@@ -83,8 +79,7 @@ def stable_rank(key_R: jax.Array, num_keys: int) -> tuple[jax.Array, jax.Array]:
     Routes form blocks of B: within a block, a `[B, B]` comparison counts the earlier equal keys;
     across blocks, an exclusive running sum of the `[blocks, num_keys]` block histograms. Both are
     single fused reductions (`R * B` and `R * num_keys` compares) where XLA's sort is a chain of
-    kernels: its two stable argsorts took 39 us at R = 8192 on an H200, about 7% of a T = 4096
-    expert-parallel dispatch + combine (benchmarks/results/2026-11-30-h200x2-ep-breakdown-2.md).
+    kernels (docs/decisions.md, "dense counts instead of sorts").
     """
     routes = key_R.shape[0]
     block = max(1, min(_RANK_BLOCK, routes))
@@ -110,7 +105,7 @@ def pack(expert_idx_TK: jax.Array, num_experts: int, *, mask_T: jax.Array | None
 
     Returns a `Packing`. `sum(group_sizes_E)` is the number of real routes.
     """
-    num_experts = _check_num_experts(num_experts)
+    num_experts = check_int("num_experts", num_experts)
     if expert_idx_TK.ndim != 2:
         raise ValueError(f"pack: expert_idx_TK must be 2-D [T, K]; got shape {tuple(expert_idx_TK.shape)}.")
     if not jnp.issubdtype(expert_idx_TK.dtype, jnp.integer):
@@ -143,25 +138,29 @@ def _packed_rows(packing: Packing) -> jax.Array:
     return jnp.arange(num_routes, dtype=jnp.int32) < jnp.sum(packing.group_sizes_E)
 
 
-def gather_rows(x_TD: jax.Array, packing: Packing, *, backend: BackendName = "auto") -> jax.Array:
+def pack_rows(x_TD: jax.Array, packing: Packing, *, backend: BackendName = "auto") -> jax.Array:
     """Packed rows `x_RD[i] = x_TD[token_R[i]]`; rows past `sum(group_sizes_E)` are zero.
 
     `moe_jax.ops.gather_rows` (`backend` as there) never reads the rows it zeroes, so whatever
     masked tokens hold (even NaN) never reaches the packed rows, and their gradient is exactly zero.
     """
     if x_TD.ndim != 2:
-        raise ValueError(f"gather_rows: x_TD must be 2-D [T, D]; got shape {tuple(x_TD.shape)}.")
+        raise ValueError(f"pack_rows: x_TD must be 2-D [T, D]; got shape {tuple(x_TD.shape)}.")
     num_tokens, num_routes = x_TD.shape[0], packing.token_R.shape[0]
     fits = num_routes == 0 if num_tokens == 0 else num_routes % num_tokens == 0
     if not fits:
         raise ValueError(
-            f"gather_rows: x_TD has {num_tokens} tokens but the packing has {num_routes} routes; "
+            f"pack_rows: x_TD has {num_tokens} tokens but the packing has {num_routes} routes; "
             "pack the same tokens' expert_idx_TK."
         )
     # The backward sums each token's K packed rows (its routes' inverse), in float32, without atomics.
     readers_TK = jnp.where(_packed_routes(packing), packing.inverse_R, -1).reshape(num_tokens, num_routes // max(num_tokens, 1))
-    return _rows.gather_rows(x_TD, jnp.where(_packed_rows(packing), packing.token_R, -1), inverse_N=readers_TK,
+    return ops.gather_rows(x_TD, jnp.where(_packed_rows(packing), packing.token_R, -1), inverse_N=readers_TK,
                              backend=backend)
+
+
+# The name this function had before `moe_jax.ops.gather_rows` existed; kept for callers of that name.
+gather_rows = pack_rows
 
 
 def combine(

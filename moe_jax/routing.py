@@ -8,8 +8,8 @@ A router turns router logits into a `Routing`: which K experts each token uses
 (`expert_idx_TK`), the weights that combine their outputs (`weights_TK`), and the full-router
 probabilities the balancing losses read (`probs_TE`). Three rules are provided:
 
-* `SelectedSoftmax` -- top-k by logit, softmax over the selected logits (Mixtral; the seed's
-  Equation (2)).
+* `SelectedSoftmax` -- top-k by logit, softmax over the selected logits (Mixtral, Jiang
+  et al. 2024; Shazeer et al. 2017's noisy top-k gating without the noise).
 * `SoftmaxTopK` -- softmax over all experts, top-k by probability, optional renormalisation
   (Qwen3-MoE's `norm_topk_prob`).
 * `SigmoidGroupedTopK` -- sigmoid affinities, group-limited top-k, normalisation and a routed
@@ -37,6 +37,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from moe_jax.validation import check_bool, check_int, check_number
 
 __all__ = [
     "Routing",
@@ -76,11 +78,9 @@ class Routing(NamedTuple):
 # Validation helpers (all static: they read shapes and Python config, never traced values).
 
 
-def _check_top_k(owner: str, top_k) -> None:
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-        raise ValueError(
-            f"{owner}.top_k={top_k!r}: must be an int >= 1 (the number of experts each token uses)."
-        )
+def _check_top_k(router) -> None:
+    """`router.top_k` checked (an int >= 1, the number of experts each token uses) and stored as an int."""
+    object.__setattr__(router, "top_k", check_int(f"{type(router).__name__}.top_k", router.top_k))
 
 
 def _check_logits(owner: str, logits_TE: jax.Array) -> int:
@@ -136,7 +136,7 @@ def _gather(values_TE: jax.Array, idx_TK: jax.Array) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class SelectedSoftmax:
-    """Top-k by logit, then softmax over the selected logits (Mixtral; the seed's rule).
+    """Top-k by logit, then softmax over the selected logits (Mixtral).
 
     `route(logits_TE[T, E], *, selection_bias_E[E] | None) -> Routing`:
       expert_idx_TK = top_k(logits + bias); the bias only affects which experts are chosen.
@@ -149,7 +149,7 @@ class SelectedSoftmax:
     top_k: int
 
     def __post_init__(self):
-        _check_top_k("SelectedSoftmax", self.top_k)
+        _check_top_k(self)
 
     def route(self, logits_TE: jax.Array, *, selection_bias_E: jax.Array | None = None) -> Routing:
         num_experts = _check_logits("SelectedSoftmax", logits_TE)
@@ -171,7 +171,8 @@ class SoftmaxTopK:
     `route(logits_TE[T, E], *, selection_bias_E[E] | None) -> Routing`:
       p = softmax(logits) over all E experts.
       expert_idx_TK = top_k(p + bias): the loss-free bias is added after the softmax and before
-        the top-k (seed section 4.4), so it is on the probability scale.
+        the top-k (as loss-free balancing, Wang et al. 2024, adds it to the gating scores), so it
+        is on the probability scale.
       weights_TK = p[chosen] (unbiased); with `renormalize` (Qwen3's `norm_topk_prob`) divided by
         their sum, which is computed as softmax(logits[chosen]) -- the same value, but immune to
         every chosen probability underflowing when a large bias picks far-off experts.
@@ -182,9 +183,8 @@ class SoftmaxTopK:
     renormalize: bool = False
 
     def __post_init__(self):
-        _check_top_k("SoftmaxTopK", self.top_k)
-        if not isinstance(self.renormalize, bool):
-            raise ValueError(f"SoftmaxTopK.renormalize={self.renormalize!r}: must be a bool.")
+        _check_top_k(self)
+        object.__setattr__(self, "renormalize", check_bool("SoftmaxTopK.renormalize", self.renormalize))
 
     def route(self, logits_TE: jax.Array, *, selection_bias_E: jax.Array | None = None) -> Routing:
         num_experts = _check_logits("SoftmaxTopK", logits_TE)
@@ -229,23 +229,16 @@ class SigmoidGroupedTopK:
 
     def __post_init__(self):
         name = "SigmoidGroupedTopK"
-        _check_top_k(name, self.top_k)
-        if isinstance(self.n_group, bool) or not isinstance(self.n_group, int) or self.n_group < 1:
-            raise ValueError(f"{name}.n_group={self.n_group!r}: must be an int >= 1 (1 disables grouping).")
-        if (
-            isinstance(self.topk_group, bool)
-            or not isinstance(self.topk_group, int)
-            or not 1 <= self.topk_group <= self.n_group
-        ):
-            raise ValueError(
-                f"{name}.topk_group={self.topk_group!r}: must be an int with 1 <= topk_group <= "
-                f"n_group={self.n_group}."
-            )
-        if not isinstance(self.normalize, bool):
-            raise ValueError(f"{name}.normalize={self.normalize!r}: must be a bool.")
-        factor = self.routed_scaling_factor
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < float("inf"):
-            raise ValueError(f"{name}.routed_scaling_factor={factor!r}: must be a finite number > 0.")
+        _check_top_k(self)
+        n_group = check_int(f"{name}.n_group", self.n_group)
+        topk_group = check_int(f"{name}.topk_group", self.topk_group)
+        if topk_group > n_group:
+            raise ValueError(f"{name}.topk_group={topk_group}: must be an int with 1 <= topk_group <= n_group={n_group}.")
+        for field, value in (("n_group", n_group), ("topk_group", topk_group),
+                             ("normalize", check_bool(f"{name}.normalize", self.normalize)),
+                             ("routed_scaling_factor", check_number(f"{name}.routed_scaling_factor",
+                                                                    self.routed_scaling_factor))):
+            object.__setattr__(self, field, value)
 
     def _check_experts(self, num_experts: int) -> None:
         name = "SigmoidGroupedTopK"
@@ -336,8 +329,7 @@ def expert_counts(
     Padding tokens (mask False) contribute nothing; indices outside `[0, E)` are dropped. Integer
     scatter-add, so the result is exact and deterministic.
     """
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
-        raise ValueError(f"expert_counts: num_experts={num_experts!r} must be an int >= 1.")
+    num_experts = check_int("expert_counts: num_experts", num_experts)
     if expert_idx_TK.ndim < 1:
         raise ValueError("expert_counts: expert_idx_TK must have a trailing K axis, got a scalar.")
     real = _real_mask(mask_T, expert_idx_TK.shape[:-1], "mask_T", "expert_counts")

@@ -13,24 +13,6 @@ import numpy as np
 
 ON_GPU = jax.default_backend() == "gpu"
 
-# DESIGN.md: relative Frobenius error against fp32 references.
-TOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 1e-2, jnp.dtype(jnp.float16): 3e-3}
-
-
-def rel_err(out, ref) -> float:
-    out = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
-    ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
-    assert out.shape == ref.shape, (out.shape, ref.shape)
-    assert np.isfinite(out).all(), "non-finite values in output"
-    denom = np.linalg.norm(ref)
-    return float(np.linalg.norm(out - ref) / (denom if denom > 0 else 1.0))
-
-
-def assert_close(out, ref, dtype, what=""):
-    err = rel_err(out, ref)
-    tol = TOL[jnp.dtype(dtype)]
-    assert err <= tol, f"{what}: rel Frobenius error {err:.3e} > {tol:.0e} ({jnp.dtype(dtype).name})"
-
 
 def mesh_devices(n: int) -> list:
     """The first `n` GPUs when this process has that many, else the first `n` forced host CPU

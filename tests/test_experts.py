@@ -20,7 +20,7 @@ from moe_jax.experts import (
     swiglu_experts_fused,
     swiglu_experts_reference,
 )
-from tests.helpers import assert_close
+from moe_jax.testing import assert_close
 
 SETTINGS = settings(derandomize=True, max_examples=6, deadline=None)
 D, F = 8, 6

@@ -19,9 +19,9 @@ from moe_jax import routing as R
 from moe_jax.dense_reference import LatentWeights, SwiGLUWeights, moe_reference, router_reference
 from moe_jax.experts import split_gate_up
 from moe_jax.layers import MoE, MoEStats, SelectionBias
-from moe_jax.ops.config import gmm_config
+from moe_jax.ops import gmm_config
 from moe_jax.parallel import make_mesh
-from tests.helpers import TOL, assert_close, rel_err
+from moe_jax.testing import assert_close, rel_err, tolerance
 
 B, S, D, F, E, K, L = 2, 8, 8, 6, 8, 2, 4
 HI = jax.lax.Precision.HIGHEST
@@ -91,7 +91,7 @@ def reference_value_and_grads(module, x, cot, *, mask=None, routing=None):
 def assert_matches_reference(module, x, *, mask=None, routing=None, dtype=jnp.float32, seed=0, tol=None):
     """Output and every gradient (input, all params, injected weights) within `tol` relative
     Frobenius error (default: the `dtype` tolerance of tests.helpers)."""
-    tol = TOL[jnp.dtype(dtype)] if tol is None else tol
+    tol = tolerance(dtype) if tol is None else tol
     cot = jax.random.normal(jax.random.PRNGKey(100 + seed), x.shape)
     if mask is not None:
         cot = jnp.where(mask[..., None], cot, 0.0)
@@ -148,7 +148,7 @@ def test_full_layer_matches_reference_with_stats():
     np.testing.assert_allclose(stats.aux_loss, aux, rtol=1e-6)
     np.testing.assert_allclose(stats.seq_aux_loss, seq_aux, rtol=1e-6)
     np.testing.assert_allclose(stats.z_loss, z, rtol=1e-6)
-    block_m = gmm_config(B * S * K, F, L, E).block_m
+    block_m = gmm_config(B * S * K, F, L, E).tiles.block_m
     executed = sum(math.ceil(c / block_m) * block_m for c in np.asarray(counts))
     assert int(stats.executed_rows) == executed
     np.testing.assert_allclose(stats.padding_fraction, (executed - int(counts.sum())) / executed, rtol=1e-6)

@@ -20,9 +20,10 @@ from jax.sharding import PartitionSpec
 from moe_jax import routing as R
 from moe_jax.dense_reference import router_reference
 from moe_jax.layers import MoE
-from moe_jax.ops.config import gmm_config
+from moe_jax.ops import gmm_config
 from moe_jax.parallel import capacity_for, make_mesh
-from tests.helpers import assert_close, poisoned_ragged
+from moe_jax.testing import assert_close
+from tests.helpers import poisoned_ragged
 from tests.test_layers import flat_params, module_value_and_grads
 
 B, S, D, F, E, K, L = 2, 8, 8, 6, 8, 2, 4
@@ -83,7 +84,7 @@ def _per_device_executed(idx, mask, ep, data):
     M = P*T*K packed rows (ep > 1)."""
     tokens = N // (ep * data)
     span, rows, groups = (tokens, tokens * K, E) if ep == 1 else (ep * tokens, ep * tokens * K, E // ep)
-    bm = gmm_config(rows, F, L, groups).block_m
+    bm = gmm_config(rows, F, L, groups).tiles.block_m
     total = 0
     for start in range(0, N, span):
         part = slice(start, start + span)

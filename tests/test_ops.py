@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 
 from moe_jax.ops import (
+    GmmConfig,
     TileConfig,
     clamp_group_sizes,
     gmm,
@@ -28,7 +29,8 @@ from moe_jax.ops import (
     tgmm_config,
     tgmm_reference,
 )
-from tests.helpers import ON_GPU, assert_close, h200_mesh, lower_for_gpu, rel_err, sharded_aval
+from moe_jax.testing import assert_close, rel_err
+from tests.helpers import ON_GPU, h200_mesh, lower_for_gpu, sharded_aval
 
 BACKENDS = ["pallas_triton", "xla"]
 DTYPES = [jnp.float32, jnp.bfloat16]
@@ -179,29 +181,31 @@ def test_gmm_nan_rows_past_groups_do_not_leak(backend):
 
 
 @pytest.mark.parametrize("config", [
-    TileConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2, group_m=1),
-    TileConfig(block_m=32, block_n=64, block_k=16, num_warps=4, num_stages=2, group_m=3),
-    TileConfig(block_m=64, block_n=16, block_k=64, num_warps=4, num_stages=2, group_m=8),
-    TileConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2, group_m=1, by_group=True),
-    TileConfig(block_m=32, block_n=16, block_k=64, num_warps=4, num_stages=2, group_m=1, by_group=True),
-], ids=["tiles16", "tiles32-swizzle3", "tiles64-swizzle8", "by-group16", "by-group32"])
+    GmmConfig("row_tile", TileConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2, group_m=1)),
+    GmmConfig("row_tile", TileConfig(block_m=32, block_n=64, block_k=16, num_warps=4, num_stages=2, group_m=3)),
+    GmmConfig("row_tile", TileConfig(block_m=64, block_n=16, block_k=64, num_warps=4, num_stages=2, group_m=8)),
+    GmmConfig("group_major", TileConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2, group_m=1)),
+    GmmConfig("group_major", TileConfig(block_m=32, block_n=16, block_k=64, num_warps=4, num_stages=2, group_m=1)),
+], ids=["tiles16", "tiles32-swizzle3", "tiles64-swizzle8", "group-major16", "group-major32"])
 def test_gmm_tile_configs(config):
-    # Different swizzles and tile shapes (including groups wider than the tiles) agree.
+    # Different families, swizzles and tile shapes (including groups wider than the tiles) agree.
     m, k, n = 130, 48, 40
     x, w = _inputs(3, m, k, n, 5, jnp.float32)
     gs = _sizes(0, 70, 3, 0, 50)
     assert_close(gmm(x, w, gs, backend="pallas_triton", config=config), gmm_reference(x, w, gs),
-                 jnp.float32, str(config))
+                 jnp.float32, config.name)
     dy = jax.random.normal(jax.random.PRNGKey(9), (m, n))
-    assert_close(tgmm(x, dy, gs, backend="pallas_triton", config=config), tgmm_reference(x, dy, gs),
-                 jnp.float32, str(config))
+    assert_close(tgmm(x, dy, gs, backend="pallas_triton", config=config.tiles), tgmm_reference(x, dy, gs),
+                 jnp.float32, config.name)
 
 
 @pytest.mark.parametrize("sizes,m", [((20, 0, 33, 1), 70), ((0, 0, 0, 0), 24), ((5, 5, 5, 5), 20), ((0, 61, 0, 0), 61)])
 def test_every_output_element_is_written(sizes, m):
     """Each kernel writes every element of its output: launched into a NaN-filled buffer (aliased
     as the output), the result has no NaN and matches the reference."""
-    from moe_jax.ops import kernels
+    from moe_jax.ops.gmm.group_major import gmm_group_major_pallas
+    from moe_jax.ops.gmm.row_tile import gmm_row_tile_pallas
+    from moe_jax.ops.gmm.wgrad import tgmm_pallas
 
     k, n, e = 40, 24, len(sizes)
     x, w = _inputs(14, m, k, n, e, jnp.float32)
@@ -211,15 +215,14 @@ def test_every_output_element_is_written(sizes, m):
     ref = gmm_reference(x, w, gs)
     tiles = TileConfig(16, 16, 16, 4, 2, 2)
     meta = make_group_metadata(gs, num_rows=m, block_m=tiles.block_m)
-    out = kernels.gmm_pallas(x, w, meta, transpose_rhs=True, config=tiles, out_init=nan_out, **common)
+    out = gmm_row_tile_pallas(x, w, meta, transpose_rhs=True, tiles=tiles, out_init=nan_out, **common)
     assert_close(out, ref, jnp.float32, "row-tile kernel")
-    by_group = TileConfig(16, 16, 16, 4, 2, 1, by_group=True)
-    out = kernels.gmm_by_group_pallas(x, w, gs, transpose_rhs=True, config=by_group, out_init=nan_out,
-                                      num_fill=2, **common)
+    out = gmm_group_major_pallas(x, w, gs, transpose_rhs=True, tiles=TileConfig(16, 16, 16, 4, 2, 1),
+                                 out_init=nan_out, num_fill=2, **common)
     assert_close(out, ref, jnp.float32, "group-major kernel")
     dy = jax.random.normal(jax.random.PRNGKey(15), (m, n))
-    dw = kernels.tgmm_pallas(x, dy, clamp_group_sizes(gs, m), config=TileConfig(16, 16, 16, 4, 2, 1),
-                             out_init=jnp.full((e, n, k), jnp.nan, jnp.float32), **common)
+    dw = tgmm_pallas(x, dy, clamp_group_sizes(gs, m), tiles=TileConfig(16, 16, 16, 4, 2, 1),
+                     out_init=jnp.full((e, n, k), jnp.nan, jnp.float32), **common)
     assert_close(dw, tgmm_reference(x, dy, gs), jnp.float32, "weight-gradient kernel")
 
 
@@ -338,7 +341,7 @@ def test_gmm_property_random_groupings(sizes, slack):
 
 def _kernel_for(m, n, k, e):
     """Name of the forward/input-gradient kernel `gmm_config` picks for this per-device shape."""
-    return "moe_jax_gmm_by_group" if gmm_config(m, n, k, e).by_group else "moe_jax_gmm"
+    return "moe_jax_gmm_group_major" if gmm_config(m, n, k, e).family == "group_major" else "moe_jax_gmm"
 
 
 @pytest.mark.parametrize("m,n,k,e", [(32768, 1536, 2048, 128), (8, 1536, 2048, 128), (8192, 14336, 4096, 8),
@@ -361,9 +364,9 @@ def test_kernels_lower_to_triton_for_h200(m, n, k, e, dtype):
     assert "__gpu$xla.gpu.triton" in text
 
 
-# Per device: m rows over e experts; 64 rows per expert get the row-tile kernel, 8 and 1/8 by-group.
-@pytest.mark.parametrize("m,e,fwd_kernel", [(512, 8, "moe_jax_gmm"), (64, 8, "moe_jax_gmm_by_group"),
-                                            (16, 128, "moe_jax_gmm_by_group")])
+# Per device: m rows over e experts; 64 rows per expert get the row-tile kernel, 8 and 1/8 group-major.
+@pytest.mark.parametrize("m,e,fwd_kernel", [(512, 8, "moe_jax_gmm"), (64, 8, "moe_jax_gmm_group_major"),
+                                            (16, 128, "moe_jax_gmm_group_major")])
 def test_kernels_lower_for_h200_inside_shard_map(m, e, fwd_kernel):
     """The MoE layer runs the kernels inside `jax.shard_map(check_vma=True)` on a mesh: Pallas then
     needs the output's varying mesh axes (this failed on 2 H200s on 2026-11-30). Forward and both
@@ -402,8 +405,10 @@ def test_kernels_lower_for_h200_inside_shard_map(m, e, fwd_kernel):
 
 
 def test_config_table_and_validation():
-    assert gmm_config(8, 1536, 2048, 128).block_m == 16  # decode
-    assert gmm_config(32768, 1536, 2048, 128).block_m >= 64  # prefill
+    assert gmm_config(8, 1536, 2048, 128).family == "group_major"  # decode
+    assert gmm_config(8, 1536, 2048, 128).tiles.block_m == 16
+    assert gmm_config(32768, 1536, 2048, 128).family == "row_tile"  # prefill
+    assert gmm_config(32768, 1536, 2048, 128).tiles.block_m >= 64
     assert tgmm_config(32768, 1536, 2048, 128).block_n >= 64
     with pytest.raises(ValueError, match="block_m"):
         TileConfig(block_m=48)
@@ -413,6 +418,13 @@ def test_config_table_and_validation():
         TileConfig(num_warps=3)
     with pytest.raises(ValueError, match="group_m"):
         TileConfig(group_m=0)
+    assert TileConfig(block_m=np.int64(32)).block_m == 32  # numpy integers are ints
+    with pytest.raises(ValueError, match="family"):
+        GmmConfig("split_everything")
+    with pytest.raises(TypeError, match="config must be a GmmConfig or TileConfig"):
+        gmm(jnp.ones((4, 8)), jnp.ones((2, 4, 8)), _sizes(2, 2), config="row_tile")
+    with pytest.raises(TypeError, match="config must be a TileConfig"):
+        tgmm(jnp.ones((4, 8)), jnp.ones((4, 4)), _sizes(2, 2), config=GmmConfig())
 
 
 def test_backend_resolution():
@@ -425,14 +437,14 @@ def test_backend_resolution():
 def test_auto_backend_follows_the_mesh_platform(monkeypatch):
     """In a GPU process, code traced for a mesh of CPU devices (a CPU EP mesh on a one-GPU host,
     as `parity/` builds) must not get Pallas: its interpreter cannot run inside shard_map."""
-    from moe_jax.ops import backends
+    from moe_jax.ops import platform
 
-    monkeypatch.setattr(backends.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert resolve_backend("auto") == "pallas_triton"
     cpu_mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:1]), ("ep",))
     with jax.sharding.use_abstract_mesh(cpu_mesh.abstract_mesh):
         assert resolve_backend("auto") == "xla"
-        assert not backends._on_gpu()
+        assert not platform.on_gpu()
 
 
 def test_bad_input_errors():

@@ -17,6 +17,7 @@ Legend: N global tokens (= devices * T), T tokens per rank, K top-k, D width, O 
 width, E experts, El local experts, P ep size, C capacity, M packed rows.
 """
 
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -39,11 +40,17 @@ from moe_jax.parallel import (
     expert_spec,
     make_mesh,
 )
-from moe_jax.parallel import exchange
-from moe_jax.parallel.exchange import check_capacity_factor
+from moe_jax.parallel import (
+    ALL_TO_ALL,
+    PAIR_MIN_BLOCK_BYTES,
+    PAIR_SWAP,
+    RAGGED_ALL_TO_ALL,
+    check_capacity_factor,
+    select_transport,
+)
+from moe_jax.testing import assert_close
 from tests.helpers import (
     ON_GPU,
-    assert_close,
     emulated_ragged_all_to_all,
     h200_mesh,
     lower_for_gpu,
@@ -157,7 +164,7 @@ def _reference(x, w, W, idx, keep):
     return y
 
 
-def _ep_linear(mesh, *, strategy="padded", capacity=None, poison=False, masked=False):
+def _ep_linear(mesh, *, strategy="padded", transport="auto", capacity=None, poison=False, masked=False):
     """Jitted (loss, stats), grads of sum(y * cot) through ep_moe with one linear per expert."""
 
     def body(x, idx, w, W, cot, mask):
@@ -168,7 +175,8 @@ def _ep_linear(mesh, *, strategy="padded", capacity=None, poison=False, masked=F
             return y
 
         y, stats = ep_moe(
-            x, idx, w, expert_fn, num_experts=E, strategy=strategy, capacity=capacity, mask_T=mask if masked else None
+            x, idx, w, expert_fn, num_experts=E, strategy=strategy, capacity=capacity, mask_T=mask if masked else None,
+            transport=transport,
         )
         loss = lax.psum(jnp.sum(y * cot), (DATA_AXIS, EP_AXIS))
         return loss, y, stats.dropped[None], stats.recv_rows[None], stats.send_counts_P[None]
@@ -188,7 +196,8 @@ def _ep_linear(mesh, *, strategy="padded", capacity=None, poison=False, masked=F
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
 
 
-def _check_linear(mesh, pattern, *, k=2, capacity=None, strategy="padded", poison=False, mask=None, seed=0):
+def _check_linear(mesh, pattern, *, k=2, capacity=None, strategy="padded", pair=False, poison=False, mask=None,
+                  seed=0):
     ep, data = mesh.shape[EP_AXIS], mesh.shape[DATA_AXIS]
     n = ep * data * T
     x, w, W, cot = _float_inputs(n, k, seed)
@@ -197,7 +206,8 @@ def _check_linear(mesh, pattern, *, k=2, capacity=None, strategy="padded", poiso
     keep, send_counts, packed = _np_dispatch(idx, ep, data, cap, mask)
     real = np.ones(n, bool) if mask is None else mask
 
-    fn = _ep_linear(mesh, strategy=strategy, capacity=capacity, poison=poison, masked=mask is not None)
+    fn = _ep_linear(mesh, strategy=strategy, transport=_transport(strategy, pair), capacity=capacity, poison=poison,
+                    masked=mask is not None)
     (_, (y, dropped, recv_rows, got_counts)), grads = fn(x, w, W, jnp.asarray(idx), cot, jnp.asarray(real))
     ref = jax.value_and_grad(lambda x, w, W: jnp.sum(_reference(x, w, W, idx, keep) * cot), argnums=(0, 1, 2))
     _, ref_grads = ref(x, w, W)
@@ -226,7 +236,7 @@ def test_make_mesh_and_specs():
     assert activation_spec() == PartitionSpec(("data", "ep"))
     with pytest.raises(ValueError, match="ep=3 does not divide the 8 devices"):
         make_mesh(ep=3, devices=HOST)
-    with pytest.raises(ValueError, match="ep must be >= 1"):
+    with pytest.raises(ValueError, match="ep must be a positive int"):
         make_mesh(ep=0, devices=HOST)
     with pytest.raises(ValueError, match=r"data \* ep = 3 \* 2 = 6 but 8 devices"):
         make_mesh(ep=2, data=3, devices=HOST)
@@ -243,35 +253,36 @@ def test_check_mesh_errors():
 # ----------------------------------------------------------------------------- dispatch layout
 
 
-def _pair_path(monkeypatch, on: bool):
-    """Force the ep = 2 padded exchange onto the two-rank path (own routes local, the peer block
-    swapped by a `ppermute`; `on`) or onto all_to_all: the test blocks are far below the
-    GPU-measured `_PAIR_MIN_BLOCK_BYTES`."""
-    monkeypatch.setattr(exchange, "_PAIR_MIN_BLOCK_BYTES", 0 if on else 1 << 62)
+def _transport(strategy: str, pair: bool) -> str:
+    """The ep = 2 padded exchange on the two-rank path (own routes local, the peer block swapped by
+    a `ppermute`; `pair`) or on all_to_all, whatever "auto" would pick for the (small) test
+    blocks; ragged: its one transport."""
+    if strategy == "ragged":
+        return "auto"
+    return "pair_swap" if pair else "all_to_all"
 
 
 @pytest.mark.parametrize("ep,data,strategy,pair", [
     (2, 1, "padded", False), (2, 1, "padded", True), (4, 1, "padded", False), (2, 2, "padded", False),
     (2, 2, "padded", True), (4, 2, "padded", False), (2, 2, "ragged", False)])
-def test_dispatch_layout_and_identity_round_trip(ep, data, strategy, pair, monkeypatch):
+def test_dispatch_layout_and_identity_round_trip(ep, data, strategy, pair):
     """Packed rows are exactly the contract's layout with zero padding, and identity experts give
     back sum_k w_tk x_t bit for bit (ragged: emulated collective, unwritten rows NaN; pair: the
     ep = 2 path: own routes local, peer block ppermuted)."""
-    _pair_path(monkeypatch, pair)
     if strategy == "ragged":
         with poisoned_ragged():
-            return _check_layout_and_round_trip(ep, data, strategy)
-    _check_layout_and_round_trip(ep, data, strategy)
+            return _check_layout_and_round_trip(ep, data, strategy, "auto")
+    _check_layout_and_round_trip(ep, data, strategy, _transport(strategy, pair))
 
 
-def _check_layout_and_round_trip(ep, data, strategy):
+def _check_layout_and_round_trip(ep, data, strategy, transport):
     mesh = _mesh(ep, data)
     k, n = 2, ep * data * T
     x, w = _exact_inputs(n, k, seed=ep + data)
     idx = _routes("skewed", n, k, ep, seed=ep * data)
 
     def body(x, idx, w):
-        packed_x, gs, plan = ep_dispatch(x, idx, num_experts=E, strategy=strategy)
+        packed_x, gs, plan = ep_dispatch(x, idx, num_experts=E, strategy=strategy, transport=transport)
         y = ep_combine(packed_x, w, plan)
         st = plan.stats()
         return packed_x, gs, y, st.dropped[None], st.send_counts_P[None], st.recv_rows[None]
@@ -299,9 +310,8 @@ def _check_layout_and_round_trip(ep, data, strategy):
 
 
 @pytest.mark.parametrize("ep,data,pair", [(4, 2, False), (2, 1, False), (2, 1, True)])
-def test_linear_experts_match_single_device(ep, data, pair, monkeypatch):
-    _pair_path(monkeypatch, pair)
-    _check_linear(_mesh(ep, data), "skewed")
+def test_linear_experts_match_single_device(ep, data, pair):
+    _check_linear(_mesh(ep, data), "skewed", pair=pair)
 
 
 @pytest.mark.parametrize("pattern,k", [("one_expert", 1), ("starved", 2)])
@@ -320,24 +330,22 @@ def test_degenerate_routing(pattern, k):
 
 
 @pytest.mark.parametrize("ep,data,capacity,pair", [(4, 2, 2, False), (2, 1, 4, False), (2, 1, 4, True)])
-def test_capacity_overflow_drops_exactly(ep, data, capacity, pair, monkeypatch):
-    _pair_path(monkeypatch, pair)
+def test_capacity_overflow_drops_exactly(ep, data, capacity, pair):
     mesh = _mesh(ep, data)
     # 12 routes per rank over the ep destinations, rank 0's experts hot: overflow is certain.
-    keep, _, _ = _check_linear(mesh, "skewed", capacity=capacity, seed=3)
+    keep, _, _ = _check_linear(mesh, "skewed", capacity=capacity, pair=pair, seed=3)
     assert 0 < (~keep).sum() < keep.size
 
 
 @pytest.mark.parametrize("pair", [False, True])
-def test_masked_routes_on_a_rank_that_receives_nothing(pair, monkeypatch):
+def test_masked_routes_on_a_rank_that_receives_nothing(pair):
     """ep rank 1 receives no route ("starved"), so its whole expert output is NaN padding, and it
     has masked tokens and capacity drops whose routes have no row: they read nothing that leaks,
     on both exchanges (the two-rank path reads its own routes straight from that expert output)."""
-    _pair_path(monkeypatch, pair)
     n = 2 * 2 * T
     mask = np.random.default_rng(3).random(n) < 0.6
-    keep, packed, (y, (dx, dw, _)) = _check_linear(_mesh(2, 2), "starved", capacity=5, poison=True, mask=mask,
-                                                   seed=3)
+    keep, packed, (y, (dx, dw, _)) = _check_linear(_mesh(2, 2), "starved", capacity=5, pair=pair, poison=True,
+                                                   mask=mask, seed=3)
     assert all(len(packed[dev][0]) == 0 for dev in (1, 3)) and (~keep[mask]).any()
     for got in (y, dx, dw):
         assert np.all(np.isfinite(np.asarray(got)))
@@ -359,11 +367,10 @@ def test_masked_tokens_and_a_rank_without_tokens():
 
 
 @pytest.mark.parametrize("pair", [False, True])
-def test_nan_in_padding_rows_never_leaks(pair, monkeypatch):
+def test_nan_in_padding_rows_never_leaks(pair):
     """Expert outputs past sum(group_sizes) are NaN; outputs and all gradients stay finite and
     correct (combine reads valid rows only, with `where`, not a multiply by a mask)."""
-    _pair_path(monkeypatch, pair)
-    keep, packed, _ = _check_linear(_mesh(2, 2), "skewed", poison=True, seed=5)
+    keep, packed, _ = _check_linear(_mesh(2, 2), "skewed", pair=pair, poison=True, seed=5)
     # Dropless buffers: M = P*T*K rows per rank, far more than any rank receives here.
     assert all(len(packed[dev][0]) < 2 * T * 2 for dev in range(4))
 
@@ -390,12 +397,32 @@ def test_errors():
         trace(capacity=1)
     with pytest.raises(ValueError, match=r"mask_T must be bool \[T\] = \(6,\)"):
         trace(mask_T=jnp.ones((5,), bool))
-    with pytest.raises(ValueError, match="unknown strategy 'dense'"):
+    with pytest.raises(ValueError, match="strategy='dense' is not an EP strategy"):
         trace(strategy="dense")
+    with pytest.raises(ValueError, match="transport='nccl'"):
+        trace(transport="nccl")
+    with pytest.raises(ValueError, match="transport 'ragged_all_to_all' moves tight blocks.*strategy='ragged'"):
+        trace(transport="ragged_all_to_all")
+    with pytest.raises(ValueError, match="transport 'pair_swap' swaps the blocks of two ranks, but the ep axis has 4"):
+        trace(transport="pair_swap")
     with pytest.raises(ValueError, match=r"expert_idx_TK must be \[T, K\] with T = x_TD.shape\[0\] = 6"):
         trace(idx=jnp.zeros((4 * T + 4, 2), jnp.int32))
     with pytest.raises(ValueError, match="is not bound: call EP dispatch/combine inside jax.shard_map"):
         ep_dispatch(x, idx, num_experts=E)
+
+
+def test_auto_transport_choice():
+    """"auto" swaps pairs at ep = 2 from PAIR_MIN_BLOCK_BYTES blocks on, all_to_all otherwise; an
+    explicit transport is taken as given (a variant with another `move` too)."""
+    assert select_transport("padded", "auto", ep=2, block_bytes=PAIR_MIN_BLOCK_BYTES) is PAIR_SWAP
+    assert select_transport("padded", "auto", ep=2, block_bytes=PAIR_MIN_BLOCK_BYTES - 1) is ALL_TO_ALL
+    assert select_transport("padded", "auto", ep=4, block_bytes=1 << 40) is ALL_TO_ALL
+    assert select_transport("ragged", "auto", ep=2, block_bytes=1 << 40) is RAGGED_ALL_TO_ALL
+    assert select_transport("padded", "all_to_all", ep=2, block_bytes=1 << 40) is ALL_TO_ALL
+    local = dataclasses.replace(ALL_TO_ALL, name="local", move=lambda rows, ex, out_rows, axis_name: rows)
+    assert select_transport("padded", local, ep=4, block_bytes=0) is local
+    with pytest.raises(TypeError, match="transport must be 'auto'"):
+        select_transport("padded", 3, ep=2, block_bytes=0)
 
 
 def test_capacity_for():
@@ -414,9 +441,12 @@ def test_capacity_for():
     assert capacity_for(1, 2, 2, 0.25, local_experts=8) == 2
     with pytest.raises(ValueError, match="local_experts must be a positive int"):
         capacity_for(6, 2, 4, 1.0, local_experts=0)
-    for bad in (0, -1, float("nan"), True):
+    for bad in (0, -1, float("nan")):
         with pytest.raises(ValueError, match="capacity_factor must be a finite number > 0"):
             check_capacity_factor(bad)
+    with pytest.raises(TypeError, match="capacity_factor must be a number"):
+        check_capacity_factor(True)
+    assert check_capacity_factor(np.float32(1.25)) == 1.25 and capacity_for(np.int64(6), 2, 4, 1.0) == 3
 
 
 # ----------------------------------------------------------------------------- ragged strategy
@@ -481,7 +511,7 @@ def test_ragged_strategy_on_gpus(pattern, capacity):
     _check_linear(_mesh(2, 1), pattern, capacity=capacity, strategy="ragged", seed=4)
 
 
-def _lower_ep_grad(mesh_shape, *, strategy, capacity, dtype, k=2) -> str:
+def _lower_ep_grad(mesh_shape, *, strategy, capacity, dtype, k=2, transport="auto") -> str:
     """StableHLO of the gradient (w.r.t. x, the routing weights and the expert weights) of a linear
     EP layer on an H200 mesh of `mesh_shape` = (data, ep), under shard_map's check_vma as the
     MoE layer runs it."""
@@ -491,7 +521,8 @@ def _lower_ep_grad(mesh_shape, *, strategy, capacity, dtype, k=2) -> str:
     def body(x, idx, w, W):
         W = lax.pcast(W, (DATA_AXIS,), to="varying")  # per-device weight gradients, psum'd over data
         expert_fn = lambda px, gs: grouped_linear(px, W, gs, backend="xla")
-        y, stats = ep_moe(x, idx, w, expert_fn, num_experts=E, strategy=strategy, capacity=capacity)
+        y, stats = ep_moe(x, idx, w, expert_fn, num_experts=E, strategy=strategy, capacity=capacity,
+                          transport=transport)
         # stats.dropped is an ep-group total: sum the data replicas' groups for a replicated result.
         return lax.psum(jnp.sum(y), (DATA_AXIS, EP_AXIS)) + 0.0 * lax.psum(stats.dropped, DATA_AXIS)
 
@@ -510,13 +541,12 @@ def test_ragged_strategy_lowers_for_gpu():
     assert "stablehlo.all_to_all" not in text  # JAX's own transpose would add all_to_all of the offsets
 
 
-def test_pairwise_padded_path_lowers_for_gpu(monkeypatch):
-    """At ep = 2 with blocks above `_PAIR_MIN_BLOCK_BYTES` the padded exchange keeps its own routes
-    local and ppermutes the peer block: forward and backward lower for an H200 under check_vma, with the Pallas row gather
-    and collective_permutes (the dispatch and combine swaps and their transposes), and no
+def test_pairwise_padded_path_lowers_for_gpu():
+    """The pair-swap transport (ep = 2) keeps its own routes local and ppermutes the peer block:
+    forward and backward lower for an H200 under check_vma, with the Pallas row gather and
+    collective_permutes (the dispatch and combine swaps and their reverse exchanges), and no
     all_to_all."""
-    _pair_path(monkeypatch, True)
-    text = _lower_ep_grad((1, 2), strategy="padded", capacity=T * 2, dtype=jnp.bfloat16)
+    text = _lower_ep_grad((1, 2), strategy="padded", capacity=T * 2, dtype=jnp.bfloat16, transport="pair_swap")
     assert text.count("stablehlo.collective_permute") == 4
     assert "all_to_all" not in text
     # Forward: the peer send gather, the regroup from (x, peer block) as one launch per source, the

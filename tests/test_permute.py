@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_jax.permute import Packing, combine, gather_rows, pack, stable_rank
+from moe_jax.permute import Packing, combine, gather_rows, pack, pack_rows, stable_rank
 
 SETTINGS = settings(derandomize=True, max_examples=12, deadline=None)
 
@@ -61,7 +61,7 @@ def test_gather_rows_zero_past_groups_even_for_nan_tokens(case, width):
     x = rng.standard_normal((idx.shape[0], width)).astype(np.float32)
     x[~mask] = np.nan  # masked tokens may hold anything
     p = pack(jnp.asarray(idx), num_experts, mask_T=jnp.asarray(mask))
-    rows = np.asarray(gather_rows(jnp.asarray(x), p))
+    rows = np.asarray(pack_rows(jnp.asarray(x), p))
     used = int(np.sum(p.group_sizes_E))
     np.testing.assert_array_equal(rows[:used], x[np.asarray(p.token_R)[:used]])
     np.testing.assert_array_equal(rows[used:], 0.0)
@@ -81,7 +81,7 @@ def test_round_trip_with_identity_experts_is_identity(case):
     if top_k == 3:
         w[:, 0] = 0.5
     p = pack(jnp.asarray(idx), num_experts, mask_T=jnp.asarray(mask))
-    y = combine(gather_rows(jnp.asarray(x), p), jnp.asarray(w), p, mask_T=jnp.asarray(mask))
+    y = combine(pack_rows(jnp.asarray(x), p), jnp.asarray(w), p, mask_T=jnp.asarray(mask))
     np.testing.assert_array_equal(np.asarray(y), np.where(mask[:, None], x, 0.0))
 
 
@@ -151,7 +151,7 @@ def test_zero_tokens():
     p = pack(jnp.zeros((0, 2), jnp.int32), 4, mask_T=jnp.zeros((0,), bool))
     assert isinstance(p, Packing)
     assert p.order_R.shape == (0,) and np.all(np.asarray(p.group_sizes_E) == 0)
-    rows = gather_rows(jnp.zeros((0, 3)), p)
+    rows = pack_rows(jnp.zeros((0, 3)), p)
     assert rows.shape == (0, 3)
     y = combine(rows, jnp.zeros((0, 2)), p)
     assert y.shape == (0, 3)
@@ -164,7 +164,7 @@ def test_gather_rows_gradient_scatters_back_to_tokens():
     mask = jnp.asarray([True, False])
     p = pack(idx, 3, mask_T=mask)
     x = jnp.asarray([[1.0, 2.0], [3.0, 4.0]])
-    dx = jax.grad(lambda x: jnp.sum(gather_rows(x, p) * 2.0))(x)
+    dx = jax.grad(lambda x: jnp.sum(pack_rows(x, p) * 2.0))(x)
     np.testing.assert_array_equal(np.asarray(dx), [[4.0, 4.0], [0.0, 0.0]])  # 2 routes x 2; masked 0
 
 
@@ -175,7 +175,7 @@ def test_gather_rows_gradient_scatters_back_to_tokens():
         (lambda: pack(jnp.zeros((2,), jnp.int32), 3), "2-D"),
         (lambda: pack(jnp.zeros((2, 1), jnp.float32), 3), "integer"),
         (lambda: pack(jnp.zeros((2, 1), jnp.int32), 3, mask_T=jnp.ones((3,), bool)), "mask_T"),
-        (lambda: gather_rows(jnp.zeros((3, 2)), pack(jnp.zeros((2, 2), jnp.int32), 3)), "routes"),
+        (lambda: pack_rows(jnp.zeros((3, 2)), pack(jnp.zeros((2, 2), jnp.int32), 3)), "routes"),
         (lambda: combine(jnp.zeros((4, 2)), jnp.ones((3, 2)), pack(jnp.zeros((2, 2), jnp.int32), 3)), "routes"),
     ],
 )

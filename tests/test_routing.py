@@ -445,21 +445,31 @@ def test_loss_free_bias_balances_skewed_router(router, step_size):
 
 
 @pytest.mark.parametrize(
-    "make,arg",
+    "make,error,arg",
     [
-        (lambda: SelectedSoftmax(top_k=0), "top_k"),
-        (lambda: SoftmaxTopK(top_k=-1), "top_k"),
-        (lambda: SoftmaxTopK(top_k=2, renormalize=1), "renormalize"),
-        (lambda: SigmoidGroupedTopK(top_k=0), "top_k"),
-        (lambda: SigmoidGroupedTopK(top_k=2, n_group=0), "n_group"),
-        (lambda: SigmoidGroupedTopK(top_k=2, n_group=2, topk_group=3), "topk_group"),
-        (lambda: SigmoidGroupedTopK(top_k=2, n_group=2, topk_group=0), "topk_group"),
-        (lambda: SigmoidGroupedTopK(top_k=2, routed_scaling_factor=0.0), "routed_scaling_factor"),
+        (lambda: SelectedSoftmax(top_k=0), ValueError, "top_k"),
+        (lambda: SoftmaxTopK(top_k=-1), ValueError, "top_k"),
+        (lambda: SoftmaxTopK(top_k=2.0), TypeError, "top_k"),
+        (lambda: SoftmaxTopK(top_k=2, renormalize=1), TypeError, "renormalize"),
+        (lambda: SigmoidGroupedTopK(top_k=0), ValueError, "top_k"),
+        (lambda: SigmoidGroupedTopK(top_k=2, n_group=0), ValueError, "n_group"),
+        (lambda: SigmoidGroupedTopK(top_k=2, n_group=2, topk_group=3), ValueError, "topk_group"),
+        (lambda: SigmoidGroupedTopK(top_k=2, n_group=2, topk_group=0), ValueError, "topk_group"),
+        (lambda: SigmoidGroupedTopK(top_k=2, routed_scaling_factor=0.0), ValueError, "routed_scaling_factor"),
     ],
 )
-def test_bad_config_raises_at_construction(make, arg):
-    with pytest.raises(ValueError, match=arg):
+def test_bad_config_raises_at_construction(make, error, arg):
+    with pytest.raises(error, match=arg):
         make()
+
+
+def test_numpy_scalars_configure_routers():
+    """NumPy integers and floats are numbers: the routers store them as Python values."""
+    router = SigmoidGroupedTopK(np.int64(2), n_group=np.int32(2), topk_group=np.int64(1),
+                                routed_scaling_factor=np.float32(2.5))
+    assert (router.top_k, router.n_group, router.routed_scaling_factor) == (2, 2, 2.5)
+    assert type(router.top_k) is int and type(router.routed_scaling_factor) is float
+    assert SoftmaxTopK(np.int64(3), renormalize=np.bool_(True)).renormalize is True
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_jax.ops import gather_rows, gather_rows_reference, kernels
-from tests.helpers import ON_GPU, assert_close, h200_mesh, lower_for_gpu, mesh_devices, sharded_aval
+from moe_jax.ops import gather_rows, gather_rows_reference
+from moe_jax.ops.gather.kernel import gather_rows_pallas
+from moe_jax.testing import assert_close
+from tests.helpers import ON_GPU, h200_mesh, lower_for_gpu, mesh_devices, sharded_aval
 
 BACKENDS = ["pallas_triton", "xla"]
 # Widths: a multiple of the 512-column block, a partial block, a width below one block.
@@ -102,7 +104,7 @@ def test_every_output_element_is_written(splits):
     rows = _rows(1, m, n)
     rows = jnp.where(rows == 5, -1, rows)
     block_d = 16 if not ON_GPU else 32  # a partial last column block
-    out = kernels.gather_rows_pallas(tuple(jnp.split(x, splits)), rows, block_rows=8, block_d=block_d, num_warps=2,
+    out = gather_rows_pallas(tuple(jnp.split(x, splits)), rows, block_rows=8, block_d=block_d, num_warps=2,
                                      interpret=not ON_GPU, out_init=jnp.full((m, d), jnp.nan, jnp.float32))
     assert bool(jnp.all(jnp.isfinite(out)))
     np.testing.assert_array_equal(out, gather_rows_reference(x.at[5].set(0.0), rows))

@@ -1,11 +1,8 @@
-"""EP dispatch's send plan (`moe_jax.ops.send_plan`): both backends against the sort-based
+"""EP dispatch's send plan (`moe_jax.parallel.send_plan`): both backends against the sort-based
 reference, a worked example, edge cases, argument errors and the kernel's GPU lowering.
 
 The Pallas kernel runs compiled on a GPU and interpreted on CPU, from the same test bodies.
 """
-
-import contextlib
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moe_jax.ops import send_plan
-from moe_jax.ops.send_plan import PALLAS_MAX_RANKS, PALLAS_MAX_ROUTES, plan_sends, plan_sends_reference
+from moe_jax.parallel import SendPlanTiles, plan_sends, plan_sends_reference
+from moe_jax.parallel.send_plan import PALLAS_MAX_RANKS, PALLAS_MAX_ROUTES
 from tests.helpers import h200_mesh, lower_for_gpu, sharded_aval
 
 BACKENDS = ["pallas_triton", "xla"]
@@ -85,10 +82,9 @@ def test_backends_match_the_sorting_reference(tokens, top_k, ep, local, capacity
     real_R = jnp.asarray(rng.random(tokens) > 0.25).repeat(top_k) if masked else None
     capacity = max(1, round(capacity_frac * routes))
     send_rows = (ep * capacity if padded else routes) + spare
-    tiles = dict(_BLOCK=4, _CHUNK=16) if small_tiles else {}
-    with mock.patch.multiple(send_plan, **tiles) if tiles else contextlib.nullcontext():
-        _plan_all(jnp.asarray(expert_R, jnp.int32), real_R, num_experts=experts, ep=ep, capacity=capacity,
-                  top_k=top_k, padded=padded, send_rows=send_rows)
+    tiles = SendPlanTiles(block=4, chunk=16) if small_tiles else SendPlanTiles()
+    _plan_all(jnp.asarray(expert_R, jnp.int32), real_R, num_experts=experts, ep=ep, capacity=capacity,
+              top_k=top_k, padded=padded, send_rows=send_rows, tiles=tiles)
 
 
 @pytest.mark.parametrize("case", ["one_hot_expert", "nothing_dropped", "all_invalid", "single_route", "multi_chunk"])
@@ -139,6 +135,10 @@ def test_argument_errors():
         plan_sends(e.astype(jnp.float32), **kw)
     with pytest.raises(ValueError, match="backend="):
         plan_sends(e, backend="cuda", **kw)
+    with pytest.raises(ValueError, match="SendPlanTiles.block must be a power of two|SendPlanTiles.block=12"):
+        SendPlanTiles(block=12)
+    with pytest.raises(TypeError, match="tiles must be a SendPlanTiles"):
+        plan_sends(e, tiles=(16, 1024, 4), **kw)
 
 
 @pytest.mark.parametrize("ep, routes, capacity, padded, masked", [

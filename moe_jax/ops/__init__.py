@@ -1,18 +1,32 @@
-"""Array-in, array-out ops (no Flax, no mesh): the grouped GEMM, the row gather and EP's send plan."""
+"""Array-in, array-out ops (no Flax, no mesh, nothing above them): the grouped GEMM (`ops.gmm`)
+and the row gather (`ops.gather`), each with its kernels, backends and fp32 reference;
+`ops.platform` holds the one backend registry and the platform detection."""
 
-from moe_jax.ops.backends import BACKENDS, GemmBackend, resolve_backend
-from moe_jax.ops.config import TileConfig, gmm_config, tgmm_config
-from moe_jax.ops.grouped_linear import gmm, grouped_linear, tgmm
-from moe_jax.ops.metadata import GroupMetadata, clamp_group_sizes, make_group_metadata, max_tiles
-from moe_jax.ops.reference import gmm_reference, tgmm_reference
-from moe_jax.ops.rows import gather_rows, gather_rows_reference
-from moe_jax.ops.send_plan import SendPlan, plan_sends, plan_sends_reference
+from moe_jax.ops.gather import gather_rows, gather_rows_reference
+from moe_jax.ops.gmm import (
+    FAMILIES,
+    GmmConfig,
+    GroupMetadata,
+    TileConfig,
+    clamp_group_sizes,
+    gmm,
+    gmm_config,
+    gmm_reference,
+    grouped_linear,
+    make_group_metadata,
+    max_tiles,
+    tgmm,
+    tgmm_config,
+    tgmm_reference,
+)
+from moe_jax.ops.platform import BACKENDS, BackendName, resolve_backend
 
 __all__ = [
     "BACKENDS",
-    "GemmBackend",
+    "FAMILIES",
+    "BackendName",
+    "GmmConfig",
     "GroupMetadata",
-    "SendPlan",
     "TileConfig",
     "clamp_group_sizes",
     "gather_rows",
@@ -23,8 +37,6 @@ __all__ = [
     "grouped_linear",
     "make_group_metadata",
     "max_tiles",
-    "plan_sends",
-    "plan_sends_reference",
     "resolve_backend",
     "tgmm",
     "tgmm_config",

@@ -7,7 +7,8 @@ The mesh is 2-D with axes `("data", "ep")`:
 * `"data"` -- expert data parallelism: ranks with the same `"ep"` index hold the same expert
   shard, so their expert gradients are reduced over this axis.
 
-The seed's three process groups are therefore three axis sets (`EP_GROUP_AXES`,
+The three process groups of expert parallelism (EP groups, expert data-parallel groups, dense
+data-parallel groups) are therefore three axis sets (`EP_GROUP_AXES`,
 `EXPERT_DP_AXES`, `DENSE_DP_AXES`): a collective over an axis set runs within each group of
 devices that differ only along those axes, which is exactly `dist.new_group` per group, without
 having to create the groups in a consistent order by hand.
@@ -23,6 +24,8 @@ from collections.abc import Sequence
 
 import jax
 from jax.sharding import AxisType, Mesh, PartitionSpec
+
+from moe_jax.validation import check_int
 
 __all__ = [
     "DATA_AXIS",
@@ -42,18 +45,10 @@ DATA_AXIS = "data"
 EP_AXIS = "ep"
 MESH_AXES = (DATA_AXIS, EP_AXIS)
 
-# The seed's process groups as mesh-axis sets (collective `axis_name`s).
+# The process groups as mesh-axis sets (collective `axis_name`s).
 EP_GROUP_AXES = (EP_AXIS,)  # dispatch/combine exchanges
 EXPERT_DP_AXES = (DATA_AXIS,)  # reduce expert-weight gradients across replicas of one shard
 DENSE_DP_AXES = (DATA_AXIS, EP_AXIS)  # reduce router/dense gradients: every device
-
-
-def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int; got {type(value).__name__} {value!r}.")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1; got {value}.")
-    return value
 
 
 def make_mesh(*, ep: int, data: int | None = None, devices: Sequence | None = None) -> Mesh:
@@ -68,7 +63,7 @@ def make_mesh(*, ep: int, data: int | None = None, devices: Sequence | None = No
     Both axes are `AxisType.Auto`: `jax.shard_map` reshards its inputs to the requested specs and
     sharding annotations (e.g. Flax NNX param metadata) work as constraints under `jit`.
     """
-    ep = _positive_int("ep", ep)
+    ep = check_int("ep", ep)
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices)
     if n == 0:
@@ -81,7 +76,7 @@ def make_mesh(*, ep: int, data: int | None = None, devices: Sequence | None = No
             )
         data = n // ep
     else:
-        data = _positive_int("data", data)
+        data = check_int("data", data)
         if data * ep != n:
             raise ValueError(
                 f"data * ep = {data} * {ep} = {data * ep} but {n} devices were given; pass "
@@ -95,7 +90,7 @@ def check_mesh(mesh, num_experts: int) -> int:
 
     Raises ValueError when the mesh has no `"ep"` axis or `num_experts` is not a multiple of it.
     """
-    num_experts = _positive_int("num_experts", num_experts)
+    num_experts = check_int("num_experts", num_experts)
     names = tuple(mesh.axis_names)
     if EP_AXIS not in names:
         raise ValueError(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moe_jax.ops.metadata import clamp_group_sizes
+from moe_jax.ops.gmm.schedule import clamp_group_sizes
 
 _HI = jax.lax.Precision.HIGHEST
 

@@ -1,19 +1,13 @@
-"""Row gather, the copy at the heart of expert-parallel dispatch and combine.
+"""Row gather, the copy at the heart of packing and of expert-parallel dispatch and combine.
 
-Legend: N source rows, M output rows, D width.
+Legend: N source rows, M output rows, D width, K readers per source row.
 
 `gather_rows(x_ND, rows_M)` is `out[i] = x[rows[i]]`, with zeros where `rows[i]` is outside
 `[0, N)` (by convention -1 marks "no row"); `x_ND` may be a tuple of arrays read as their
-concatenation. Backends as for the grouped GEMM:
-
-- `pallas_triton`: `kernels.gather_rows_pallas`, one vector load and store per row, one launch per
-  source (a launch waits only for its own source, so the first can run while a later source is
-  still arriving from a collective). On an H200
-  (jax 0.11.2) it copied 40960 rows of 4096 bf16 in 172 us (3.5 TB/s), where XLA's gather of the
-  same rows took 245 us, and 285 us inside the EP loop, where XLA fused the index arithmetic into
-  every element of the gather (probes summarised in
-  benchmarks/results/2026-11-30-h200x2-ep-breakdown-2.md).
-- `xla`: `jnp` indexing and a select; what `auto` picks off GPU.
+concatenation. Backends (`backends`): `pallas_triton` (`kernel.gather_rows_pallas`, one vector
+load and store per row, one launch per source) and `xla` (`jnp` indexing and a select); on an
+H200 the kernel copies rows at about 3.5 TB/s where XLA's gather of the same rows reached about
+2.5 (docs/decisions.md).
 
 Differentiable in `x_ND`. Without more information the backward is a scatter-add of the output
 cotangent into the source rows (rows used twice get both contributions), whose order of additions
@@ -34,37 +28,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moe_jax.ops import kernels as _kernels
-from moe_jax.ops.backends import BackendName, _on_gpu, resolve_backend
+from moe_jax.ops.gather import backends  # noqa: F401  (registers the two backends)
+from moe_jax.ops.platform import BackendName, implementation
+from moe_jax.ops.varying import vary_to_union
 
-__all__ = ["gather_rows", "gather_rows_reference"]
-
-_BLOCK_ROWS = 8  # rows per program; 4-16 were within 5% on an H200 at prefill sizes
-_BLOCK_D = 512  # bf16: one 16-byte access per thread of 2 warps
-_NUM_WARPS = 2
-_INT32_LIMIT = 2**31
-
-
-def _xla_gather(xs, rows_M):
-    x_ND = xs[0] if len(xs) == 1 else jnp.concatenate(xs)
-    ok_M = (rows_M >= 0) & (rows_M < x_ND.shape[0])
-    return jnp.where(ok_M[:, None], x_ND[jnp.where(ok_M, rows_M, 0)], jnp.zeros((), x_ND.dtype))
-
-
-def _pallas_gather(xs, rows_M):
-    d, dtype = xs[0].shape[1], xs[0].dtype
-    xs = tuple(x for x in xs if x.shape[0])  # an empty source shifts no offsets
-    if not xs:
-        return jnp.zeros((rows_M.shape[0], d), dtype)
-    if max(rows_M.shape[0], *(x.shape[0] for x in xs)) * d >= _INT32_LIMIT:  # the kernel's offsets are int32
-        return _xla_gather(xs, rows_M)
-    return _kernels.gather_rows_pallas(
-        xs, rows_M, block_rows=_BLOCK_ROWS, block_d=min(_BLOCK_D, _kernels._pow2_at_least(d)),
-        num_warps=_NUM_WARPS, interpret=not _on_gpu(),
-    )
-
-
-_IMPLS = {"pallas_triton": _pallas_gather, "xla": _xla_gather}
+__all__ = ["gather_rows"]
 
 
 def _sources(x_ND) -> tuple[jax.Array, ...]:
@@ -105,7 +73,7 @@ def _sum_of_readers(g_MD, readers_NK):
     """`out[n] = sum_k g_MD[readers_NK[n, k]]` over the entries in `[0, M)`, summed in float32;
     `[N, D]` in `g_MD.dtype`."""
     # Materialised once: fused into the sum, XLA would recompute the index arithmetic per element
-    # (see ep_combine).
+    # (docs/decisions.md, "index arithmetic behind a barrier").
     readers_NK = jax.lax.optimization_barrier(readers_NK)
     ok_NK = (readers_NK >= 0) & (readers_NK < g_MD.shape[0])
     g_NKD = g_MD[jnp.where(ok_NK, readers_NK, 0)].astype(jnp.float32)
@@ -148,7 +116,7 @@ def gather_rows(
     sizes = tuple(x.shape[0] for x in xs)
     _check_ids("rows_M", rows_M, None)
     inverses = _inverses(inverse_N, sizes)
-    impl = _IMPLS[resolve_backend(backend)]
+    impl = implementation("gather_rows", backend)
     width, dtype = xs[0].shape[1], xs[0].dtype
     rows_M = rows_M.astype(jnp.int32)
     if rows_M.shape[0] == 0 or width == 0:
@@ -181,18 +149,5 @@ def gather_rows(
     gather.defvjp(forward, backward)
     # Under shard_map, a source replicated over an axis the row ids vary over (tokens replicated
     # over `ep`, routes sharded) must vary too: its gradient does, and the cast's transpose sums it.
-    _, xs = _kernels.vary_to_union(xs, (rows_M, *(i for i in inverses if i is not None)))
+    _, xs = vary_to_union(xs, (rows_M, *(i for i in inverses if i is not None)))
     return gather(xs, rows_M, inverses)
-
-
-def gather_rows_reference(
-    x_ND: jax.Array | tuple[jax.Array, ...], rows_M: jax.Array, *,
-    inverse_N: jax.Array | tuple[jax.Array | None, ...] | None = None, backend: BackendName = "auto",
-) -> jax.Array:
-    """fp32 `gather_rows` by one-hot matmul (memory `M*N`: tests and small shapes only);
-    `inverse_N` and `backend` are accepted for the signature and ignored."""
-    del inverse_N, backend
-    xs = _sources(x_ND)
-    x_ND = jnp.concatenate([x.astype(jnp.float32) for x in xs])
-    onehot_MN = (rows_M[:, None] == jnp.arange(x_ND.shape[0])[None, :]).astype(jnp.float32)
-    return jnp.dot(onehot_MN, x_ND, precision=jax.lax.Precision.HIGHEST)

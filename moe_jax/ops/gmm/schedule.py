@@ -4,8 +4,9 @@ Legend: M rows of the packed operand, E groups (experts), W static worst-case ti
 
 Rows of the packed operand are grouped contiguously: group e owns rows
 `[offsets[e], offsets[e+1])`. A *tile* is up to `block_m` consecutive rows of one group, counted
-from the group's first row (the seed's contiguous schedule, so padding per group is
-`block_m * ceil(M_e / block_m) - M_e`, the figure `moe_jax.padding` reports). Rows past the last
+from the group's first row (a contiguous schedule, as in MegaBlocks' block-sparse grouped GEMM,
+Gale et al. 2023), so padding per group is `block_m * ceil(M_e / block_m) - M_e`, the figure
+`moe_jax.padding` reports. Rows past the last
 group, `[offsets[E], M)`, form a pseudo-group E whose tiles only write zeros, so the output needs
 no separate memset.
 

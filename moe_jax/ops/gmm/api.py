@@ -26,8 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_jax.ops.backends import BackendName, get_backend, resolve_backend
-from moe_jax.ops.config import TileConfig
+from moe_jax.ops.gmm import backends  # noqa: F401  (registers the two backends)
+from moe_jax.ops.gmm.config import GmmConfig, TileConfig
+from moe_jax.ops.platform import BackendName, implementation, resolve_backend
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -65,6 +66,12 @@ def _check_group_sizes(group_sizes, num_groups: int, num_rows: int, expert_arg: 
         )
 
 
+def _check_config(name: str, config, allowed: tuple) -> None:
+    if config is not None and not isinstance(config, allowed):
+        want = " or ".join(t.__name__ for t in allowed)
+        raise TypeError(f"{name} must be a {want} or None (the per-shape table); got {type(config).__name__}.")
+
+
 def _default_precision(dtype, precision):
     if precision is not None:
         return precision
@@ -77,7 +84,7 @@ def gmm(
     group_sizes: jax.Array,
     *,
     transpose_rhs: bool = True,
-    config: TileConfig | None = None,
+    config: GmmConfig | TileConfig | None = None,
     backend: BackendName = "auto",
     preferred_element_type=None,
     precision: jax.lax.Precision | None = None,
@@ -89,7 +96,8 @@ def gmm(
       rhs: `[E, N, K]` (default, the linear-layer "NT" layout) or, with `transpose_rhs=False`,
         `[E, K, N]` (rows of group e are `lhs_e @ rhs[e]`).
       group_sizes: `[E]` integer rows per group.
-      config: tile configuration for the Pallas backend (default: `gmm_config` table).
+      config: the Pallas backend's candidate, a `GmmConfig` (kernel family and tiles) or a
+        `TileConfig` (the row-tile family); default: the `gmm_config` table.
       backend: `auto` (Pallas on GPU, XLA elsewhere), `pallas_triton` or `xla`.
       preferred_element_type: output dtype (default: `lhs.dtype`).
       precision: dot precision for fp32 inputs (default HIGHEST).
@@ -113,10 +121,11 @@ def gmm(
     if num_groups == 0:
         raise ValueError("rhs has zero groups (E=0); a grouped GEMM needs at least one group.")
     _check_group_sizes(group_sizes, num_groups, m, "rhs")
+    _check_config("config", config, (GmmConfig, TileConfig))
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     if m == 0 or n == 0 or k == 0:
         return jnp.zeros((m, n), out_dtype)
-    return get_backend(backend).gmm(
+    return implementation("gmm", backend)(
         lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, config=config, out_dtype=out_dtype,
         precision=_default_precision(lhs.dtype, precision),
     )
@@ -155,10 +164,11 @@ def tgmm(
     _check_group_sizes(group_sizes, num_groups, m, "group_sizes")
     if num_groups == 0:
         raise ValueError("group_sizes is empty (E=0); a grouped GEMM needs at least one group.")
+    _check_config("config", config, (TileConfig,))
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     if m == 0 or n == 0 or k == 0:
         return jnp.zeros((num_groups, n, k), out_dtype)
-    return get_backend(backend).tgmm(
+    return implementation("tgmm", backend)(
         lhs, dout, group_sizes, config=config, out_dtype=out_dtype,
         precision=_default_precision(lhs.dtype, precision),
     )
@@ -168,8 +178,8 @@ def tgmm(
 class _LinearOptions:
     backend: str
     precision: jax.lax.Precision | None
-    fwd_config: TileConfig | None
-    dgrad_config: TileConfig | None
+    fwd_config: GmmConfig | TileConfig | None
+    dgrad_config: GmmConfig | TileConfig | None
     wgrad_config: TileConfig | None
 
 
@@ -203,8 +213,8 @@ def grouped_linear(
     *,
     backend: BackendName = "auto",
     precision: jax.lax.Precision | None = None,
-    fwd_config: TileConfig | None = None,
-    dgrad_config: TileConfig | None = None,
+    fwd_config: GmmConfig | TileConfig | None = None,
+    dgrad_config: GmmConfig | TileConfig | None = None,
     wgrad_config: TileConfig | None = None,
 ) -> jax.Array:
     """Differentiable grouped linear layer: `y[M,N]`, rows of group e are `x_e @ w[e]^T`.

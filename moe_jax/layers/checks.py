@@ -1,0 +1,102 @@
+"""Checks of the MoE layer's configuration and call arguments (shared by its modules).
+
+Everything here is static: it reads shapes, dtypes and Python configuration, never traced values.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from moe_jax import routing as routing_lib
+from moe_jax.parallel import MESH_AXES, check_mesh
+
+__all__ = ["ROUTERS", "check_layer_mesh", "check_router", "check_routing", "flatten_inputs", "float_dtype"]
+
+ROUTERS = (routing_lib.SelectedSoftmax, routing_lib.SoftmaxTopK, routing_lib.SigmoidGroupedTopK)
+
+
+def float_dtype(name: str, dtype, *, allow_none: bool = False):
+    """`dtype` as a floating `jnp.dtype` (None passes when `allow_none`); TypeError otherwise."""
+    if dtype is None and allow_none:
+        return None
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError as exc:
+        raise TypeError(f"{name}={dtype!r} is not a dtype; use e.g. jnp.float32 or jnp.bfloat16.") from exc
+    if not jnp.issubdtype(dt, jnp.floating):
+        raise TypeError(f"{name}={dt.name} must be a floating dtype (float32, bfloat16, float16).")
+    return dt
+
+
+def check_router(router, top_k: int, num_experts: int):
+    """The layer's router: `router`, or `SoftmaxTopK(top_k, renormalize=True)` for None."""
+    if router is None:
+        return routing_lib.SoftmaxTopK(top_k, renormalize=True)
+    if not isinstance(router, ROUTERS):
+        raise TypeError(
+            f"router={router!r}: must be a moe_jax.routing router (SelectedSoftmax, SoftmaxTopK or SigmoidGroupedTopK)."
+        )
+    if router.top_k != top_k:
+        raise ValueError(f"router.top_k={router.top_k} differs from top_k={top_k}; build the router with top_k={top_k}.")
+    # The router checks itself against E (e.g. n_group must divide E) when it sees logits;
+    # tracing it abstractly runs those checks now, at construction.
+    jax.eval_shape(lambda: router.route(jnp.zeros((1, num_experts), jnp.float32)))
+    return router
+
+
+def check_layer_mesh(mesh, num_experts: int, backend: str) -> int:
+    """The ep size of the layer's `mesh` (1 without one)."""
+    if mesh is None:
+        return 1
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh={mesh!r}: must be a jax.sharding.Mesh from moe_jax.parallel.make_mesh.")
+    if tuple(mesh.axis_names) != MESH_AXES:
+        raise ValueError(
+            f"mesh has axes {tuple(mesh.axis_names)}; the MoE layer needs {MESH_AXES} "
+            "(build it with moe_jax.parallel.make_mesh(ep=..., data=...))."
+        )
+    if backend == "pallas_triton" and mesh.devices.flat[0].platform != "gpu":
+        # JAX's Pallas interpreter pads with mesh-invariant constants, which shard_map's
+        # varying-axis check rejects; compiled GPU kernels are fine.
+        raise ValueError(
+            "backend='pallas_triton' on a mesh of CPU devices would run the kernels in interpret "
+            "mode inside shard_map, which JAX cannot do; use backend='auto' or 'xla' on CPU meshes."
+        )
+    return check_mesh(mesh, num_experts)
+
+
+def flatten_inputs(x, mask, d_model: int, mesh: Mesh | None):
+    """`(x_TD, mask_T or None, seq_BS)` from the layer's `x` (`[B, S, D]` or `[T, D]`, one sequence)."""
+    if not hasattr(x, "ndim") or x.ndim not in (2, 3) or x.shape[-1] != d_model:
+        raise ValueError(
+            f"x must be [B, S, D] or [T, D] with D = d_model = {d_model}; got shape {tuple(getattr(x, 'shape', ()))}."
+        )
+    x_TD = x.reshape(-1, d_model)
+    seq_BS = tuple(x.shape[:2]) if x.ndim == 3 else (1, x.shape[0])
+    mask_T = None
+    if mask is not None:
+        mask = jnp.asarray(mask)
+        if mask.shape != x.shape[:-1]:
+            raise ValueError(f"mask must have shape {tuple(x.shape[:-1])} (x without its last axis); got {tuple(mask.shape)}.")
+        mask_T = mask.reshape(-1).astype(jnp.bool_)
+    if mesh is not None and x_TD.shape[0] % mesh.size:
+        raise ValueError(
+            f"{x_TD.shape[0]} tokens cannot be split over the mesh's {mesh.size} devices; pad the "
+            f"batch to a multiple of {mesh.size} tokens (mask the padding)."
+        )
+    return x_TD, mask_T, seq_BS
+
+
+def check_routing(routing, num_tokens: int, top_k: int, num_experts: int) -> None:
+    """ValueError unless an injected `Routing` has the shapes of the layer's T tokens."""
+    expected = {
+        "expert_idx_TK": (num_tokens, top_k),
+        "weights_TK": (num_tokens, top_k),
+        "probs_TE": (num_tokens, num_experts),
+    }
+    for name, shape in expected.items():
+        got = tuple(getattr(routing, name).shape)
+        if got != shape:
+            raise ValueError(f"routing.{name} must have shape {shape} for {num_tokens} tokens; got {got}.")

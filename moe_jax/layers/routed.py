@@ -1,0 +1,138 @@
+"""The MoE layer's routed stage, per mesh case: pack, grouped SwiGLU, combine.
+
+Legend (shape suffixes): T tokens, D routed-expert width, K top-k, E experts, El = E/P local
+experts on one of P ep ranks, M packed rows.
+
+- No mesh: the stage runs on the caller's arrays (`single_device`).
+- A mesh with ep = 1: every device runs all E experts on its own tokens inside `jax.shard_map`
+  (tokens split by `activation_spec()`, weights replicated).
+- A mesh with ep > 1: `moe_jax.parallel.ep_moe` on each rank: dispatch, this rank's El experts
+  (weights split by `expert_spec()`), combine.
+
+Gradients through `shard_map` need no hand-written reductions: the transpose of a replicated
+input sums its cotangents over the mesh axes it is replicated on (all axes for weights with
+ep = 1; `"data"` for `expert_spec()` shards), once the weights are cast to varying over them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh
+
+from moe_jax.experts import swiglu_experts, swiglu_experts_fused
+from moe_jax.ops import gmm_config
+from moe_jax.padding import executed_rows
+from moe_jax.parallel import (
+    DENSE_DP_AXES,
+    EP_AXIS,
+    EXPERT_DP_AXES,
+    MESH_AXES,
+    EPOptions,
+    activation_spec,
+    dense_spec,
+    ep_moe,
+    expert_spec,
+)
+from moe_jax.permute import combine, pack, pack_rows
+
+__all__ = ["ExpertStage", "Routed", "routed_on_mesh", "single_device"]
+
+
+class Routed(NamedTuple):
+    """What the routed stage returns."""
+
+    y_TD: jax.Array  # routed output at width D, compute dtype
+    executed_rows: jax.Array  # int32, rows the grouped GEMMs execute, summed over devices
+    gemm_rows: jax.Array  # int32, rows fed to the grouped GEMMs, summed over devices
+    dropped: jax.Array  # int32, capacity drops, global
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertStage:
+    """The routed experts' static configuration, shared by every mesh case.
+
+    `weights` handed to the methods are `(w_gate_up, w_down)` with `fused_gate_up`, else
+    `(w_gate, w_up, w_down)`, in the compute dtype (the `[El, ...]` shard inside `shard_map`).
+    """
+
+    num_experts: int
+    d_in: int  # the experts' input/output width (D, or L with a latent)
+    d_ff: int
+    fused_gate_up: bool
+    backend: str
+    precision: lax.Precision | None
+
+    def experts(self, x_MD, group_sizes, weights):
+        fn = swiglu_experts_fused if self.fused_gate_up else swiglu_experts
+        return fn(x_MD, group_sizes, *weights, backend=self.backend, precision=self.precision)
+
+    def executed_rows(self, group_sizes, num_rows: int) -> jax.Array:
+        """Rows the grouped GEMM runs at the tile height `gmm_config` picks for this shape."""
+        gate_up_cols = 2 * self.d_ff if self.fused_gate_up else self.d_ff
+        block_m = gmm_config(num_rows, gate_up_cols, self.d_in, group_sizes.shape[0]).tiles.block_m
+        return jnp.sum(executed_rows(group_sizes, block_m), dtype=jnp.int32)
+
+
+def _local(stage: ExpertStage, x_TD, idx_TK, w_TK, mask_T, weights):
+    """Pack, grouped SwiGLU and combine on one device's tokens with all E experts."""
+    packing = pack(idx_TK, stage.num_experts, mask_T=mask_T)
+    y_RD = stage.experts(pack_rows(x_TD, packing, backend=stage.backend), packing.group_sizes_E, weights)
+    y_TD = combine(y_RD, w_TK, packing)  # pack(mask_T=...) already left masked routes out
+    sizes = packing.group_sizes_E
+    return y_TD, stage.executed_rows(sizes, idx_TK.size), jnp.sum(sizes)
+
+
+def single_device(stage: ExpertStage, x_TD, idx_TK, w_TK, mask_T, weights) -> Routed:
+    """The routed stage without a mesh."""
+    y_TD, executed, rows = _local(stage, x_TD, idx_TK, w_TK, mask_T, weights)
+    return Routed(y_TD, executed, rows, jnp.zeros((), jnp.int32))
+
+
+def _varying(weights: tuple[jax.Array, ...], axes: tuple[str, ...]) -> tuple[jax.Array, ...]:
+    """Weights replicated over the mesh axes `axes`, cast to varying over them (inside `shard_map`):
+    the grouped GEMM's custom VJP returns a per-device weight gradient, and the cast's transpose
+    is a `psum` over `axes`, exactly the sum of the gradients of a weight's replicas."""
+    return tuple(lax.pcast(w, axes, to="varying") for w in weights)
+
+
+def routed_on_mesh(stage: ExpertStage, mesh: Mesh, ep: int, options: EPOptions, x_TD, idx_TK, w_TK, mask_T,
+                   weights) -> Routed:
+    """The routed stage inside `jax.shard_map` over `mesh` (axes `("data", "ep")`, ep size `ep`)."""
+    if mask_T is None:
+        mask_T = jnp.ones(x_TD.shape[:1], jnp.bool_)
+
+    def data_parallel(x_TD, idx_TK, w_TK, mask_T, *weights):
+        weights = _varying(weights, DENSE_DP_AXES)  # replicated: gradients sum over every device
+        y_TD, executed, rows = _local(stage, x_TD, idx_TK, w_TK, mask_T, weights)
+        return y_TD, lax.psum(executed, MESH_AXES), lax.psum(rows, MESH_AXES), jnp.zeros((), jnp.int32)
+
+    def expert_parallel(x_TD, idx_TK, w_TK, mask_T, *weights):
+        weights = _varying(weights, EXPERT_DP_AXES)  # an ep shard's replicas sum its gradients
+        num_tokens, top_k = idx_TK.shape
+        local = stage.num_experts // ep
+        # Masked tokens are never sent and never count as dropped.
+        y_TD, stats = ep_moe(
+            x_TD, idx_TK, w_TK, lambda x_MD, sizes_El: stage.experts(x_MD, sizes_El, weights),
+            num_experts=stage.num_experts, axis_name=EP_AXIS, strategy=options.strategy,
+            capacity=options.capacity(num_tokens, top_k, ep, local), mask_T=mask_T, backend=stage.backend,
+            transport=options.transport,
+        )
+        executed = lax.psum(stage.executed_rows(stats.group_sizes_El, ep * stats.capacity), MESH_AXES)
+        rows = lax.psum(stats.recv_rows, MESH_AXES)
+        # stats.dropped is already the ep-group total; the groups of the data replicas add up.
+        return y_TD, executed, rows, lax.psum(stats.dropped, EXPERT_DP_AXES)
+
+    act, rep = activation_spec(), dense_spec()
+    body, weight_spec = (data_parallel, rep) if ep == 1 else (expert_parallel, expert_spec())
+    outputs = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(act, act, act, act) + (weight_spec,) * len(weights),
+        out_specs=(act, rep, rep, rep),
+    )(x_TD, idx_TK, w_TK, mask_T, *weights)
+    return Routed(*outputs)

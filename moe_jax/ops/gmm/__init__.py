@@ -1,0 +1,26 @@
+"""The grouped GEMM, one room: public ops (`api`), candidates and tables (`config`), the on-device
+tile schedule (`schedule`), one file per kernel family (`row_tile`, `group_major`, `wgrad`, with
+the shared in-kernel body in `tile`), the two backends (`backends`) and the
+fp32 references (`reference`)."""
+
+from moe_jax.ops.gmm.api import gmm, grouped_linear, tgmm
+from moe_jax.ops.gmm.config import FAMILIES, GmmConfig, TileConfig, gmm_config, tgmm_config
+from moe_jax.ops.gmm.reference import gmm_reference, tgmm_reference
+from moe_jax.ops.gmm.schedule import GroupMetadata, clamp_group_sizes, make_group_metadata, max_tiles
+
+__all__ = [
+    "FAMILIES",
+    "GmmConfig",
+    "GroupMetadata",
+    "TileConfig",
+    "clamp_group_sizes",
+    "gmm",
+    "gmm_config",
+    "gmm_reference",
+    "grouped_linear",
+    "make_group_metadata",
+    "max_tiles",
+    "tgmm",
+    "tgmm_config",
+    "tgmm_reference",
+]

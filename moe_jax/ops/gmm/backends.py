@@ -1,0 +1,88 @@
+"""The two backends of `gmm`/`tgmm`, registered with `moe_jax.ops.platform`.
+
+- `pallas_triton`: choose a candidate (`config` None takes the per-shape table,
+  `config.gmm_config` / `config.tgmm_config`; a bare `TileConfig` for `gmm` means the row-tile
+  family with those tiles), build the schedule on device, launch the family's kernel.
+- `xla`: `jax.lax.ragged_dot_general`, XLA's grouped dot; tile configs are ignored (XLA picks its
+  own tiling).
+
+Both receive validated arguments (see `api`) with `M, N, K > 0`, and clamp group sizes the same
+way (`schedule.clamp_group_sizes`), so they agree on unchecked, traced sizes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from moe_jax.ops.gmm.config import GmmConfig, TileConfig, gmm_config, tgmm_config
+from moe_jax.ops.gmm.group_major import gmm_group_major_pallas
+from moe_jax.ops.gmm.row_tile import gmm_row_tile_pallas
+from moe_jax.ops.gmm.schedule import clamp_group_sizes, make_group_metadata
+from moe_jax.ops.gmm.wgrad import tgmm_pallas
+from moe_jax.ops.platform import interpret, register
+
+
+def as_gmm_config(config: GmmConfig | TileConfig | None, m: int, n: int, k: int, num_groups: int) -> GmmConfig:
+    """The candidate `gmm` runs: `config`, the row-tile family for a `TileConfig`, or the table's."""
+    if config is None:
+        return gmm_config(m, n, k, num_groups)
+    if isinstance(config, TileConfig):
+        return GmmConfig("row_tile", config)
+    return config
+
+
+@register("gmm", "pallas_triton")
+def pallas_gmm(lhs, rhs, group_sizes, *, transpose_rhs, config, out_dtype, precision):
+    m, k = lhs.shape
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    config = as_gmm_config(config, m, n, k, rhs.shape[0])
+    common = dict(transpose_rhs=transpose_rhs, tiles=config.tiles, out_dtype=out_dtype, precision=precision,
+                  interpret=interpret())
+    if config.family == "group_major":
+        return gmm_group_major_pallas(lhs, rhs, group_sizes, **common)
+    meta = make_group_metadata(group_sizes, num_rows=m, block_m=config.tiles.block_m)
+    return gmm_row_tile_pallas(lhs, rhs, meta, **common)
+
+
+@register("tgmm", "pallas_triton")
+def pallas_tgmm(lhs, dout, group_sizes, *, config, out_dtype, precision):
+    m, k = lhs.shape
+    tiles = config or tgmm_config(m, dout.shape[1], k, group_sizes.shape[0])
+    return tgmm_pallas(lhs, dout, clamp_group_sizes(group_sizes, m), tiles=tiles, out_dtype=out_dtype,
+                       precision=precision, interpret=interpret())
+
+
+def _clamped_sizes(group_sizes, num_rows):
+    offsets = clamp_group_sizes(group_sizes, num_rows)
+    return offsets[1:] - offsets[:-1]
+
+
+@register("gmm", "xla")
+def xla_gmm(lhs, rhs, group_sizes, *, transpose_rhs, config, out_dtype, precision):
+    del config
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([1], [2 if transpose_rhs else 1]), ([], [])),
+        lhs_ragged_dimensions=[0],
+        rhs_group_dimensions=[0],
+    )
+    out = jax.lax.ragged_dot_general(
+        lhs, rhs, _clamped_sizes(group_sizes, lhs.shape[0]), dims, precision=precision,
+        preferred_element_type=jnp.float32,
+    )
+    return out.astype(out_dtype)
+
+
+@register("tgmm", "xla")
+def xla_tgmm(lhs, dout, group_sizes, *, config, out_dtype, precision):
+    del config
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([0], [0]), ([], [])),
+        lhs_ragged_dimensions=[0],
+        rhs_group_dimensions=[],
+    )
+    out = jax.lax.ragged_dot_general(
+        dout, lhs, _clamped_sizes(group_sizes, lhs.shape[0]), dims, precision=precision,
+        preferred_element_type=jnp.float32,
+    )
+    return out.astype(out_dtype)

@@ -1,0 +1,121 @@
+"""Kernel choices of the grouped GEMM: tile shapes, kernel families, and the per-device tables.
+
+A `TileConfig` fixes everything the Triton compiler needs that is not a shape: block sizes, warps,
+pipeline stages and the swizzle width. A `GmmConfig` is a named candidate for the forward and
+input-gradient GEMM: a kernel *family* (how programs map to work) and its tiles. Candidates are
+chosen per shape class from small static tables (`gmm_config`, `tgmm_config`), never by
+autotuning at call time; the tables were filled by `python -m benchmarks.gmm tune` on an H200
+(docs/decisions.md lists the sweeps and their results).
+
+Families (`FAMILIES`):
+- `row_tile`: one program per (row tile, column block) of an on-device schedule
+  (`schedule.make_group_metadata`); every program has about the same work whatever the skew.
+- `group_major`: one program per (active-group slot, column block) walks that group's row tiles;
+  no schedule is built before the kernel, which is what decode needs; a hot group is serialised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from moe_jax.validation import check_int
+
+__all__ = ["FAMILIES", "GmmConfig", "TileConfig", "gmm_config", "tgmm_config"]
+
+FAMILIES = ("row_tile", "group_major")
+_WARPS = (1, 2, 4, 8, 16)
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """Block shape and launch parameters of one grouped-GEMM kernel.
+
+    For `gmm` (C = A B^T per group): `block_m` rows of A per program, `block_n` output columns,
+    `block_k` reduction step. For `tgmm` (dB = dC^T A per group): the program owns a
+    `block_n x block_k` tile of dB and walks its group's rows `block_m` at a time.
+
+    `group_m` row tiles share one sweep over the output columns before the next group starts, so
+    an expert's weight block and its activation rows are read from HBM about once (L2 reuse;
+    row-tile family only). Triton needs power-of-two blocks; tensor-core dots need every block
+    >= 16.
+    """
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+    group_m: int = 8
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k"):
+            v = check_int(f"TileConfig.{name}", getattr(self, name), minimum=16)
+            if v & (v - 1):
+                raise ValueError(
+                    f"TileConfig.{name}={v}: must be a power of two >= 16 "
+                    "(Triton blocks are powers of two; tensor-core dots need 16)."
+                )
+            object.__setattr__(self, name, v)
+        if self.num_warps not in _WARPS:
+            raise ValueError(f"TileConfig.num_warps={self.num_warps!r}: must be one of {_WARPS}.")
+        stages = check_int("TileConfig.num_stages", self.num_stages)
+        if stages > 8:
+            raise ValueError(f"TileConfig.num_stages={stages}: must be an int in [1, 8].")
+        object.__setattr__(self, "num_stages", stages)
+        object.__setattr__(self, "group_m", check_int("TileConfig.group_m", self.group_m))
+
+
+@dataclasses.dataclass(frozen=True)
+class GmmConfig:
+    """A forward/input-gradient candidate: kernel `family` (one of `FAMILIES`) with `tiles`."""
+
+    family: str = "row_tile"
+    tiles: TileConfig = TileConfig()
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ValueError(f"GmmConfig.family={self.family!r}: use one of {FAMILIES}.")
+        if not isinstance(self.tiles, TileConfig):
+            raise TypeError(f"GmmConfig.tiles must be a TileConfig; got {type(self.tiles).__name__}.")
+
+    @property
+    def name(self) -> str:
+        """E.g. `row_tile 128x256x64 w8 s4` (block_m x block_n x block_k, warps, stages)."""
+        t = self.tiles
+        return f"{self.family} {t.block_m}x{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}"
+
+
+def gmm_config(m: int, n: int, k: int, num_groups: int) -> GmmConfig:
+    """Forward/input-gradient candidate for `lhs[m,k] x rhs[num_groups, n, k]`.
+
+    Shape classes by mean rows per group `m / num_groups` (H200 sweeps, docs/decisions.md):
+    - decode (<= 16): the group-major family (bytes are weights; no schedule kernels before it)
+      with narrow column blocks so every SM gets weight blocks to stream: 32 columns while fewer
+      than two rows per group (8 of 128 experts active at one token), 64 from there.
+    - small prefill (<= 64): 64-row tiles, so fewer rows are tile padding.
+    - prefill: 128x256x64 tiles, 8 warps, 4 stages (128 columns for n < 1024).
+    """
+    rows = m / max(num_groups, 1)
+    if rows <= 16:
+        bn = 32 if rows < 2 else 64
+        return GmmConfig("group_major", TileConfig(block_m=16, block_n=bn, block_k=256, num_warps=4, num_stages=3,
+                                                   group_m=1))
+    if rows <= 64:
+        return GmmConfig("row_tile", TileConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4,
+                                                group_m=8))
+    bn = 256 if n >= 1024 else 128
+    return GmmConfig("row_tile", TileConfig(block_m=128, block_n=bn, block_k=64, num_warps=8, num_stages=4, group_m=8))
+
+
+def tgmm_config(m: int, n: int, k: int, num_groups: int) -> TileConfig:
+    """Weight-gradient tiles for `dB[num_groups, n, k] = dC[m, n]^T A[m, k]` per group.
+
+    Each program owns a `block_n x block_k` tile of one group's gradient and walks that group's
+    rows. Prefill (> 64 rows per group): 128x128 tiles with 32-row steps, 64-row steps from 768
+    rows per group; smaller groups get 64x64 tiles (docs/decisions.md).
+    """
+    rows = m / max(num_groups, 1)
+    if rows <= 64:
+        return TileConfig(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=3, group_m=1)
+    bm = 64 if rows >= 768 else 32
+    return TileConfig(block_m=bm, block_n=128, block_k=128, num_warps=8, num_stages=3, group_m=1)

@@ -1,0 +1,85 @@
+"""The group-major family of the forward grouped GEMM: one program per (active-group slot, column block).
+
+Legend: M packed rows, K reduction width, N output width, E groups.
+
+Slot j of the `min(E, M)` slots serves the j-th group that has rows and walks its row tiles;
+`num_fill` more programs per column block zero the rows past the last group. Each program finds
+its group's rows from the raw sizes, so no schedule is built before the launch: at decode the
+launch is the only kernel, and only as many group programs as rows can exist (8 of 128 experts
+at one token, top-8). Under heavy skew a hot group is walked by few programs, so prefill uses
+the row-tile family.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from moe_jax.ops.gmm.config import TileConfig
+from moe_jax.ops.gmm.tile import row_block
+from moe_jax.ops.pallas_triton import cdiv, launch, masked_load, next_pow2
+
+__all__ = ["gmm_group_major_pallas"]
+
+
+def _kernel(sizes_ref, lhs_ref, rhs_ref, out_ref, *, num_groups: int, num_slots: int, num_fill: int, m: int, n: int,
+            k: int, tiles: TileConfig, transpose_rhs: bool, precision):
+    bm = tiles.block_m
+    num_n = cdiv(n, tiles.block_n)
+    pid = pl.program_id(0)
+    slot, n_blk = pid // num_n, pid % num_n
+    n0 = pl.multiple_of(n_blk * tiles.block_n, tiles.block_n)
+    # One vector load, a cumsum and a few sums give this program's group and rows.
+    e_pad = max(16, next_pow2(num_groups))
+    idx = jnp.arange(e_pad, dtype=jnp.int32)
+    sizes = jnp.maximum(masked_load(sizes_ref.at[pl.ds(0, e_pad)], idx < num_groups), 0)
+    active_before = jnp.cumsum((sizes > 0).astype(jnp.int32))  # inclusive count of active groups
+    group = jnp.sum((active_before <= slot).astype(jnp.int32))  # index of the slot-th active group
+    is_group = (slot < num_slots) & (group < num_groups)
+    before = jnp.minimum(jnp.sum(jnp.where(idx < group, sizes, 0)), m)
+    total = jnp.minimum(jnp.sum(sizes), m)
+    group_end = jnp.minimum(before + jnp.sum(jnp.where(idx == group, sizes, 0)), m)
+    # Group programs walk their group's row tiles; the `num_fill` fill programs (slots past
+    # `num_slots`) share the rows past the last group, tile j going to fill program j % num_fill.
+    # Slots without an active group walk nothing.
+    # Selects on int32 values only: a select of two Python literals lowers to i1 in Triton.
+    is_fill = slot >= num_slots
+    first = jnp.where(is_group, before, total + (slot - num_slots) * bm)
+    end = jnp.where(is_group, group_end, jnp.where(is_fill, jnp.int32(m), first))
+    stride = (1 + (1 - is_group.astype(jnp.int32)) * (num_fill - 1)) * bm
+    num_row_tiles = jnp.maximum(end - first + stride - 1, 0) // stride
+    k_steps = is_group.astype(jnp.int32) * cdiv(k, tiles.block_k)
+    group = jnp.minimum(group, num_groups - 1)
+
+    def tile(j, carry):
+        start = first + j * stride
+        row_block(lhs_ref, rhs_ref, out_ref, group=group, start=start, end=jnp.minimum(start + bm, end), n0=n0,
+                  k_steps=k_steps, n=n, k=k, tiles=tiles, transpose_rhs=transpose_rhs, precision=precision)
+        return carry
+
+    lax.fori_loop(0, num_row_tiles, tile, 0)
+
+
+def gmm_group_major_pallas(
+    lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool, tiles: TileConfig, out_dtype,
+    precision, interpret: bool, num_fill: int = 8, out_init: jax.Array | None = None,
+) -> jax.Array:
+    """Launch the group-major kernel (see the module docstring). Expects validated shapes with
+    `M, N, K > 0`; `group_sizes` is read raw (negative sizes count as zero, rows past M dropped)."""
+    m, k = lhs.shape
+    num_groups = rhs.shape[0]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    num_slots = min(num_groups, m)
+    num_fill = max(1, min(num_fill, cdiv(m, tiles.block_m)))
+    kernel = functools.partial(_kernel, num_groups=num_groups, num_slots=num_slots, num_fill=num_fill, m=m, n=n,
+                               k=k, tiles=tiles, transpose_rhs=transpose_rhs, precision=precision)
+    return launch(
+        kernel, (group_sizes.astype(jnp.int32), lhs, rhs),
+        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype), grid=((num_slots + num_fill) * cdiv(n, tiles.block_n),),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, interpret=interpret, name="moe_jax_gmm_group_major",
+        out_init=out_init,
+    )

@@ -1,0 +1,82 @@
+"""What every kernel of the `pallas_triton` backend shares: the launcher and in-kernel helpers.
+
+Kernels take refs only; each op's launcher (in its own folder) builds the grid and calls `launch`,
+which owns `pallas_call`, the compiler parameters, output aliasing and the varying-axes typing
+inside `shard_map`. Blocks are powers of two (Triton's rule); `next_pow2` rounds a width up.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from moe_jax.ops.varying import varying_like
+
+__all__ = ["cdiv", "launch", "masked_load", "next_pow2", "outer_and"]
+
+
+def cdiv(a, b):
+    """`ceil(a / b)` for ints and traced int32 values."""
+    return (a + b - 1) // b
+
+
+def next_pow2(x: int) -> int:
+    """The smallest power of two `>= x` (1 for `x <= 1`)."""
+    return 1 << max(int(x) - 1, 0).bit_length()
+
+
+def outer_and(row_ok, col_ok, shape):
+    """Block mask of `shape` from optional row and column masks (None: that edge needs no mask)."""
+    if row_ok is None and col_ok is None:
+        return None
+    rows = jnp.ones((shape[0],), jnp.bool_) if row_ok is None else row_ok
+    cols = jnp.ones((shape[1],), jnp.bool_) if col_ok is None else col_ok
+    return rows[:, None] & cols[None, :]
+
+
+def masked_load(ref, mask):
+    """Load with zeros where `mask` is False; a plain (vectorizable) load when `mask` is None."""
+    if mask is None:
+        return plgpu.load(ref)
+    return plgpu.load(ref, mask=mask, other=jnp.zeros((), ref.dtype))
+
+
+def launch(kernel, inputs, *, out_shape, grid, num_warps: int, num_stages: int, interpret: bool, name: str,
+           out_init=None):
+    """`pallas_call(kernel)(*inputs)` with the project's compiler parameters.
+
+    `out_shape` may be a tuple (several outputs) when there is no `out_init`. `out_init`, if given,
+    is aliased as the output buffer, so elements the kernel does not store keep its values: tests
+    pass NaN there to prove that every output element is written, and the row gather chains
+    launches through it.
+    """
+    if out_init is None:
+        call_kernel, aliases = kernel, {}
+    else:
+        if out_init.shape != out_shape.shape or out_init.dtype != out_shape.dtype:
+            raise ValueError(f"out_init must be {out_shape}; got {out_init.shape} {out_init.dtype}.")
+        inputs = (*inputs, out_init)
+        aliases = {len(inputs) - 1: 0}
+
+        def call_kernel(*refs):
+            return kernel(*refs[:-2], refs[-1])  # drop the aliased input ref
+
+    if interpret and jax.sharding.get_abstract_mesh().manual_axes:
+        # JAX's Pallas interpreter pads with mesh-invariant constants, which shard_map's varying
+        # check rejects; compiled GPU kernels are fine there.
+        raise ValueError(
+            f"{name}: the Pallas interpreter (off GPU) cannot run inside shard_map; use "
+            "backend='auto' or 'xla' on meshes of CPU devices."
+        )
+    out_shape, inputs = varying_like(out_shape, inputs)
+    return pl.pallas_call(
+        call_kernel,
+        out_shape=out_shape,
+        grid=grid,
+        input_output_aliases=aliases,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=name,
+    )(*inputs)

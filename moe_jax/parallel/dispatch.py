@@ -1,0 +1,373 @@
+"""Expert-parallel dispatch and combine: move token rows to the ranks that own their experts and
+bring the expert outputs back. `ep_moe` is the whole routed stage: dispatch, experts, combine.
+
+Everything here runs INSIDE `jax.shard_map` on per-device arrays, collectives over the ep axis
+(`axis_name`, default `"ep"`). Shapes are static and nothing syncs with the host: buffers have a
+worst-case size, and which rows are real is carried by on-device counts and masks.
+
+Legend (shape suffixes): T tokens on this rank, D model width, K experts per token (top-k),
+R = T*K routes, E experts, El = E/P local experts, P ep size, C capacity (rows one source rank
+may send to one destination rank), S send-buffer rows, M receive-buffer rows = packed rows.
+
+Dispatch (`ep_dispatch`); docs/expert-parallelism.md walks through it:
+
+1. Expand T tokens into R routes (route r = t*K + k). Destination rank = expert // El, local
+   expert = expert % El. Routes of masked tokens (`mask_T`) are not sent at all.
+2. Capacity (`capacity.py`): within each destination, routes keep token order and the first C
+   are kept; the rest are dropped and counted. Ranking by token rather than by local expert keeps
+   the overflow spread over all experts of the destination.
+3. Send layout: the kept routes to each destination form one block, ordered by (local expert,
+   token, slot). Steps 1-3 are `send_plan.plan_sends`.
+4. Count exchange: one `all_gather` of every rank's kept counts per (destination, local expert),
+   `[P, El]` int32 each; every rank derives the same block offsets and regroup maps from it
+   (`layout.py`), so no offsets or expert ids travel.
+5. Exchange the rows through the transport (`transports.py`).
+6. Regroup by local expert: packed rows are expert 0's rows, expert 1's rows, ...; within an
+   expert, rows are ordered by (source rank, token, slot). Rows past `sum(group_sizes)` are zero.
+
+The row moves around the collectives (send buffer, regroup, and un-regroup in combine) are
+`moe_jax.ops.gather_rows` with materialised row ids and readers inverses, so every backward is a
+gather summed in float32: no atomics, the same bits on every run.
+
+Combine (`ep_combine`) is the reverse: un-regroup, reverse exchange, read each route's returned
+row, weighted sum over K in float32. Both strategies keep the same routes and produce the same
+packed layout, so their results agree exactly. Dropless (`capacity=None`) means C = R.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from moe_jax.ops import gather_rows
+from moe_jax.ops.platform import BackendName
+from moe_jax.parallel.capacity import resolve_capacity
+from moe_jax.parallel.layout import (
+    BlockExchange,
+    buffer_rows,
+    own_and_peer,
+    pair_maps,
+    plan_exchange,
+    plan_regroup,
+)
+from moe_jax.parallel.mesh import EP_AXIS
+from moe_jax.parallel.send_plan import plan_sends
+from moe_jax.parallel.transports import Transport, check_strategy, check_transport, select_transport
+from moe_jax.permute import check_mask
+from moe_jax.validation import check_int
+
+__all__ = ["EPPlan", "EPStats", "ep_combine", "ep_dispatch", "ep_moe"]
+
+
+class EPStats(NamedTuple):
+    """Per-rank dispatch figures for logging.
+
+    dropped: int32 scalar, routes of real tokens dropped by capacity (plus any such route with
+        an expert id outside `[0, E)`), summed over the ep axis: every rank of an EP group reports
+        the group total (each `"data"` replica's EP group has its own total).
+    send_counts_P: `[P]` int32, real routes this rank addressed to each ep rank, before dropping.
+    recv_rows: int32 scalar, rows this rank received and kept (= `sum(group_sizes_El)`).
+    group_sizes_El: `[El]` int32, packed rows of each local expert on this rank.
+    capacity: static Python int C, rows one source may send to one destination (R when dropless).
+    """
+
+    dropped: jax.Array
+    send_counts_P: jax.Array
+    recv_rows: jax.Array
+    group_sizes_El: jax.Array
+    capacity: int
+
+
+class EPPlan(NamedTuple):
+    """What `ep_dispatch` decided and `ep_combine` needs to bring outputs back.
+
+    A trace-local object: use it in the same traced function (e.g. the same `shard_map` body) as
+    the dispatch that built it; `strategy`, `transport` and `capacity` are static Python values.
+
+    strategy: `"padded"` or `"ragged"`. transport: the requested transport (`"auto"`, a name or a
+        `Transport`); combine resolves it for its own rows. capacity: C.
+    route_row_TK: int32, row of each delivered route in the send buffer; -1 where route (t, k)
+        was not delivered (masked token, dropped by capacity or invalid expert id).
+    recv_to_packed_M: int32, packed row of each receive-buffer row, -1 where it holds no route.
+    packed_to_recv_M: int32, receive-buffer row of each packed row, -1 past `sum(group_sizes_El)`.
+    group_sizes_El: int32, packed rows of each local expert.
+    exchange: `BlockExchange` of the dispatch direction (combine uses `exchange.reversed()`).
+    send_counts_P: int32, routes addressed to each rank before dropping.
+    dropped: int32 scalar, ep-group total of undelivered routes of real tokens.
+    """
+
+    strategy: str
+    transport: str | Transport
+    capacity: int
+    route_row_TK: jax.Array
+    recv_to_packed_M: jax.Array
+    packed_to_recv_M: jax.Array
+    group_sizes_El: jax.Array
+    exchange: BlockExchange
+    send_counts_P: jax.Array
+    dropped: jax.Array
+
+    @property
+    def keep_TK(self) -> jax.Array:
+        """bool `[T, K]`: route (t, k) was delivered."""
+        return self.route_row_TK >= 0
+
+    def stats(self) -> EPStats:
+        """The loggable summary of this dispatch."""
+        return EPStats(dropped=self.dropped, send_counts_P=self.send_counts_P,
+                       recv_rows=jnp.sum(self.group_sizes_El), group_sizes_El=self.group_sizes_El,
+                       capacity=self.capacity)
+
+    def transport_for(self, rows_ND: jax.Array) -> Transport:
+        """The transport an exchange of `rows_ND`'s width runs (its block is `[C, D]`)."""
+        block_bytes = self.capacity * rows_ND.shape[1] * rows_ND.dtype.itemsize
+        return select_transport(self.strategy, self.transport, ep=self.send_counts_P.shape[0], block_bytes=block_bytes)
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _axis_size(axis_name) -> int:
+    try:
+        return lax.axis_size(axis_name)
+    except NameError as err:
+        raise ValueError(
+            f"axis {axis_name!r} is not bound: call EP dispatch/combine inside jax.shard_map over a "
+            f"mesh with that axis (e.g. make_mesh(ep=...), axis '{EP_AXIS}')."
+        ) from err
+
+
+def _local_experts(num_experts, ep: int) -> int:
+    num_experts = check_int("num_experts", num_experts)
+    if num_experts % ep:
+        raise ValueError(
+            f"num_experts={num_experts} is not divisible by the ep axis size {ep}; every rank "
+            f"must own the same number of experts (choose ep from the divisors of {num_experts})."
+        )
+    return num_experts // ep
+
+
+def _check_routes(x_TD, expert_idx_TK) -> tuple[int, int]:
+    if x_TD.ndim != 2:
+        raise ValueError(f"x_TD must be [T, D] (flatten batch dims first); got shape {tuple(x_TD.shape)}.")
+    if expert_idx_TK.ndim != 2 or expert_idx_TK.shape[0] != x_TD.shape[0]:
+        raise ValueError(
+            f"expert_idx_TK must be [T, K] with T = x_TD.shape[0] = {x_TD.shape[0]}; got shape "
+            f"{tuple(expert_idx_TK.shape)}. Pass the router's top-k indices for the same tokens."
+        )
+    if not jnp.issubdtype(expert_idx_TK.dtype, jnp.integer):
+        raise ValueError(f"expert_idx_TK must hold integer expert ids; got dtype {expert_idx_TK.dtype}.")
+    return expert_idx_TK.shape
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def ep_dispatch(
+    x_TD: jax.Array,
+    expert_idx_TK: jax.Array,
+    *,
+    num_experts: int,
+    axis_name=EP_AXIS,
+    strategy: str = "padded",
+    capacity: int | None = None,
+    mask_T: jax.Array | None = None,
+    backend: BackendName = "auto",
+    transport: str | Transport = "auto",
+) -> tuple[jax.Array, jax.Array, EPPlan]:
+    """Send each token's rows to the owners of its K experts; return them grouped by local expert.
+
+    Args:
+      x_TD: this rank's tokens, `[T, D]`.
+      expert_idx_TK: int `[T, K]` global expert ids in `[0, num_experts)`; routes with other ids
+        are never delivered (they count as dropped).
+      num_experts: E, a multiple of the ep axis size P; rank p owns experts `[p*El, (p+1)*El)`.
+      axis_name: the ep mesh axis (inside `jax.shard_map`).
+      strategy: `"padded"` or `"ragged"` (GPU only), see `moe_jax.parallel.transports`.
+      capacity: C rows per (source, destination) pair, or None for dropless (C = T*K). Values
+        above T*K are clamped to T*K; values below one row per local expert (C < min(E/P, T*K))
+        raise ValueError.
+      mask_T: optional bool `[T]`, True for real tokens. Routes of masked tokens are neither sent
+        nor counted (not in `send_counts_P`, not dropped); their combined output is zero.
+      backend: backend of the row gathers and the send plan (`"auto"`: our Pallas kernels on GPU,
+        XLA elsewhere).
+      transport: `"auto"` (the strategy's default), a name in `transports.TRANSPORTS` or a
+        `Transport` fitting the strategy's layout.
+
+    Returns:
+      packed_x_MD: `[M, D]`, M = P*C, rows of local expert 0, then 1, ... (within an expert by
+        source rank, token, slot); rows past `sum(group_sizes_El)` are zero.
+      group_sizes_El: int32 `[El]` rows per local expert (padding rows not counted).
+      plan: `EPPlan` for `ep_combine`.
+    """
+    check_strategy(strategy)
+    check_transport(transport)
+    tokens, top_k = _check_routes(x_TD, expert_idx_TK)
+    mask_T = check_mask(mask_T, tokens, "ep_dispatch")
+    ep = _axis_size(axis_name)
+    local = _local_experts(num_experts, ep)
+    routes = tokens * top_k
+    cap = resolve_capacity(capacity, routes, local)
+    if routes == 0:
+        return _empty_dispatch(x_TD, tokens, top_k, strategy, transport, ep, local)
+    moved = select_transport(strategy, transport, ep=ep, block_bytes=cap * x_TD.shape[1] * x_TD.dtype.itemsize)
+    layout = moved.layout
+    send_rows, recv_rows = buffer_rows(layout, routes, ep, cap)
+
+    real_R = None if mask_T is None else jnp.repeat(mask_T, top_k)
+    sends = plan_sends(expert_idx_TK.reshape(routes), real_R, num_experts=num_experts, ep=ep, capacity=cap,
+                       top_k=top_k, padded=layout == "padded", send_rows=send_rows, backend=backend)
+    # The count exchange: every rank's [P, El] kept counts, integers, not differentiated.
+    counts_PPE = lax.all_gather(sends.kept_PE, axis_name)
+    me = lax.axis_index(axis_name)
+    ex = plan_exchange(counts_PPE.sum(axis=2), sends.send_sizes_P, me, layout, cap)
+    regroup = plan_regroup(counts_PPE[:, me, :], ex.recv_offsets_P, recv_rows, cap if layout == "padded" else None)
+    # x_TD's backward through each gather sums, per token, the rows its K routes were read into
+    # (`gather_rows`' [T, K] inverse: float32, no atomics); -1 where a route is not read there.
+    route_row_R, send_ids_S = sends.route_row_R, sends.send_ids_S
+    route_row_TK = route_row_R.reshape(tokens, top_k)
+    if moved.pairwise:
+        # Only the peer block is built and moved; packed rows of this rank's own routes read their
+        # tokens straight from x_TD, so the regroup gathers from the pair (x_TD, peer block).
+        pair = pair_maps(regroup.recv_to_packed_M, regroup.packed_to_recv_M, route_row_R, me, cap)
+        own_ids, peer_ids = own_and_peer(send_ids_S, me, cap)
+        peer_send = gather_rows(x_TD, peer_ids, inverse_N=pair.peer_slot_R.reshape(tokens, top_k), backend=backend)
+        regroup_src = (x_TD, moved.exchange(peer_send, ex, out_rows=cap, axis_name=axis_name))
+        regroup_ids = jnp.where(pair.own_slot_M >= 0, own_ids[jnp.maximum(pair.own_slot_M, 0)],
+                                jnp.where(pair.peer_slot_M >= 0, tokens + pair.peer_slot_M, -1))
+        regroup_inverse = (pair.own_packed_R.reshape(tokens, top_k), pair.peer_to_packed_C)  # peer rows: read once
+    else:
+        send_x_SD = gather_rows(x_TD, send_ids_S, inverse_N=route_row_TK, backend=backend)
+        regroup_src = moved.exchange(send_x_SD, ex, out_rows=recv_rows, axis_name=axis_name)
+        regroup_ids, regroup_inverse = regroup.packed_to_recv_M, regroup.recv_to_packed_M
+    # Padding rows are written as zeros here, whatever the receive buffer holds there.
+    packed_x_MD = gather_rows(regroup_src, regroup_ids, inverse_N=regroup_inverse, backend=backend)
+
+    # Every route of a real token that is not sent counts: over capacity or an invalid expert id.
+    real_routes = routes if real_R is None else jnp.sum(real_R, dtype=jnp.int32)
+    dropped = lax.psum(real_routes - jnp.sum(sends.send_sizes_P), axis_name)
+    plan = EPPlan(
+        strategy=strategy,
+        transport=transport,
+        capacity=cap,
+        route_row_TK=route_row_TK,
+        recv_to_packed_M=regroup.recv_to_packed_M,
+        packed_to_recv_M=regroup.packed_to_recv_M,
+        group_sizes_El=regroup.group_sizes_El,
+        exchange=ex,
+        send_counts_P=sends.send_counts_P,
+        dropped=dropped,
+    )
+    return packed_x_MD, regroup.group_sizes_El, plan
+
+
+def _empty_dispatch(x_TD, tokens: int, top_k: int, strategy: str, transport, ep: int, local: int):
+    """`ep_dispatch` of no routes (T = 0 or K = 0 on every rank, as shapes are static): empty
+    buffers and a plan whose combine returns `[T, D_out]` zeros; nothing is exchanged."""
+    none_P = jnp.zeros((ep,), jnp.int32)
+    plan = EPPlan(
+        strategy=strategy,
+        transport=transport,
+        capacity=0,
+        route_row_TK=jnp.full((tokens, top_k), -1, jnp.int32),
+        recv_to_packed_M=jnp.zeros((0,), jnp.int32),
+        packed_to_recv_M=jnp.zeros((0,), jnp.int32),
+        group_sizes_El=jnp.zeros((local,), jnp.int32),
+        exchange=BlockExchange(none_P, none_P, none_P, none_P, none_P, none_P),
+        send_counts_P=none_P,
+        dropped=jnp.zeros((), jnp.int32),
+    )
+    return jnp.zeros((0, x_TD.shape[1]), x_TD.dtype), plan.group_sizes_El, plan
+
+
+def ep_combine(packed_y_MD: jax.Array, weights_TK: jax.Array, plan: EPPlan, *, axis_name=EP_AXIS,
+               backend: BackendName = "auto") -> jax.Array:
+    """Return expert outputs to their tokens' ranks and form `y_t = sum_k w_tk * y_tk`.
+
+    Args:
+      packed_y_MD: expert outputs in the packed layout `ep_dispatch` produced, `[M, D]`. Rows past
+        `sum(group_sizes)` are never read (they may hold anything, NaN included).
+      weights_TK: routing weights `[T, K]` of this rank's tokens.
+      plan: the `EPPlan` from the matching `ep_dispatch` (its transport moves the rows back).
+      backend: row-gather backend, as for `ep_dispatch`.
+
+    Returns `y_TD` in `packed_y_MD.dtype`, summed over K in float32. Dropped routes contribute
+    zero. Differentiable in `packed_y_MD` and `weights_TK`.
+    """
+    tokens, top_k = plan.route_row_TK.shape
+    if weights_TK.shape != (tokens, top_k):
+        raise ValueError(
+            f"weights_TK must be [T, K] = {(tokens, top_k)} like the dispatched expert_idx_TK; got "
+            f"shape {tuple(weights_TK.shape)}."
+        )
+    recv_rows = plan.recv_to_packed_M.shape[0]
+    if packed_y_MD.ndim != 2 or packed_y_MD.shape[0] != recv_rows:
+        raise ValueError(
+            f"packed_y_MD must be [M, D] with M = {recv_rows} packed rows from ep_dispatch; got shape "
+            f"{tuple(packed_y_MD.shape)}."
+        )
+    routes = tokens * top_k
+    zero = jnp.zeros((), packed_y_MD.dtype)
+    if routes == 0:
+        return jnp.zeros((tokens, packed_y_MD.shape[1]), packed_y_MD.dtype)
+    moved = plan.transport_for(packed_y_MD)
+    send_rows, _ = buffer_rows(moved.layout, routes, plan.send_counts_P.shape[0], plan.capacity)
+
+    # Routes without a row (-1) read row 0 below and are zeroed by a select, never a multiply by a
+    # mask: that row may be padding (NaN included), and the select's gradient there is exactly 0.
+    row_R = plan.route_row_TK.reshape(routes)
+    if moved.pairwise:
+        # Only the peer block goes back; routes this rank served itself read their packed rows
+        # directly (slots are p*C on both sides, so a route's send row is also its receive row).
+        pair = pair_maps(plan.recv_to_packed_M, plan.packed_to_recv_M, row_R, lax.axis_index(axis_name),
+                         plan.capacity)
+        peer_back = gather_rows(packed_y_MD, pair.peer_to_packed_C, inverse_N=pair.peer_slot_M, backend=backend)
+        peer_y = moved.exchange(peer_back, plan.exchange.reversed(), out_rows=plan.capacity, axis_name=axis_name)
+        row_R = jnp.where(pair.own_packed_R >= 0, pair.own_packed_R,
+                          jnp.where(pair.peer_slot_R >= 0, packed_y_MD.shape[0] + pair.peer_slot_R, -1))
+        returned_SD = jnp.concatenate([packed_y_MD, peer_y])
+    else:
+        back_MD = gather_rows(packed_y_MD, plan.recv_to_packed_M, inverse_N=plan.packed_to_recv_M, backend=backend)
+        returned_SD = moved.exchange(back_MD, plan.exchange.reversed(), out_rows=send_rows, axis_name=axis_name)
+    # Materialised once: fused into the weighted sum below, XLA recomputed the index arithmetic
+    # behind it for every element (docs/decisions.md, "index arithmetic behind a barrier").
+    row_R = lax.optimization_barrier(row_R)
+    y_RD = jnp.where((row_R >= 0)[:, None], returned_SD[jnp.maximum(row_R, 0)], zero)
+    y_TKD = y_RD.reshape(tokens, top_k, -1).astype(jnp.float32)
+    y_TD = jnp.sum(y_TKD * weights_TK.astype(jnp.float32)[:, :, None], axis=1)
+    return y_TD.astype(packed_y_MD.dtype)
+
+
+def ep_moe(
+    x_TD: jax.Array,
+    expert_idx_TK: jax.Array,
+    weights_TK: jax.Array,
+    expert_fn: Callable[[jax.Array, jax.Array], jax.Array],
+    *,
+    num_experts: int,
+    axis_name=EP_AXIS,
+    strategy: str = "padded",
+    capacity: int | None = None,
+    mask_T: jax.Array | None = None,
+    backend: BackendName = "auto",
+    transport: str | Transport = "auto",
+) -> tuple[jax.Array, EPStats]:
+    """Dispatch, `packed_y_MD = expert_fn(packed_x_MD, group_sizes_El)`, combine.
+
+    `expert_fn` closes over this rank's LOCAL expert weights (the `[El, ...]` shard) and must map
+    the packed rows group by group (grouped-GEMM layout, e.g. `moe_jax.ops.grouped_linear`),
+    returning `[M, D_out]`; its rows past `sum(group_sizes_El)` are ignored.
+    `mask_T` (bool `[T]`) excludes padding tokens: they are not sent and their output is zero.
+    `backend` picks the row-gather and send-plan backend, `transport` the row exchange (see
+    `ep_dispatch`). Returns `(y_TD, EPStats)`.
+    """
+    packed_x_MD, group_sizes_El, plan = ep_dispatch(
+        x_TD, expert_idx_TK, num_experts=num_experts, axis_name=axis_name, strategy=strategy, capacity=capacity,
+        mask_T=mask_T, backend=backend, transport=transport,
+    )
+    packed_y_MD = expert_fn(packed_x_MD, group_sizes_El)
+    return ep_combine(packed_y_MD, weights_TK, plan, axis_name=axis_name, backend=backend), plan.stats()

@@ -1,0 +1,39 @@
+"""The expert-parallel options that travel together from the layer to `ep_moe`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from moe_jax.parallel.capacity import capacity_for, check_capacity_factor
+from moe_jax.parallel.transports import Transport, check_strategy, check_transport
+
+__all__ = ["EPOptions"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EPOptions:
+    """How an MoE layer exchanges rows when its mesh splits experts (ep > 1).
+
+    strategy: `"padded"` (fixed-capacity blocks, every platform) or `"ragged"`
+      (`ragged_all_to_all`, GPU only); see `moe_jax.parallel.transports`.
+    capacity_factor: None for dropless dispatch, else C = `capacity_for(T, K, P, factor,
+      local_experts=E/P)` rows per (source, destination) pair; routes past it are dropped and
+      counted.
+    transport: `"auto"` (the strategy's default), a transport name or a `Transport`.
+    """
+
+    strategy: str = "padded"
+    capacity_factor: float | None = None
+    transport: str | Transport = "auto"
+
+    def __post_init__(self):
+        check_strategy(self.strategy)
+        if self.capacity_factor is not None:
+            object.__setattr__(self, "capacity_factor", check_capacity_factor(self.capacity_factor))
+        check_transport(self.transport)
+
+    def capacity(self, tokens_per_rank: int, top_k: int, ep: int, local_experts: int) -> int | None:
+        """C for one rank's `tokens_per_rank` tokens (None: dropless, or no routes to bound)."""
+        if self.capacity_factor is None or tokens_per_rank * top_k == 0:
+            return None
+        return capacity_for(tokens_per_rank, top_k, ep, self.capacity_factor, local_experts=local_experts)
