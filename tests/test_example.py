@@ -1,12 +1,12 @@
 """The training example `examples/train_moe.py`: artifacts, learning, resume, CLI, EP and multi-process.
 
-Most runs call the example's `main()` in this process with a tiny model; runs that need their
-own device count (EP on 2 devices, two processes joined by `jax.distributed`) are subprocesses.
+Most runs call the example package's `cli.main()` (`examples/moe_lm`) in this process with a tiny
+model; runs that need their own device count (EP on 2 devices, two processes joined by
+`jax.distributed`) are subprocesses of the entry script `examples/train_moe.py`, run as a user would.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -18,19 +18,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from examples.moe_lm import cli
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_moe.py"
-
-
-def _load_example():
-    spec = importlib.util.spec_from_file_location("train_moe_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
-
-
-train_moe = _load_example()
 
 TINY = [
     "--batch", "4", "--seq", "16", "--d-model", "32", "--layers", "1", "--heads", "2",
@@ -61,7 +52,7 @@ def test_overfit_loss_falls_and_artifacts_written(tmp_path):
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 40)
     out = tmp_path / "run"
     steps = 40
-    train_moe.main(
+    cli.main(
         TINY + ["--data", str(corpus), "--steps", str(steps), "--lr", "1e-2", "--warmup", "5",
                 "--batch", "8", "--eval-every", "20", "--ckpt-every", "20", "--out", str(out)]
     )
@@ -93,16 +84,16 @@ def test_resume_continues_the_same_trajectory(tmp_path):
     out = tmp_path / "run"
     args = TINY + ["--balance", "loss_free", "--bias-rate", "0.05", "--warmup", "2", "--ckpt-every", "3",
                    "--steps", "6", "--out", str(out)]
-    train_moe.main(args)
+    cli.main(args)
     original = _metrics(out)
     shutil.rmtree(out / "checkpoints" / "6")  # the run "died" before its final checkpoint
 
     with pytest.raises(SystemExit, match="pass --resume"):
-        train_moe.main(args)
+        cli.main(args)
     with pytest.raises(SystemExit, match="--d-model: saved 32, now 64"):
-        train_moe.main(args + ["--resume", "--d-model", "64"])
+        cli.main(args + ["--resume", "--d-model", "64"])
 
-    train_moe.main(args + ["--resume"])
+    cli.main(args + ["--resume"])
     resumed = _metrics(out)
     assert resumed["start_step"] == 3
     assert [r["step"] for r in resumed["history"]] == [1, 2, 3, 4, 5, 6]
@@ -123,7 +114,7 @@ def test_resume_continues_the_same_trajectory(tmp_path):
 )
 def test_router_and_balance_choices_train(tmp_path, extra):
     out = tmp_path / "run"
-    train_moe.main(TINY + extra + ["--steps", "2", "--out", str(out)])
+    cli.main(TINY + extra + ["--steps", "2", "--out", str(out)])
     history = _metrics(out)["history"]
     assert len(history) == 2
     assert all(np.isfinite(r["loss"]) and np.isfinite(r["layers"][0]["aux"]) for r in history)
@@ -154,14 +145,14 @@ def test_router_and_balance_choices_train(tmp_path, extra):
 )
 def test_bad_arguments_are_argparse_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:
-        train_moe.parse_args(argv)
+        cli.parse_args(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
 
 
 def test_help_lists_every_option(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        train_moe.parse_args(["--help"])
+        cli.parse_args(["--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
     for option in ("--steps", "--router", "--balance", "--ep-strategy", "--capacity-factor", "--resume",
@@ -173,7 +164,7 @@ def test_small_corpus_is_rejected_with_the_fix(tmp_path):
     corpus = tmp_path / "tiny.txt"
     corpus.write_text("too short")
     with pytest.raises(ValueError, match="smaller --seq"):
-        train_moe.main(TINY + ["--data", str(corpus), "--steps", "1", "--out", str(tmp_path / "run")])
+        cli.main(TINY + ["--data", str(corpus), "--steps", "1", "--out", str(tmp_path / "run")])
 
 
 # ----------------------------------------------------------------------------- EP and multi-process
@@ -185,7 +176,7 @@ EP_ARGS = TINY + ["--steps", "3", "--warmup", "1", "--eval-every", "3"]
 def single_device_ce(tmp_path_factory):
     """Cross-entropy per step of EP_ARGS on one device (no mesh), the reference for EP runs."""
     out = tmp_path_factory.mktemp("single")
-    train_moe.main(EP_ARGS + ["--out", str(out)])
+    cli.main(EP_ARGS + ["--out", str(out)])
     return _ce(_metrics(out))
 
 
