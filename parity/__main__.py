@@ -1,6 +1,6 @@
 """`python -m parity`: compare moe_jax with the torch reference on one configuration, or time both.
 
-Parity (default): builds the problem from the seed, runs both layers with the same injected
+Parity (default): builds the problem from the configuration's random seed, runs both layers with the same injected
 routing and upstream gradient, compares the routers on the same logits, prints a table and exits
 with 1 if any tensor misses its threshold (the message names the tensor, the configuration and the
 error figures). `--time` (GPU only) instead times one forward+backward step of each side.

@@ -51,7 +51,7 @@ class ParityProblem(NamedTuple):
 
 
 def param_shapes(config: ParityConfig) -> dict[str, tuple[int, ...]]:
-    """Parameter name -> shape, in the layout of DESIGN.md and the torch reference."""
+    """Parameter name -> shape, in the torch/Hugging Face layout both sides use (docs/architecture.md)."""
     d, f, e, din = config.d_model, config.d_ff, config.num_experts, config.routed_width
     shapes: dict[str, tuple[int, ...]] = {"w_router": (e, d)}
     if config.fused_gate_up:

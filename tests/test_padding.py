@@ -1,4 +1,4 @@
-"""Tests for moe_jax.padding: the seed's worked examples, a property test against pure Python,
+"""Tests for moe_jax.padding: the worked examples of docs/padding.md (DA-MoE's near-uniform and concentrated histograms), a property test against pure Python,
 per-rank / capacity / communication figures, jit and vmap, validation, and the CLI."""
 
 from __future__ import annotations
@@ -44,14 +44,14 @@ def _py_tile(counts, q):
     )
 
 
-# ------------------------------------------------------------------ seed examples
+# ------------------------------------------------------------------ worked examples (docs/padding.md)
 
 
 @pytest.mark.parametrize(
     "q, executed, padded, fraction",
     [(8, 160, 28, 0.175), (16, 192, 60, 0.3125), (32, 256, 124, 0.484375)],
 )
-def test_near_uniform_seed_example(q, executed, padded, fraction):
+def test_near_uniform_worked_example(q, executed, padded, fraction):
     s = tile_padding(jnp.array(NEAR_UNIFORM, jnp.int32), q)
     assert isinstance(s, PaddingStats)
     assert s.tile == q
@@ -66,7 +66,7 @@ def test_near_uniform_seed_example(q, executed, padded, fraction):
 
 
 @pytest.mark.parametrize("q, executed, padded", [(8, 136, 4), (32, 160, 28)])
-def test_concentrated_seed_example(q, executed, padded):
+def test_concentrated_worked_example(q, executed, padded):
     s = tile_padding(CONCENTRATED, q)  # a plain list works too
     assert int(s.useful) == 132
     assert int(s.executed) == executed
@@ -77,7 +77,7 @@ def test_concentrated_seed_example(q, executed, padded):
     assert float(s.mean_rows_per_expert) == pytest.approx(16.5)
 
 
-def test_seed_percentages():
+def test_worked_example_percentages():
     assert round(100 * float(tile_padding(CONCENTRATED, 8).fraction), 1) == 2.9
     assert round(100 * float(tile_padding(CONCENTRATED, 32).fraction), 1) == 17.5
     assert round(100 * float(tile_padding(NEAR_UNIFORM, 32).fraction), 1) == 48.4

@@ -1,6 +1,6 @@
 """Independent PyTorch/Triton reference of the MoE path (it never imports `moe_jax`).
 
-Written from the seed specification: routing -> packing by expert -> Triton grouped GEMM (NT
+Written from docs/reference-algorithm.md: routing -> packing by expert -> Triton grouped GEMM (NT
 layout) -> SwiGLU -> grouped GEMM -> weighted combine, with the explicit backward of each step,
 torch-autograd versions of the same graph, plain loop oracles, routers and balancing terms.
 

@@ -4,7 +4,7 @@ Legend: T tokens on this rank, D model width, F expert hidden width, E experts (
 K experts per token (top-k), P_ep ranks in an EP group, E_loc = E / P_ep experts per rank,
 R rows this rank receives from its EP group (sum of its receive splits).
 
-Layout (seed sections 4-5):
+Layout (docs/reference-algorithm.md, "Expert parallelism in the reference"):
 
 - Every EP group holds all E experts, partitioned into contiguous blocks: EP group rank `j` owns
   global experts `j*E_loc : (j+1)*E_loc` and stores them as a local stack `w_gate_local[E_loc, F,

@@ -9,8 +9,8 @@ and token t's output is `sum_k selected_weight[t, k] * F_{selected_expert[t, k]}
 
 Three forms compute it, for checking one another:
 
-- `selected_expert_path_forward` / `_backward`: the seed's explicit forward and hand-written
-  backward (Triton grouped GEMMs and their weight-gradient kernel).
+- `selected_expert_path_forward` / `_backward`: the explicit forward and hand-written
+  backward of docs/reference-algorithm.md (Eqs. 1-8) (Triton grouped GEMMs and their weight-gradient kernel).
 - `moe_experts_autograd`: the same forward built from `grouped_linear`, differentiated by torch.
 - `parity.reference.loops.moe_experts_loop`: a plain per-token loop.
 
@@ -259,7 +259,7 @@ def _backward_through_combine_and_down(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Combine and down-projection backward -> `(d_gate, d_up, d_pair_weight[P], d_w_down)`.
 
-    Combine: `dH_p = w_p dY_t` and `dw_p = <H_p, dY_t>` (seed Eq. 7), in the accumulation dtype.
+    Combine: `dH_p = w_p dY_t` and `dw_p = <H_p, dY_t>` (docs/reference-algorithm.md, Eq. 7), in the accumulation dtype.
     """
     acc = acc_dtype(cache.pair_out.dtype)
     dout_pairs = dout[cache.token_ids].to(acc)

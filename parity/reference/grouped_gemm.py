@@ -13,7 +13,7 @@ Contract shared by every function here:
 - Products accumulate in fp32 (fp64 for fp64 inputs); fp32 inputs use IEEE products (no TF32).
   Outputs have the input dtype. Supported dtypes: bfloat16, float16, float32, float64.
 
-The row-tile schedule `(tile_expert, tile_m)` is built on the host from the counts, as in the seed;
+The row-tile schedule `(tile_expert, tile_m)` is built on the host from the counts (docs/reference-algorithm.md, Eq. 4);
 that costs one device-to-host copy of `offsets` per call, which a reference can afford.
 
 Kernels run compiled on CUDA tensors, or under Triton's interpreter (`TRITON_INTERPRET=1`, CPU

@@ -46,7 +46,7 @@ def _select(scores: torch.Tensor, k: int, selection_bias: torch.Tensor | None = 
 def route_selected_softmax(
     logits: torch.Tensor, top_k: int, selection_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Mixtral / seed Eq. 2: top-k by logit, weights = softmax over the selected logits."""
+    """Mixtral (docs/reference-algorithm.md, Eq. 2): top-k by logit, weights = softmax over the selected logits."""
     r = _check_logits(logits, top_k, selection_bias)
     idx = _select(r, top_k, selection_bias)
     weights = torch.softmax(r.gather(1, idx), dim=-1)
@@ -127,7 +127,7 @@ def selected_router_backward(
     topk_weight: torch.Tensor,
     d_selected_weight: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Explicit backward of `route_selected_softmax(router_logits(x, w_router), k)` (seed Eq. 10).
+    """Explicit backward of `route_selected_softmax(router_logits(x, w_router), k)` (docs/reference-algorithm.md, Eq. 10).
 
     `x[T, D]`, `w_router[E, D]`, `topk_idx[T, K]`, `topk_weight[T, K]` (the softmax over the
     selected logits), `d_selected_weight[T, K]` -> `(d_x_router[T, D] in x.dtype,

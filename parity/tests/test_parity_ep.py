@@ -3,7 +3,7 @@
 
 Both sides get the same full-batch problem (numpy, fixed seed): tokens `x[W*T, D]`, upstream
 gradient `G[W*T, D]`, router and expert weights, and either an injected routing (expert ids with a
-chosen pattern, fp32 weights) or the selected-softmax router (seed Eq. 2) on both sides. Global
+chosen pattern, fp32 weights) or the selected-softmax router (docs/reference-algorithm.md, Eq. 2) on both sides. Global
 rank r holds tokens `[r*T, (r+1)*T)` on both sides: the torch EP groups are contiguous blocks of
 ranks and the mesh's activation spec splits tokens over `("data", "ep")` with `"ep"` minor, so
 torch rank r and mesh device (r // ep, r % ep) own the same tokens and the same expert shard.

@@ -131,7 +131,7 @@ def make_problem(world: int, ep_size: int, case: Case, device) -> Problem:
 
 
 def route(x: torch.Tensor, w_router: torch.Tensor, bias):
-    """The seed's selected-softmax router: `(topk_idx[T, K], topk_weight[T, K] fp32)`."""
+    """The selected-softmax router (docs/reference-algorithm.md, Eq. 2): `(topk_idx[T, K], topk_weight[T, K] fp32)`."""
     idx, weight, _ = route_selected_softmax(router_logits(x, w_router), K, selection_bias=bias)
     return idx, weight
 

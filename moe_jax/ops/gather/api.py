@@ -6,8 +6,7 @@ Legend: N source rows, M output rows, D width, K readers per source row.
 `[0, N)` (by convention -1 marks "no row"); `x_ND` may be a tuple of arrays read as their
 concatenation. Backends (`backends`): `pallas_triton` (`kernel.gather_rows_pallas`, one vector
 load and store per row, one launch per source) and `xla` (`jnp` indexing and a select); on an
-H200 the kernel copies rows at about 3.5 TB/s where XLA's gather of the same rows reached about
-2.5 (docs/decisions.md).
+H200 the kernel copied rows about 1.4x faster than XLA's gather (docs/decisions.md).
 
 Differentiable in `x_ND`. Without more information the backward is a scatter-add of the output
 cotangent into the source rows (rows used twice get both contributions), whose order of additions
