@@ -8,7 +8,8 @@ E experts, K experts per token.
 
     x_l     = x @ W_ld^T                       (LatentMoE only; else x_l = x)
     r_t     = sum_k w_tk * FFN(x_l[t]; W_g[e_tk], W_u[e_tk], W_d[e_tk])   (0 for masked tokens)
-    y_t     = r_t @ W_lu^T (latent) or r_t,  plus  FFN(x_t; shared weights) when present
+    y_t     = r_t @ W_lu^T (latent) or r_t,  plus  g_t * FFN(x_t; shared weights) when present
+    g_t     = sigmoid(W_sg x_t) with a shared-expert gate, else 1; masked tokens: y_t = 0
     FFN(v)  = (silu(v W_g^T) * (v W_u^T)) W_d^T
 
 Each token gathers its K experts' weights and multiplies by them directly (vmap over tokens), so
@@ -32,11 +33,13 @@ _HI = jax.lax.Precision.HIGHEST
 
 
 class SwiGLUWeights(NamedTuple):
-    """One dense SwiGLU FFN (the shared experts): `w_gate_FD`, `w_up_FD` `[Fs, D]`, `w_down_DF` `[D, Fs]`."""
+    """One dense SwiGLU FFN (the shared experts): `w_gate_FD`, `w_up_FD` `[Fs, D]`, `w_down_DF`
+    `[D, Fs]`, and optionally the sigmoid gate `w_gate_1D` `[1, D]` that scales its output."""
 
     w_gate_FD: jax.Array
     w_up_FD: jax.Array
     w_down_DF: jax.Array
+    w_gate_1D: jax.Array | None = None
 
 
 class LatentWeights(NamedTuple):
@@ -83,12 +86,15 @@ def moe_reference(
       x: `[B, S, D]` or `[T, D]`.
       routing: `Routing` of the T flattened tokens (only `expert_idx_TK` and `weights_TK` are read).
       w_gate_EFD, w_up_EFD: `[E, F, Din]`; w_down_EDF: `[E, Din, F]` routed experts.
-      mask: optional bool with the leading shape of `x` (True = real token); masked tokens get no
-        routed output.
-      shared: shared-expert weights, applied to every token at width D.
+      mask: optional bool with the leading shape of `x` (True = real token); masked tokens get a
+        zero output.
+      shared: shared-expert weights, applied to every real token at width D (times the gate's
+        sigmoid when `shared.w_gate_1D` is given).
       latent: LatentMoE projections (then Din = L).
     """
     x_TD = _f32(x).reshape(-1, x.shape[-1])
+    if mask is not None:  # masked tokens may hold anything (NaN included): they reach nothing
+        x_TD = jnp.where(jnp.asarray(mask).reshape(-1, 1), x_TD, 0.0)
     w_gate, w_up, w_down = _f32(w_gate_EFD), _f32(w_up_EFD), _f32(w_down_EDF)
     routed_in_TD = x_TD if latent is None else jnp.dot(x_TD, _f32(latent.w_down_LD).T, precision=_HI)
 
@@ -97,10 +103,13 @@ def moe_reference(
         return jnp.sum(weights_K[:, None] * outs_KD, axis=0)
 
     routed_TD = jax.vmap(token)(routed_in_TD, routing.expert_idx_TK, _f32(routing.weights_TK))
-    if mask is not None:
-        routed_TD = jnp.where(jnp.asarray(mask).reshape(-1, 1), routed_TD, 0.0)
     y_TD = routed_TD if latent is None else jnp.dot(routed_TD, _f32(latent.w_up_DL).T, precision=_HI)
     if shared is not None:
-        w_sg, w_su, w_sd = (_f32(w) for w in shared)
-        y_TD = y_TD + jax.vmap(lambda v: _ffn(v, w_sg, w_su, w_sd))(x_TD)
+        w_sg, w_su, w_sd = (_f32(w) for w in shared[:3])
+        shared_TD = jax.vmap(lambda v: _ffn(v, w_sg, w_su, w_sd))(x_TD)
+        if shared.w_gate_1D is not None:
+            shared_TD = jax.nn.sigmoid(jnp.dot(x_TD, _f32(shared.w_gate_1D).T, precision=_HI)) * shared_TD
+        y_TD = y_TD + shared_TD
+    if mask is not None:
+        y_TD = jnp.where(jnp.asarray(mask).reshape(-1, 1), y_TD, 0.0)
     return y_TD.reshape(x.shape[:-1] + (y_TD.shape[-1],))

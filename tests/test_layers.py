@@ -48,7 +48,7 @@ def reference_apply(p: dict, x, router, *, mask=None, routing=None, bias=None):
         w_gate, w_up = p[("w_gate",)], p[("w_up",)]
     shared = None
     if ("shared", "w_gate") in p:
-        shared = SwiGLUWeights(*(p[("shared", n)] for n in ("w_gate", "w_up", "w_down")))
+        shared = SwiGLUWeights(*(p[("shared", n)] for n in ("w_gate", "w_up", "w_down")), p.get(("w_shared_gate",)))
     latent = None
     if ("w_latent_down",) in p:
         latent = LatentWeights(p[("w_latent_down",)], p[("w_latent_up",)])
@@ -188,10 +188,12 @@ def test_injected_routing_reaches_weights():
     np.testing.assert_array_equal(stats.counts_E, np.bincount(idx.reshape(-1), minlength=E))
 
 
-def test_masked_tokens_change_nothing():
-    """Padding tokens holding NaN or other values: real tokens' outputs, every gradient and the
-    statistics are bit-identical; padding outputs are 0 (no shared experts here)."""
-    m = make(latent_dim=L, router=R.SelectedSoftmax(K))
+@pytest.mark.parametrize("extra", [{}, {"num_shared_experts": 1}, {"num_shared_experts": 1, "shared_expert_gate": True}],
+                         ids=["routed", "shared", "gated_shared"])
+def test_masked_tokens_change_nothing(extra):
+    """Padding tokens holding NaN or other values: real tokens' outputs, every gradient (shared
+    experts' included) and the statistics are bit-identical; padding outputs are 0."""
+    m = make(latent_dim=L, router=R.SelectedSoftmax(K), **extra)
     mask = jnp.asarray(np.random.default_rng(6).random((B, S)) < 0.6)
     x = inputs(6)
     x_nan = jnp.where(mask[..., None], x, jnp.nan)
@@ -224,6 +226,27 @@ def test_bf16_compute_with_fp32_params(extra, tol):
     m = make(dtype=jnp.bfloat16, **extra)
     assert all(v.dtype == jnp.float32 for v in flat_params(m).values())
     assert_matches_reference(m, inputs(9), dtype=jnp.bfloat16, seed=9, tol=tol)
+
+
+def test_gated_shared_expert_matches_reference():
+    """Qwen2-MoE's shared expert: its output scaled per token by sigmoid(x W_sg^T)."""
+    m = make(num_shared_experts=1, shared_d_ff=7, shared_expert_gate=True, seed=21)
+    assert m.w_shared_gate[...].shape == (1, D)
+    mask = jnp.asarray(np.random.default_rng(21).random((B, S)) < 0.7)
+    assert_matches_reference(m, inputs(21), mask=mask, seed=21)
+
+
+def test_return_routing():
+    """`return_routing=True` hands back the routing the layer used: the router's on its logits."""
+    m = make(router=R.SigmoidGroupedTopK(K, n_group=4, topk_group=2), seed=22)
+    x = inputs(22)
+    y, stats, routing = nnx.jit(lambda m, x: m(x, return_routing=True))(m, x)
+    y2, _ = nnx.jit(lambda m, x: m(x))(m, x)
+    np.testing.assert_array_equal(y, y2)
+    want = router_reference(x, m.w_router[...], m.router)
+    np.testing.assert_array_equal(routing.expert_idx_TK, want.expert_idx_TK)
+    assert_close(routing.weights_TK, want.weights_TK, jnp.float32, "weights")
+    np.testing.assert_array_equal(stats.counts_E, np.bincount(np.asarray(routing.expert_idx_TK).ravel(), minlength=E))
 
 
 def test_pallas_backend_matches_reference():
@@ -365,6 +388,8 @@ def test_scanned_two_layer_stack():
         (dict(num_shared_experts=-1), ValueError, "num_shared_experts"),
         (dict(num_shared_experts=1, shared_d_ff=0), ValueError, "shared_d_ff"),
         (dict(shared_d_ff=4), ValueError, "num_shared_experts=0"),
+        (dict(shared_expert_gate=True), ValueError, "shared_expert_gate=True gates the shared experts"),
+        (dict(num_shared_experts=1, shared_expert_gate=1), TypeError, "shared_expert_gate must be a bool"),
         (dict(router=R.SoftmaxTopK(3)), ValueError, "router.top_k=3 differs from top_k=2"),
         (dict(router="softmax"), TypeError, "router"),
         (dict(router=R.SigmoidGroupedTopK(2, n_group=3, topk_group=1)), ValueError, "n_group=3 does not divide"),

@@ -11,7 +11,8 @@ per token.
 2. routed experts at width Din (`x @ W_ld^T` first for LatentMoE): `routed.single_device` or,
    with a mesh, `routed.routed_on_mesh` (data parallel, or expert parallel through
    `moe_jax.parallel.ep_moe`); all GEMMs in the compute `dtype`.
-3. `y = routed @ W_lu^T (LatentMoE) + shared(x)`, summed in fp32 and rounded once.
+3. `y = routed @ W_lu^T (LatentMoE) + g(x) * shared(x)`, summed in fp32 and rounded once
+   (`g = sigmoid(x W_sg^T)` with `shared_expert_gate`, Qwen2-MoE; else 1).
 4. statistics over real tokens (`stats.moe_stats`).
 
 Everything outside stage 2 is ordinary `jnp`; with a mesh it is partitioned by XLA on the
@@ -68,7 +69,9 @@ class MoE(nnx.Module):
       router: a `moe_jax.routing` router (`SelectedSoftmax`, `SoftmaxTopK`, `SigmoidGroupedTopK`)
         whose `top_k` equals `top_k`; default `SoftmaxTopK(top_k, renormalize=True)`.
       num_shared_experts: shared experts (DeepSeekMoE), merged into one SwiGLU of width
-        `shared_d_ff` (default `d_ff * num_shared_experts`) that sees every token.
+        `shared_d_ff` (default `d_ff * num_shared_experts`) that sees every real token.
+      shared_expert_gate: scale the shared experts' output per token by `sigmoid(x W_sg^T)`,
+        `w_shared_gate [1, D]` (Qwen2-MoE's `shared_expert_gate`); needs shared experts.
       latent_dim: L for LatentMoE: routed experts work at width L between a shared down
         projection `w_latent_down [L, D]` and up projection `w_latent_up [D, L]`.
       fused_gate_up: store gate and up as one `w_gate_up [E, 2F, Din]` (gate rows first).
@@ -88,7 +91,8 @@ class MoE(nnx.Module):
       rngs: parameter initialisation keys.
 
     Params: `w_router [E, D]`, `w_gate`/`w_up [E, F, Din]` (or `w_gate_up [E, 2F, Din]`),
-    `w_down [E, Din, F]`, optionally `w_latent_down`, `w_latent_up`, and `shared` (a `SwiGLU`).
+    `w_down [E, Din, F]`, optionally `w_latent_down`, `w_latent_up`, `shared` (a `SwiGLU`) and
+    `w_shared_gate [1, D]`.
     State: `selection_bias` (`SelectionBias`, zeros `[E]`).
     """
 
@@ -102,6 +106,7 @@ class MoE(nnx.Module):
         router: routing_lib.Router | None = None,
         num_shared_experts: int = 0,
         shared_d_ff: int | None = None,
+        shared_expert_gate: bool = False,
         latent_dim: int | None = None,
         fused_gate_up: bool = False,
         dtype=None,
@@ -127,6 +132,10 @@ class MoE(nnx.Module):
             if num_shared_experts == 0:
                 raise ValueError(f"shared_d_ff={shared_d_ff} was given but num_shared_experts=0; set "
                                  "num_shared_experts >= 1 to add shared experts, or drop shared_d_ff.")
+        self.shared_expert_gate = check_bool("shared_expert_gate", shared_expert_gate)
+        if self.shared_expert_gate and num_shared_experts == 0:
+            raise ValueError("shared_expert_gate=True gates the shared experts, but num_shared_experts=0; set "
+                             "num_shared_experts >= 1 or drop shared_expert_gate.")
         self.latent_dim = None if latent_dim is None else check_int("latent_dim", latent_dim)
         self.fused_gate_up = check_bool("fused_gate_up", fused_gate_up)
         self.dtype = float_dtype("dtype", dtype, allow_none=True)
@@ -157,6 +166,8 @@ class MoE(nnx.Module):
                    mesh=mesh, rngs=rngs)
             if num_shared_experts else None
         )
+        if self.shared_expert_gate:
+            self.w_shared_gate = param(init(rngs.params(), (1, d), param_dtype), replicated, mesh)
         self.selection_bias = SelectionBias(jnp.zeros((e,), jnp.float32))
 
     @property
@@ -168,15 +179,19 @@ class MoE(nnx.Module):
         return self.expert_parallel.capacity_factor
 
     def __call__(
-        self, x: jax.Array, *, mask: jax.Array | None = None, routing: routing_lib.Routing | None = None
-    ) -> tuple[jax.Array, MoEStats]:
+        self, x: jax.Array, *, mask: jax.Array | None = None, routing: routing_lib.Routing | None = None,
+        return_routing: bool = False,
+    ) -> tuple[jax.Array, MoEStats] | tuple[jax.Array, MoEStats, routing_lib.Routing]:
         """`y, stats = moe(x, mask=..., routing=...)`.
 
         x: `[B, S, D]` or `[T, D]`. mask: bool with the leading shape of `x`, True = real token;
-        masked tokens get no routed output (only the shared experts') and count in no statistic.
+        masked tokens reach nothing: their output is zero (routed and shared), they count in no
+        statistic and get exactly zero gradient.
         routing: optional `Routing` of the T = B*S flattened tokens; skips the router (z_loss is
         then 0) and gradients reach `routing.weights_TK`.
-        Returns `y` (shape of `x`, compute dtype) and `MoEStats`.
+        return_routing: also return the `Routing` the layer used (expert indices, combine weights,
+        router probabilities of the T flattened tokens), for logging, analysis or distillation.
+        Returns `y` (shape of `x`, compute dtype) and `MoEStats` (and the `Routing`).
         """
         x_TD, mask_T, seq_BS = flatten_inputs(x, mask, self.d_model, self.mesh)
         dtype = x.dtype if self.dtype is None else self.dtype
@@ -206,10 +221,15 @@ class MoE(nnx.Module):
         if self.latent_dim is not None:
             y_TD = linear(routed.y_TD, self.w_latent_up[...], dtype, self.precision)
         if self.shared is not None:
-            y_TD = y_TD + self.shared(x_TD).astype(jnp.float32)
+            shared_TD = self.shared(real_TD).astype(jnp.float32)
+            if self.shared_expert_gate:
+                gate_T1 = jax.nn.sigmoid(linear(real_TD, self.w_shared_gate[...], dtype, self.precision))
+                shared_TD = gate_T1 * shared_TD
+            y_TD = y_TD + shared_TD
         stats = moe_stats(routing, z_loss=z_loss, mask_T=mask_T, seq_BS=seq_BS, num_experts=self.num_experts,
                           executed_rows=routed.executed_rows, gemm_rows=routed.gemm_rows, dropped=routed.dropped)
-        return y_TD.astype(dtype).reshape(x.shape[:-1] + (self.d_model,)), stats
+        y = y_TD.astype(dtype).reshape(x.shape[:-1] + (self.d_model,))
+        return (y, stats, routing) if check_bool("return_routing", return_routing) else (y, stats)
 
     def update_selection_bias(self, counts_E: jax.Array, step_size) -> None:
         """Loss-free balancing step: `bias += step_size * sign(mean(counts) - counts)` (outside the
