@@ -9,8 +9,10 @@
 # Phases: env | tests | parity | tune | run | run-quick | layer-time | example | ep-check | ep-bench |
 #         parity-ep | example-ep   (each optionally :SECONDS)
 # Env: NPROC (xdist workers), TESTS / PARITY (paths), STEPS (example), TUNE_ONLY (all|prefill|decode),
-#      EP_ARGS (e.g. --skip-ragged), EP_RANKS (ep size of ep-check, ep-bench and example-ep; default 2),
+#      EP_ARGS (e.g. --skip-ragged), EP_RANKS (ep size of ep-bench and example-ep; default 2),
 #      PARITY_EP (the EP test paths; the EP parity test runs each world size on NCCL when it sees that many GPUs).
+# ep-check runs tests/test_ep_moe.py (ep 2 and 4, on GPUs where the host has that many, else on host
+#   devices), then its ragged cases once more under XLA's ragged_all_to_all decomposer flag.
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -28,7 +30,9 @@ for phase in "$@"; do
     run-quick) timeout "$limit" python3 -m benchmarks.gmm run --quick --json "$OUT/${L}gmm_quick.json" 2>&1 | tee "$OUT/${L}gmm_quick.log" | tail -30 ;;
     layer-time) timeout "$limit" python3 -m parity --time --tokens 4096 --d-model 2048 --d-ff 768 --experts 128 --top-k 8 --dtype bfloat16 --json "$OUT/${L}layer_time.json" 2>&1 | tee "$OUT/${L}layer_time.log" | tail -20 ;;
     example) timeout "$limit" python3 examples/train_moe.py --steps ${STEPS:-300} --out "$OUT/${L}example" 2>&1 | tr '\r' '\n' | grep -v '^ *$' | tee "$OUT/${L}example.log" | tail -25 ;;
-    ep-check) timeout "$limit" python3 -m benchmarks.ep --ranks ${EP_RANKS:-2} --check --json "$OUT/${L}ep_check.json" 2>&1 | tee "$OUT/${L}ep_check.log" | tail -30 ;;
+    ep-check) timeout "$limit" bash -c 'python3 -m pytest tests/test_ep_moe.py -q -rA -p no:cacheprovider; a=$?
+                XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true" python3 -m pytest tests/test_ep_moe.py -k ragged -q -rA -p no:cacheprovider; b=$?
+                exit $((a ? a : b))' 2>&1 | tee "$OUT/${L}ep_check.log" | tail -30 ;;
     ep-bench) timeout "$limit" python3 -m benchmarks.ep --ranks ${EP_RANKS:-2} ${EP_ARGS:-} --json "$OUT/${L}ep.json" 2>&1 | tee "$OUT/${L}ep.log" | tail -30 ;;
     parity-ep) timeout "$limit" python3 -m pytest ${PARITY_EP:-tests/test_parallel_exchange.py parity/tests/test_parity_ep.py parity/tests/test_reference_ep.py} -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/${L}parity_ep.log" | tail -25 ;;
     example-ep) timeout "$limit" python3 examples/train_moe.py --ep ${EP_RANKS:-2} --steps ${STEPS:-200} --out "$OUT/${L}example_ep" 2>&1 | tr '\r' '\n' | grep -v '^ *$' | tee "$OUT/${L}example_ep.log" | tail -25 ;;

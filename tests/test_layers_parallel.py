@@ -32,7 +32,7 @@ N = B * S
 
 # Up to ep * data = 8 devices: the accelerators when there are that many, else the forced CPU host
 # devices (a 1- or 2-GPU runner runs these on CPU; the real GPU meshes are covered by
-# benchmarks/ep.py --check and parity/tests/test_parity_ep.py).
+# tests/test_ep_moe.py and parity/tests/test_parity_ep.py).
 _DEVICES = jax.devices() if len(jax.devices()) >= 8 else jax.devices("cpu")
 
 
