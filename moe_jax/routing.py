@@ -326,18 +326,17 @@ def expert_counts(
     """Token-expert assignments per expert: int32 `[E]`.
 
     `expert_idx_TK` is `[T, K]` (or any `[..., K]`, with `mask_T` matching the leading axes).
-    Padding tokens (mask False) contribute nothing; indices outside `[0, E)` are dropped. Integer
-    scatter-add, so the result is exact and deterministic.
+    Padding tokens (mask False) contribute nothing; indices outside `[0, E)` are dropped. A
+    one-hot reduction (not a scatter), so the result is exact, deterministic, and works on
+    arrays sharded over a mesh's Explicit axes.
     """
     num_experts = check_int("expert_counts: num_experts", num_experts)
     if expert_idx_TK.ndim < 1:
         raise ValueError("expert_counts: expert_idx_TK must have a trailing K axis, got a scalar.")
     real = _real_mask(mask_T, expert_idx_TK.shape[:-1], "mask_T", "expert_counts")
-    ones_TK = jnp.broadcast_to(real[..., None], expert_idx_TK.shape).astype(jnp.int32)
-    # mode="drop" drops only ids >= E; a negative id would wrap to E + id, so map it past E first.
-    in_range = (expert_idx_TK >= 0) & (expert_idx_TK < num_experts)
-    ids = jnp.where(in_range, expert_idx_TK, num_experts).reshape(-1)
-    return jnp.zeros((num_experts,), jnp.int32).at[ids].add(ones_TK.reshape(-1), mode="drop")
+    hit = expert_idx_TK[..., None] == jnp.arange(num_experts, dtype=expert_idx_TK.dtype)  # [..., K, E]
+    hit = hit & real[..., None, None]
+    return jnp.sum(hit.reshape(-1, num_experts), axis=0, dtype=jnp.int32)
 
 
 def aux_loss(probs_TE: jax.Array, expert_idx_TK: jax.Array, *, mask_T: jax.Array | None = None) -> jax.Array:
@@ -384,10 +383,8 @@ def seq_aux_loss(
     num_real_B = real_BS.sum(axis=-1, dtype=jnp.float32)
     denom_B1 = jnp.maximum(num_real_B, 1.0)[:, None]
 
-    def counts_of_sequence(idx_SK, real_S):
-        return expert_counts(idx_SK, num_experts, mask_T=real_S)
-
-    counts_BE = jax.vmap(counts_of_sequence)(expert_idx_BSK, real_BS).astype(jnp.float32)
+    hit_BSKE = (expert_idx_BSK[..., None] == jnp.arange(num_experts, dtype=expert_idx_BSK.dtype)) & real_BS[..., None, None]
+    counts_BE = jnp.sum(hit_BSKE, axis=(1, 2), dtype=jnp.int32).astype(jnp.float32)
     frac_BE = jax.lax.stop_gradient(counts_BE * (num_experts / top_k) / denom_B1)
     real_probs = jnp.where(real_BS[..., None], probs_BSE.astype(jnp.float32), 0.0)
     mean_prob_BE = real_probs.sum(axis=1) / denom_B1

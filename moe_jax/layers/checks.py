@@ -10,9 +10,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from moe_jax import routing as routing_lib
-from moe_jax.parallel import MESH_AXES, check_mesh
+from moe_jax.parallel import AxisRules
 
-__all__ = ["ROUTERS", "check_layer_mesh", "check_router", "check_routing", "flatten_inputs", "float_dtype"]
+__all__ = ["ROUTERS", "check_axis_rules", "check_layer_mesh", "check_router", "check_routing", "check_token_split",
+           "flatten_inputs", "float_dtype"]
 
 ROUTERS = (routing_lib.SelectedSoftmax, routing_lib.SoftmaxTopK, routing_lib.SigmoidGroupedTopK)
 
@@ -46,17 +47,20 @@ def check_router(router, top_k: int, num_experts: int):
     return router
 
 
-def check_layer_mesh(mesh, num_experts: int, backend: str) -> int:
-    """The ep size of the layer's `mesh` (1 without one)."""
+def check_axis_rules(axis_rules) -> AxisRules | None:
+    """`axis_rules` if it is None or an `AxisRules`, else TypeError."""
+    if axis_rules is not None and not isinstance(axis_rules, AxisRules):
+        raise TypeError(f"axis_rules must be a moe_jax.parallel.AxisRules or None; got {type(axis_rules).__name__}.")
+    return axis_rules
+
+
+def check_layer_mesh(mesh, rules: AxisRules, num_experts: int, backend: str) -> int:
+    """The ep size of the layer's `mesh` under `rules` (1 without a mesh)."""
     if mesh is None:
         return 1
     if not isinstance(mesh, Mesh):
-        raise TypeError(f"mesh={mesh!r}: must be a jax.sharding.Mesh from moe_jax.parallel.make_mesh.")
-    if tuple(mesh.axis_names) != MESH_AXES:
-        raise ValueError(
-            f"mesh has axes {tuple(mesh.axis_names)}; the MoE layer needs {MESH_AXES} "
-            "(build it with moe_jax.parallel.make_mesh(ep=..., data=...))."
-        )
+        raise TypeError(f"mesh={mesh!r}: must be a jax.sharding.Mesh (e.g. from moe_jax.parallel.make_mesh).")
+    ep = rules.check(mesh, num_experts)
     if backend == "pallas_triton" and mesh.devices.flat[0].platform != "gpu":
         # JAX's Pallas interpreter pads with mesh-invariant constants, which shard_map's
         # varying-axis check rejects; compiled GPU kernels are fine.
@@ -64,10 +68,10 @@ def check_layer_mesh(mesh, num_experts: int, backend: str) -> int:
             "backend='pallas_triton' on a mesh of CPU devices would run the kernels in interpret "
             "mode inside shard_map, which JAX cannot do; use backend='auto' or 'xla' on CPU meshes."
         )
-    return check_mesh(mesh, num_experts)
+    return ep
 
 
-def flatten_inputs(x, mask, d_model: int, mesh: Mesh | None):
+def flatten_inputs(x, mask, d_model: int):
     """`(x_TD, mask_T or None, seq_BS)` from the layer's `x` (`[B, S, D]` or `[T, D]`, one sequence)."""
     if not hasattr(x, "ndim") or x.ndim not in (2, 3) or x.shape[-1] != d_model:
         raise ValueError(
@@ -81,12 +85,17 @@ def flatten_inputs(x, mask, d_model: int, mesh: Mesh | None):
         if mask.shape != x.shape[:-1]:
             raise ValueError(f"mask must have shape {tuple(x.shape[:-1])} (x without its last axis); got {tuple(mask.shape)}.")
         mask_T = mask.reshape(-1).astype(jnp.bool_)
-    if mesh is not None and x_TD.shape[0] % mesh.size:
-        raise ValueError(
-            f"{x_TD.shape[0]} tokens cannot be split over the mesh's {mesh.size} devices; pad the "
-            f"batch to a multiple of {mesh.size} tokens (mask the padding)."
-        )
     return x_TD, mask_T, seq_BS
+
+
+def check_token_split(num_tokens: int, mesh, rules: AxisRules) -> None:
+    """ValueError unless the T tokens split evenly over the rules' token axes of `mesh`."""
+    shards = rules.token_shards(mesh)
+    if num_tokens % shards:
+        raise ValueError(
+            f"{num_tokens} tokens cannot be split over the {shards} devices of the mesh axes {rules.tokens}; pad "
+            f"the batch to a multiple of {shards} tokens (mask the padding)."
+        )
 
 
 def check_routing(routing, num_tokens: int, top_k: int, num_experts: int) -> None:

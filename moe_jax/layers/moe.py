@@ -30,12 +30,20 @@ from jax.sharding import Mesh
 
 from moe_jax import routing as routing_lib
 from moe_jax.experts import fuse_gate_up
-from moe_jax.layers.checks import check_layer_mesh, check_router, check_routing, flatten_inputs, float_dtype
+from moe_jax.layers.checks import (
+    check_axis_rules,
+    check_layer_mesh,
+    check_router,
+    check_routing,
+    check_token_split,
+    flatten_inputs,
+    float_dtype,
+)
 from moe_jax.layers.dense import SwiGLU, expert_init, init, linear, param
 from moe_jax.layers.routed import ExpertStage, routed_on_mesh, single_device
 from moe_jax.layers.stats import MoEStats, moe_stats
 from moe_jax.ops import resolve_backend
-from moe_jax.parallel import EP_AXIS, EPOptions
+from moe_jax.parallel import AxisRules, EPOptions
 from moe_jax.parallel.transports import check_strategy
 from moe_jax.validation import check_bool, check_int
 
@@ -80,7 +88,14 @@ class MoE(nnx.Module):
       backend: grouped-GEMM backend (`"auto"`, `"pallas_triton"`, `"xla"`); the row gathers and
         EP's send plan use it too.
       precision: dot precision for the expert/shared/latent GEMMs (default: HIGHEST for fp32).
-      mesh: a `moe_jax.parallel.make_mesh` mesh for data/expert parallelism (`routed`).
+      mesh: a `jax.sharding.Mesh` (Auto or Explicit axes) for data/expert parallelism: the
+        parameters are placed on it and the routed stage runs in `jax.shard_map` over it
+        (`routed`). None (default): no mesh of the layer's own; under an ambient mesh
+        (`jax.set_mesh`) the routed stage follows `axis_rules`, or the Explicit sharding of the
+        input's token dimension (data parallel), and otherwise runs on the arrays as they are.
+      axis_rules: `moe_jax.parallel.AxisRules`, which mesh axes split tokens and which one splits
+        experts (default `AxisRules()`: tokens over `("data", "ep")`, experts over `"ep"`, the
+        axes of `make_mesh`); other mesh axes are left alone.
       expert_parallel: `moe_jax.parallel.EPOptions` (strategy, capacity factor, transport) used
         when the mesh splits experts; default `EPOptions()` (padded, dropless, auto transport).
       ep_strategy, capacity_factor: the same two options passed one by one (the older spelling;
@@ -114,6 +129,7 @@ class MoE(nnx.Module):
         backend: str = "auto",
         precision: lax.Precision | None = None,
         mesh: Mesh | None = None,
+        axis_rules: AxisRules | None = None,
         expert_parallel: EPOptions | None = None,
         ep_strategy: str | None = None,
         capacity_factor: float | None = None,
@@ -143,12 +159,13 @@ class MoE(nnx.Module):
         resolve_backend(backend)  # ValueError naming the choices for an unknown backend
         self.backend = backend
         self.precision = precision
-        self.ep = check_layer_mesh(mesh, e, backend)
+        self.axis_rules = check_axis_rules(axis_rules)
+        self.ep = check_layer_mesh(mesh, self.rules, e, backend)
         self.mesh = mesh
         self.expert_parallel = _ep_options(expert_parallel, ep_strategy, capacity_factor)
 
         d_in = self.latent_dim or d
-        experts, replicated = (EP_AXIS, None, None), (None, None)
+        experts, replicated = (self.rules.experts, None, None), (None, None)
         self.w_router = param(init(rngs.params(), (e, d), param_dtype), replicated, mesh)
         w_gate = expert_init(rngs.params(), (e, f, d_in), param_dtype)
         w_up = expert_init(rngs.params(), (e, f, d_in), param_dtype)
@@ -169,6 +186,11 @@ class MoE(nnx.Module):
         if self.shared_expert_gate:
             self.w_shared_gate = param(init(rngs.params(), (1, d), param_dtype), replicated, mesh)
         self.selection_bias = SelectionBias(jnp.zeros((e,), jnp.float32))
+
+    @property
+    def rules(self) -> AxisRules:
+        """The axis rules in force: `axis_rules`, or the defaults of `make_mesh`'s mesh."""
+        return AxisRules() if self.axis_rules is None else self.axis_rules
 
     @property
     def ep_strategy(self) -> str:
@@ -193,7 +215,8 @@ class MoE(nnx.Module):
         router probabilities of the T flattened tokens), for logging, analysis or distillation.
         Returns `y` (shape of `x`, compute dtype) and `MoEStats` (and the `Routing`).
         """
-        x_TD, mask_T, seq_BS = flatten_inputs(x, mask, self.d_model, self.mesh)
+        x_TD, mask_T, seq_BS = flatten_inputs(x, mask, self.d_model)
+        placement = self._placement(x_TD)
         dtype = x.dtype if self.dtype is None else self.dtype
         # Padding tokens may hold anything: zero them (where, so NaN cannot leak into gradients)
         # before they reach the router and the routed experts.
@@ -213,10 +236,10 @@ class MoE(nnx.Module):
         stage = ExpertStage(self.num_experts, self.latent_dim or self.d_model, self.d_ff, self.fused_gate_up,
                             self.backend, self.precision)
         args = (routed_in_TD, routing.expert_idx_TK, routing.weights_TK, mask_T, self._expert_weights(dtype))
-        if self.mesh is None:
+        if placement is None:
             routed = single_device(stage, *args)
         else:
-            routed = routed_on_mesh(stage, self.mesh, self.ep, self.expert_parallel, *args)
+            routed = routed_on_mesh(stage, *placement, self.expert_parallel, *args)
         y_TD = routed.y_TD.astype(jnp.float32)
         if self.latent_dim is not None:
             y_TD = linear(routed.y_TD, self.w_latent_up[...], dtype, self.precision)
@@ -235,6 +258,34 @@ class MoE(nnx.Module):
         """Loss-free balancing step: `bias += step_size * sign(mean(counts) - counts)` (outside the
         gradient; pass `stats.counts_E`, already global)."""
         self.selection_bias[...] = routing_lib.update_selection_bias(self.selection_bias[...], counts_E, step_size)
+
+    def _placement(self, x_TD) -> tuple[object, AxisRules] | None:
+        """`(mesh, rules)` the routed stage runs `shard_map` over, or None to run it on the arrays."""
+        context = jax.sharding.get_abstract_mesh()
+        if context.manual_axes:
+            if self.mesh is not None or self.axis_rules is not None:
+                raise ValueError(
+                    f"this MoE layer runs its own jax.shard_map (it has mesh= or axis_rules=), so it cannot be called "
+                    f"inside another one (manual axes {tuple(context.manual_axes)}); build it with mesh=None and "
+                    "axis_rules=None to run it per device on each shard's tokens, or call "
+                    "moe_jax.parallel.ep_moe inside your shard_map for expert parallelism."
+                )
+            return None
+        if self.mesh is not None:
+            mesh, rules = self.mesh, self.rules
+        elif context.empty:
+            return None
+        elif self.axis_rules is not None:
+            mesh, rules = context, self.axis_rules
+        else:
+            # No rules: follow an Explicit sharding of the token dimension, data parallel.
+            spec = jax.typeof(x_TD).sharding.spec
+            axes = spec[0] if len(spec) else None
+            if axes is None:
+                return None
+            mesh, rules = context, AxisRules(tokens=(axes,) if isinstance(axes, str) else tuple(axes), experts=None)
+        check_token_split(x_TD.shape[0], mesh, rules)
+        return mesh, rules
 
     def _expert_weights(self, dtype) -> tuple[jax.Array, ...]:
         """Expert weights in the compute dtype: `(w_gate_up, w_down)` or `(w_gate, w_up, w_down)`."""

@@ -3,15 +3,19 @@
 Legend (shape suffixes): T tokens, D routed-expert width, K top-k, E experts, El = E/P local
 experts on one of P ep ranks, M packed rows.
 
-- No mesh: the stage runs on the caller's arrays (`single_device`).
-- A mesh with ep = 1: every device runs all E experts on its own tokens inside `jax.shard_map`
-  (tokens split by `activation_spec()`, weights replicated).
+- No mesh: the stage runs on the caller's arrays (`single_device`), also per device inside a
+  caller's own `jax.shard_map`.
+- A mesh whose expert axis has size 1 (or rules without one): every device runs all E experts on
+  its own tokens inside `jax.shard_map` (tokens split over `AxisRules.tokens`, weights
+  replicated).
 - A mesh with ep > 1: `moe_jax.parallel.ep_moe` on each rank: dispatch, this rank's El experts
-  (weights split by `expert_spec()`), combine.
+  (weights split over `AxisRules.experts`), combine.
 
 Gradients through `shard_map` need no hand-written reductions: the transpose of a replicated
-input sums its cotangents over the mesh axes it is replicated on (all axes for weights with
-ep = 1; `"data"` for `expert_spec()` shards), once the weights are cast to varying over them.
+input sums its cotangents over the mesh axes it is replicated on and that its tokens vary over
+(the token axes for dense weights, the token axes but the expert axis for expert shards), once
+the weights are cast to varying over them. Mesh axes outside the rules see replicated tokens and
+weights and are left alone.
 """
 
 from __future__ import annotations
@@ -22,22 +26,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from moe_jax.experts import swiglu_experts, swiglu_experts_fused
 from moe_jax.ops import gmm_config
 from moe_jax.padding import executed_rows
-from moe_jax.parallel import (
-    DENSE_DP_AXES,
-    EP_AXIS,
-    EXPERT_DP_AXES,
-    MESH_AXES,
-    EPOptions,
-    activation_spec,
-    dense_spec,
-    ep_moe,
-    expert_spec,
-)
+from moe_jax.ops.sharding import vary_to_union
+from moe_jax.parallel import AxisRules, EPOptions, ep_moe, is_explicit
 from moe_jax.permute import combine, pack, pack_rows
 
 __all__ = ["ExpertStage", "Routed", "routed_on_mesh", "single_device"]
@@ -88,7 +83,10 @@ def _local(stage: ExpertStage, x_TD, idx_TK, w_TK, mask_T, weights):
 
 
 def single_device(stage: ExpertStage, x_TD, idx_TK, w_TK, mask_T, weights) -> Routed:
-    """The routed stage without a mesh."""
+    """The routed stage without a mesh of its own. Inside a caller's `shard_map` it runs on each
+    device's tokens; replicated weights are cast to vary with the tokens, so their gradients sum
+    over the caller's token axes (and the statistics are per device)."""
+    _, weights = vary_to_union(weights, (x_TD, idx_TK, w_TK))
     y_TD, executed, rows = _local(stage, x_TD, idx_TK, w_TK, mask_T, weights)
     return Routed(y_TD, executed, rows, jnp.zeros((), jnp.int32))
 
@@ -100,39 +98,41 @@ def _varying(weights: tuple[jax.Array, ...], axes: tuple[str, ...]) -> tuple[jax
     return tuple(lax.pcast(w, axes, to="varying") for w in weights)
 
 
-def routed_on_mesh(stage: ExpertStage, mesh: Mesh, ep: int, options: EPOptions, x_TD, idx_TK, w_TK, mask_T,
+def routed_on_mesh(stage: ExpertStage, mesh, rules: AxisRules, options: EPOptions, x_TD, idx_TK, w_TK, mask_T,
                    weights) -> Routed:
-    """The routed stage inside `jax.shard_map` over `mesh` (axes `("data", "ep")`, ep size `ep`)."""
+    """The routed stage inside `jax.shard_map` over `mesh` (a `Mesh` or the ambient
+    `AbstractMesh`, Auto or Explicit axes) with tokens and experts placed by `rules`."""
+    ep = rules.check(mesh, stage.num_experts)
     if mask_T is None:
         mask_T = jnp.ones(x_TD.shape[:1], jnp.bool_)
 
     def data_parallel(x_TD, idx_TK, w_TK, mask_T, *weights):
-        weights = _varying(weights, DENSE_DP_AXES)  # replicated: gradients sum over every device
+        weights = _varying(weights, rules.dense_replicas)  # replicated: gradients sum over the token axes
         y_TD, executed, rows = _local(stage, x_TD, idx_TK, w_TK, mask_T, weights)
-        return y_TD, lax.psum(executed, MESH_AXES), lax.psum(rows, MESH_AXES), jnp.zeros((), jnp.int32)
+        return y_TD, lax.psum(executed, rules.tokens), lax.psum(rows, rules.tokens), jnp.zeros((), jnp.int32)
 
     def expert_parallel(x_TD, idx_TK, w_TK, mask_T, *weights):
-        weights = _varying(weights, EXPERT_DP_AXES)  # an ep shard's replicas sum its gradients
+        weights = _varying(weights, rules.expert_replicas)  # an ep shard's replicas sum its gradients
         num_tokens, top_k = idx_TK.shape
         local = stage.num_experts // ep
         # Masked tokens are never sent and never count as dropped.
         y_TD, stats = ep_moe(
             x_TD, idx_TK, w_TK, lambda x_MD, sizes_El: stage.experts(x_MD, sizes_El, weights),
-            num_experts=stage.num_experts, axis_name=EP_AXIS, strategy=options.strategy,
+            num_experts=stage.num_experts, axis_name=rules.experts, strategy=options.strategy,
             capacity=options.capacity(num_tokens, top_k, ep, local), mask_T=mask_T, backend=stage.backend,
             transport=options.transport,
         )
-        executed = lax.psum(stage.executed_rows(stats.group_sizes_El, ep * stats.capacity), MESH_AXES)
-        rows = lax.psum(stats.recv_rows, MESH_AXES)
-        # stats.dropped is already the ep-group total; the groups of the data replicas add up.
-        return y_TD, executed, rows, lax.psum(stats.dropped, EXPERT_DP_AXES)
+        executed = lax.psum(stage.executed_rows(stats.group_sizes_El, ep * stats.capacity), rules.tokens)
+        rows = lax.psum(stats.recv_rows, rules.tokens)
+        # stats.dropped is already the ep-group total; the groups of the replicas add up.
+        return y_TD, executed, rows, lax.psum(stats.dropped, rules.expert_replicas)
 
-    act, rep = activation_spec(), dense_spec()
-    body, weight_spec = (data_parallel, rep) if ep == 1 else (expert_parallel, expert_spec())
-    outputs = jax.shard_map(
-        body,
-        mesh=mesh,
-        in_specs=(act, act, act, act) + (weight_spec,) * len(weights),
-        out_specs=(act, rep, rep, rep),
-    )(x_TD, idx_TK, w_TK, mask_T, *weights)
+    act, rep = rules.activation_spec(), P()
+    body, weight_spec = (data_parallel, rep) if ep == 1 else (expert_parallel, rules.expert_spec())
+    inputs = (x_TD, idx_TK, w_TK, mask_T, *weights)
+    specs = (act,) * 4 + (weight_spec,) * len(weights)
+    if is_explicit(mesh):
+        # Explicit axes: shard_map takes inputs laid out as its specs say (Auto axes reshard).
+        inputs = tuple(jax.sharding.reshard(a, spec) for a, spec in zip(inputs, specs))
+    outputs = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(act, rep, rep, rep))(*inputs)
     return Routed(*outputs)

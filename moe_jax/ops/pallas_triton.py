@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from moe_jax.ops.varying import varying_like
+from moe_jax.ops.sharding import varying_like
 
 __all__ = ["cdiv", "launch", "masked_load", "next_pow2", "outer_and"]
 
@@ -63,12 +63,20 @@ def launch(kernel, inputs, *, out_shape, grid, num_warps: int, num_stages: int, 
         def call_kernel(*refs):
             return kernel(*refs[:-2], refs[-1])  # drop the aliased input ref
 
-    if interpret and jax.sharding.get_abstract_mesh().manual_axes:
+    context = jax.sharding.get_abstract_mesh()
+    if interpret and context.manual_axes:
         # JAX's Pallas interpreter pads with mesh-invariant constants, which shard_map's varying
         # check rejects; compiled GPU kernels are fine there.
         raise ValueError(
             f"{name}: the Pallas interpreter (off GPU) cannot run inside shard_map; use "
             "backend='auto' or 'xla' on meshes of CPU devices."
+        )
+    if interpret and any(t == jax.sharding.AxisType.Explicit for t in context.axis_types):
+        # Its discharged loops mix the mesh's shardings into the scratch buffers; compiled GPU
+        # kernels lower fine under Explicit axes (tests lower them for an H200).
+        raise ValueError(
+            f"{name}: the Pallas interpreter (off GPU) cannot run under a mesh with Explicit axes; use "
+            "backend='auto' or 'xla' on CPU devices."
         )
     out_shape, inputs = varying_like(out_shape, inputs)
     return pl.pallas_call(

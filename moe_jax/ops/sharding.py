@@ -1,17 +1,48 @@
-"""Varying manual axes inside `jax.shard_map(check_vma=True)`: what every op that runs there needs.
+"""Shardings the ops meet: varying manual axes inside `jax.shard_map`, and Explicit mesh axes.
 
 Under `shard_map` with `check_vma=True` each value carries the set of mesh axes it varies over.
 A value replicated over an axis (weights, tokens replicated over `ep`) combined with one that
 varies over it must be cast to varying first (`jax.lax.pcast`), and the cast's transpose sums the
 gradient over the added axes: exactly the sum over a replicated value's replicas. Outside
 `shard_map` every set is empty and nothing here changes anything.
+
+Under a mesh with Explicit axes (`jax.set_mesh`), shardings are part of the array types. The
+grouped GEMM and the row gather read rows anywhere in their operands (the groups are global row
+ranges), so they take replicated operands: `replicate_explicit` reshards any explicitly sharded
+operand to replicated first (an all-gather, the data movement the op needs anyway); the
+transpose of that reshard returns each cotangent to its operand's sharding.
 """
 
 from __future__ import annotations
 
 import jax
+from jax.sharding import PartitionSpec
 
-__all__ = ["vary_to_union", "varying_like"]
+__all__ = ["explicit_out_sharding", "replicate_explicit", "vary_to_union", "varying_like"]
+
+
+def _explicit_context() -> bool:
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.manual_axes and any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+
+
+def explicit_out_sharding() -> PartitionSpec | None:
+    """`PartitionSpec()` (replicated) where an op that cannot infer its output sharding under
+    Explicit axes needs one (`jax.lax.ragged_dot_general`), else None."""
+    return PartitionSpec() if _explicit_context() else None
+
+
+def replicate_explicit(*arrays):
+    """`arrays`, each resharded to replicated if an Explicit mesh axis shards it (outside
+    `shard_map`); unchanged otherwise (no mesh, Auto axes, or inside `shard_map`)."""
+    if not _explicit_context():
+        return arrays
+    out = []
+    for a in arrays:
+        sharding = getattr(jax.typeof(a), "sharding", None)
+        spec = getattr(sharding, "spec", ())
+        out.append(jax.sharding.reshard(a, PartitionSpec()) if any(e is not None for e in spec) else a)
+    return tuple(out)
 
 
 def vary_to_union(arrays: tuple, also: tuple = ()) -> tuple[frozenset, tuple]:

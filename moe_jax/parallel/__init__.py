@@ -1,7 +1,7 @@
 """Expert parallelism, one door: the mesh, capacity, the send plan, the layout of the exchanged
 blocks, the transports that move them, and dispatch/combine (`ep_moe` runs the whole routed stage).
 
-Module by module (dependencies point down the list): `mesh` (axes, construction, sharding specs),
+Module by module (dependencies point down the list): `mesh` (`AxisRules`, construction, sharding specs),
 `capacity` (C from a capacity factor), `options` (`EPOptions`, what the layer passes on), `send_plan/` (the sender's plan: a Pallas kernel, an XLA
 backend, a reference), `layout` (block offsets and regroup maps from the exchanged counts),
 `transports` (all_to_all, two-rank pair swap, ragged all_to_all, each with its VJP), `dispatch`
@@ -18,10 +18,12 @@ from moe_jax.parallel.mesh import (
     EP_GROUP_AXES,
     EXPERT_DP_AXES,
     MESH_AXES,
+    AxisRules,
     activation_spec,
     check_mesh,
     dense_spec,
     expert_spec,
+    is_explicit,
     make_mesh,
 )
 from moe_jax.parallel.options import EPOptions
@@ -50,6 +52,7 @@ __all__ = [
     "RAGGED_ALL_TO_ALL",
     "STRATEGIES",
     "TRANSPORTS",
+    "AxisRules",
     "BlockExchange",
     "EPOptions",
     "EPPlan",
@@ -66,6 +69,7 @@ __all__ = [
     "ep_dispatch",
     "ep_moe",
     "expert_spec",
+    "is_explicit",
     "make_mesh",
     "plan_sends",
     "plan_sends_reference",

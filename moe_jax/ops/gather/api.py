@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from moe_jax.ops.gather import backends  # noqa: F401  (registers the two backends)
 from moe_jax.ops.platform import BackendName, implementation
-from moe_jax.ops.varying import vary_to_union
+from moe_jax.ops.sharding import replicate_explicit, vary_to_union
 
 __all__ = ["gather_rows"]
 
@@ -149,4 +149,7 @@ def gather_rows(
     # Under shard_map, a source replicated over an axis the row ids vary over (tokens replicated
     # over `ep`, routes sharded) must vary too: its gradient does, and the cast's transpose sums it.
     _, xs = vary_to_union(xs, (rows_M, *(i for i in inverses if i is not None)))
+    # Explicit mesh axes: a row may be read from anywhere, so the operands are replicated first.
+    xs, (rows_M,) = replicate_explicit(*xs), replicate_explicit(rows_M)
+    inverses = tuple(None if i is None else replicate_explicit(i)[0] for i in inverses)
     return gather(xs, rows_M, inverses)

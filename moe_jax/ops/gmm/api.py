@@ -10,6 +10,9 @@ Contract (all backends):
   `preferred_element_type` says otherwise. fp32 inputs use full fp32 products (`Precision.HIGHEST`)
   unless `precision` asks for TF32 (`Precision.DEFAULT`/`HIGH`).
 
+Under a mesh with Explicit axes, sharded operands are gathered to replicated first (the groups
+are global row ranges; see `moe_jax.ops.sharding`); inside `jax.shard_map` the ops run per device.
+
 Checks: shapes, ranks and dtypes always raise `ValueError`/`TypeError` naming the argument. When
 `group_sizes` is concrete (not traced), negative sizes or a total past M raise `ValueError`. Under
 `jit` they cannot be checked without a host round trip, so the ops clamp instead: negative sizes
@@ -29,6 +32,7 @@ import numpy as np
 from moe_jax.ops.gmm import backends  # noqa: F401  (registers the two backends)
 from moe_jax.ops.gmm.config import GmmConfig, TileConfig
 from moe_jax.ops.platform import BackendName, implementation, resolve_backend
+from moe_jax.ops.sharding import replicate_explicit
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -125,6 +129,7 @@ def gmm(
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     if m == 0 or n == 0 or k == 0:
         return jnp.zeros((m, n), out_dtype)
+    lhs, rhs, group_sizes = replicate_explicit(lhs, rhs, group_sizes)
     return implementation("gmm", backend)(
         lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, config=config, out_dtype=out_dtype,
         precision=_default_precision(lhs.dtype, precision),
@@ -168,6 +173,7 @@ def tgmm(
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     if m == 0 or n == 0 or k == 0:
         return jnp.zeros((num_groups, n, k), out_dtype)
+    lhs, dout, group_sizes = replicate_explicit(lhs, dout, group_sizes)
     return implementation("tgmm", backend)(
         lhs, dout, group_sizes, config=config, out_dtype=out_dtype,
         precision=_default_precision(lhs.dtype, precision),
@@ -225,4 +231,4 @@ def grouped_linear(
     `sum(group_sizes)` get zero output and zero gradient.
     """
     opts = _LinearOptions(resolve_backend(backend), precision, fwd_config, dgrad_config, wgrad_config)
-    return _grouped_linear(opts, x, w, group_sizes)
+    return _grouped_linear(opts, *replicate_explicit(x, w, group_sizes))

@@ -21,6 +21,7 @@ from moe_jax.ops.gmm.row_tile import gmm_row_tile_pallas
 from moe_jax.ops.gmm.schedule import clamp_group_sizes, make_group_metadata
 from moe_jax.ops.gmm.wgrad import tgmm_pallas
 from moe_jax.ops.platform import interpret, register
+from moe_jax.ops.sharding import explicit_out_sharding
 
 
 def as_gmm_config(config: GmmConfig | TileConfig | None, m: int, n: int, k: int, num_groups: int) -> GmmConfig:
@@ -68,7 +69,7 @@ def xla_gmm(lhs, rhs, group_sizes, *, transpose_rhs, config, out_dtype, precisio
     )
     out = jax.lax.ragged_dot_general(
         lhs, rhs, _clamped_sizes(group_sizes, lhs.shape[0]), dims, precision=precision,
-        preferred_element_type=jnp.float32,
+        preferred_element_type=jnp.float32, out_sharding=explicit_out_sharding(),
     )
     return out.astype(out_dtype)
 
@@ -83,6 +84,6 @@ def xla_tgmm(lhs, dout, group_sizes, *, config, out_dtype, precision):
     )
     out = jax.lax.ragged_dot_general(
         dout, lhs, _clamped_sizes(group_sizes, lhs.shape[0]), dims, precision=precision,
-        preferred_element_type=jnp.float32,
+        preferred_element_type=jnp.float32, out_sharding=explicit_out_sharding(),
     )
     return out.astype(out_dtype)
