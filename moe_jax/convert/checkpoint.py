@@ -1,0 +1,104 @@
+"""MoE layers straight from a Hugging Face `save_pretrained` directory (safetensors).
+
+Reads `config.json`, then only the requested MoE blocks' tensors: through
+`model.safetensors.index.json` (name -> shard) when the checkpoint is sharded, else from
+`model.safetensors`. Tensors are memory-mapped by `safetensors` and read one block at a time, so
+host memory holds one layer's weights at once, not the model's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from collections.abc import Iterable
+
+from safetensors import safe_open
+
+from moe_jax.convert import hf, specs
+from moe_jax.layers import MoE
+from moe_jax.validation import check_int
+
+__all__ = ["from_checkpoint", "read_config"]
+
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+
+
+def read_config(path: str | os.PathLike) -> dict:
+    """`config.json` of a checkpoint directory as a dict (FileNotFoundError naming the file)."""
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"{file} not found: from_checkpoint needs a save_pretrained directory "
+                                "(config.json and safetensors weights).")
+    with open(file) as f:
+        return json.load(f)
+
+
+def _weight_map(path: str) -> dict[str, str]:
+    """Tensor name -> the safetensors file holding it."""
+    index = os.path.join(path, _INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            return {name: os.path.join(path, shard) for name, shard in json.load(f)["weight_map"].items()}
+    single = os.path.join(path, _SINGLE)
+    if os.path.isfile(single):
+        with safe_open(single, framework="numpy") as f:
+            return {name: single for name in f.keys()}
+    found = sorted(os.listdir(path))
+    raise FileNotFoundError(f"{path} has neither {_INDEX} nor {_SINGLE} (found: {found}); only safetensors "
+                            "checkpoints are read (re-save others with save_pretrained).")
+
+
+def _block_names(weight_map: dict[str, str], spec: specs.ModelSpec, hf_config: dict,
+                 layer: int) -> tuple[str, list[str]]:
+    """The block's prefix (fused `mlp.` or the per-expert module) and the tensor names under it."""
+    router = spec.names.router
+    for layout in ("per_expert", "fused"):
+        prefix = specs.block_prefix(hf_config, layer, layout=layout)
+        if prefix + router in weight_map:
+            return prefix, [n for n in weight_map if n.startswith(prefix)]
+    tried = sorted({specs.block_prefix(hf_config, layer, layout=lay) + router for lay in specs.LAYOUTS})
+    near = [n for n in weight_map if n.startswith(f"model.layers.{layer}.")]
+    raise ValueError(f"checkpoint has no MoE router for decoder layer {layer} (looked for {', '.join(tried)}); "
+                     f"its tensors of that layer: {specs.listing(near)}.")
+
+
+def _read(weight_map: dict[str, str], names: list[str]) -> dict:
+    """The tensors `names` as NumPy arrays (bfloat16 as `jnp.bfloat16`), opening each shard once."""
+    by_file: dict[str, list[str]] = defaultdict(list)
+    for name in names:
+        by_file[weight_map[name]].append(name)
+    out = {}
+    for file, file_names in by_file.items():
+        with safe_open(file, framework="numpy") as f:
+            for name in file_names:
+                out[name] = f.get_tensor(name)
+    return out
+
+
+def from_checkpoint(path: str | os.PathLike, *, layers: Iterable[int] | None = None, **layer_kwargs) -> dict[int, MoE]:
+    """`{decoder layer index: MoE}` for the MoE blocks of a HF checkpoint directory.
+
+    path: a `save_pretrained` directory (`config.json`, `model.safetensors` or shards with
+      `model.safetensors.index.json`) of a supported model type; blocks are read under
+      `model.layers.{i}.mlp.` (or Mixtral's `block_sparse_moe.`), in either layout.
+    layers: which decoder layers (default: every MoE layer, `moe_layers`); asking for a dense
+      layer is a ValueError listing the MoE ones.
+    layer_kwargs: passed to every `MoE` as in `from_state_dict`.
+    """
+    path = os.fspath(path)
+    hf_config = read_config(path)
+    spec, _ = specs.spec_for(hf_config)
+    available = specs.moe_layers(hf_config)
+    wanted = available if layers is None else tuple(check_int("layers[...]", i, minimum=0) for i in layers)
+    dense = [i for i in wanted if i not in available]
+    if dense:
+        raise ValueError(f"layers {dense} of this {spec.model_type} checkpoint are not MoE layers; its MoE layers "
+                         f"are {list(available)}.")
+    weight_map = _weight_map(path)
+    out = {}
+    for layer in wanted:
+        prefix, names = _block_names(weight_map, spec, hf_config, layer)
+        out[layer] = hf.from_state_dict(_read(weight_map, names), hf_config, prefix=prefix, **layer_kwargs)
+    return out
