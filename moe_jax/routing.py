@@ -130,6 +130,25 @@ def _gather(values_TE: jax.Array, idx_TK: jax.Array) -> jax.Array:
     return jnp.take_along_axis(values_TE, idx_TK, axis=-1)
 
 
+@jax.custom_jvp
+def _normalize(s_TN: jax.Array) -> jax.Array:
+    """`s / (sum(s, -1) + 1e-20)` for non-negative scores (DeepSeek-V3's normalisation).
+
+    The derivative is written as `(ds - w * sum(ds)) / (S + 1e-20)`: autodiff of the quotient
+    would square `S + 1e-20`, which underflows to zero once every score is below ~1e-20
+    (logits below about -45), and turn the gradient into 0/0 = NaN.
+    """
+    return s_TN / (jnp.sum(s_TN, axis=-1, keepdims=True) + _NORM_EPS)
+
+
+@_normalize.defjvp
+def _normalize_jvp(primals, tangents):
+    (s_TN,), (ds_TN,) = primals, tangents
+    denom = jnp.sum(s_TN, axis=-1, keepdims=True) + _NORM_EPS
+    w_TN = s_TN / denom
+    return w_TN, (ds_TN - w_TN * jnp.sum(ds_TN, axis=-1, keepdims=True)) / denom
+
+
 # ---------------------------------------------------------------------------------------------
 # Routers.
 
@@ -288,9 +307,9 @@ class SigmoidGroupedTopK:
 
         weights_TK = _gather(scores_TE, expert_idx_TK)
         if self.normalize:
-            weights_TK = weights_TK / (weights_TK.sum(axis=-1, keepdims=True) + _NORM_EPS)
+            weights_TK = _normalize(weights_TK)
         weights_TK = weights_TK * jnp.float32(self.routed_scaling_factor)
-        probs_TE = scores_TE / (scores_TE.sum(axis=-1, keepdims=True) + _NORM_EPS)
+        probs_TE = _normalize(scores_TE)
         return Routing(expert_idx_TK, weights_TK, probs_TE)
 
 

@@ -114,6 +114,27 @@ def test_schedule_clamps_bad_traced_sizes():
     assert int(np.asarray(meta.tile_end_W).max()) <= 20
 
 
+@pytest.mark.parametrize("config", [None, GmmConfig("row_tile", TileConfig(16, 16, 16, 4, 2, 1)),
+                                    GmmConfig("group_major", TileConfig(16, 16, 16, 4, 2, 1))],
+                         ids=["xla", "row_tile", "group_major"])
+def test_traced_sizes_whose_sum_overflows_int32_are_clamped(config):
+    """Sizes near 2**31 under jit: a plain cumsum wrapped negative (offsets [0, 10, -2, 3], a tile
+    starting at row -2). Clamped, group 0 owns all 10 rows on every backend and family."""
+    big = 2**31 - 1
+    sizes = _sizes(big, big, 5)
+    np.testing.assert_array_equal(jax.jit(lambda s: clamp_group_sizes(s, 10))(sizes), [0, 10, 10, 10])
+    meta = jax.jit(lambda s: make_group_metadata(s, num_rows=10, block_m=8))(sizes)
+    assert int(np.asarray(meta.tile_start_W).min()) >= 0 and int(np.asarray(meta.tile_end_W).max()) <= 10
+    x, w = _inputs(21, 10, 16, 24, 3, jnp.float32)
+    want = gmm_reference(x, w, _sizes(10, 0, 0))
+    backend = "xla" if config is None else "pallas_triton"
+    assert_close(jax.jit(lambda s: gmm(x, w, s, backend=backend, config=config))(sizes), want, jnp.float32, "gmm")
+    dy = jax.random.normal(jax.random.PRNGKey(22), (10, 24))
+    dw = jax.jit(lambda s: tgmm(x, dy, s, backend=backend, config=None if config is None else config.tiles))(sizes)
+    assert_close(dw, tgmm_reference(x, dy, _sizes(10, 0, 0)), jnp.float32, "tgmm")
+    assert (np.asarray(dw[1:]) == 0).all()
+
+
 # ---------------------------------------------------------------------------------------------
 # Forward
 

@@ -233,6 +233,26 @@ def test_router_grads_match_finite_differences(router):
     )
 
 
+@pytest.mark.parametrize("normalize", [True, False])
+def test_sigmoid_router_gradients_stay_finite_for_very_negative_logits(normalize):
+    """Every logit of a token below -45: the scores underflow and autodiff of s / (S + 1e-20)
+    squared the denominator to 0, giving NaN through probs_TE and the normalised weights."""
+    router = SigmoidGroupedTopK(top_k=2, n_group=2, topk_group=1, normalize=normalize)
+    ordinary = jax.random.normal(jax.random.PRNGKey(0), (2, 8))
+    logits = jnp.concatenate([jnp.full((1, 8), -60.0), ordinary[:1]])
+
+    def loss(z):
+        r = router.route(z)
+        return jnp.sum(r.weights_TK * jnp.arange(1.0, 3.0)) + jnp.sum(r.probs_TE * jnp.arange(8.0))
+
+    value, grad = jax.value_and_grad(loss)(logits)
+    assert np.isfinite(float(value)) and np.isfinite(np.asarray(grad)).all()
+    # Ordinary logits keep the plain quotient's gradient.
+    plain = lambda z: jnp.sum((s := jax.nn.sigmoid(z)) / (s.sum(-1, keepdims=True) + 1e-20) * jnp.arange(8.0))
+    np.testing.assert_allclose(jax.grad(lambda z: jnp.sum(router.route(z).probs_TE * jnp.arange(8.0)))(ordinary),
+                               jax.grad(plain)(ordinary), rtol=1e-5, atol=1e-7)
+
+
 def test_bias_receives_no_gradient():
     logits = random_logits(5, 8, 4)
     for router in (SelectedSoftmax(2), SoftmaxTopK(2, renormalize=True), SigmoidGroupedTopK(2, n_group=2)):

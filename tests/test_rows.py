@@ -93,6 +93,12 @@ def test_gather_rows_edge_cases(backend):
     assert gather_rows(jnp.zeros((4, 0)), jnp.arange(2), backend=backend).shape == (2, 0)
     np.testing.assert_array_equal(gather_rows(x, jnp.full((5,), -1), backend=backend), np.zeros((5, 3)))
     np.testing.assert_array_equal(gather_rows(x, jnp.full((9,), 2), backend=backend), np.tile(x[2], (9, 1)))
+    # An empty source gives zero rows on both backends (XLA's indexing of it raised a TypeError),
+    # and shifts no offsets among several.
+    empty = jnp.zeros((0, 3), jnp.float32)
+    np.testing.assert_array_equal(gather_rows(empty, jnp.arange(3), backend=backend), np.zeros((3, 3)))
+    np.testing.assert_array_equal(gather_rows((empty, x), jnp.array([1, -1]), backend=backend),
+                                  np.stack([x[1], np.zeros(3)]))
 
 
 @pytest.mark.parametrize("splits", [(), (8,), (3, 11)])

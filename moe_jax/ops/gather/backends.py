@@ -21,6 +21,10 @@ _INT32_LIMIT = 2**31
 
 @register("gather_rows", "xla")
 def xla_gather(xs, rows_M):
+    d, dtype = xs[0].shape[1], xs[0].dtype
+    xs = tuple(x for x in xs if x.shape[0])  # an empty source shifts no offsets (and cannot be indexed)
+    if not xs:
+        return jnp.zeros((rows_M.shape[0], d), dtype)
     x_ND = xs[0] if len(xs) == 1 else jnp.concatenate(xs)
     ok_M = (rows_M >= 0) & (rows_M < x_ND.shape[0])
     return jnp.where(ok_M[:, None], x_ND[jnp.where(ok_M, rows_M, 0)], jnp.zeros((), x_ND.dtype))

@@ -20,8 +20,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from moe_jax.ops.gmm.config import TileConfig
+from moe_jax.ops.gmm.schedule import clamp_group_sizes
 from moe_jax.ops.gmm.tile import row_block
-from moe_jax.ops.pallas_triton import cdiv, launch, masked_load, next_pow2
+from moe_jax.ops.pallas_triton import cdiv, launch, next_pow2
 
 __all__ = ["gmm_group_major_pallas"]
 
@@ -33,10 +34,12 @@ def _kernel(sizes_ref, lhs_ref, rhs_ref, out_ref, *, num_groups: int, num_slots:
     pid = pl.program_id(0)
     slot, n_blk = pid // num_n, pid % num_n
     n0 = pl.multiple_of(n_blk * tiles.block_n, tiles.block_n)
-    # One vector load, a cumsum and a few sums give this program's group and rows.
-    e_pad = max(16, next_pow2(num_groups))
+    # One vector load, a cumsum and a few sums give this program's group and rows. The sizes
+    # arrive padded with zeros to a power of two, so the load is in bounds (never a Ref slice
+    # past the operand, which JAX checks statically).
+    e_pad = sizes_ref.shape[0]
     idx = jnp.arange(e_pad, dtype=jnp.int32)
-    sizes = jnp.maximum(masked_load(sizes_ref.at[pl.ds(0, e_pad)], idx < num_groups), 0)
+    sizes = sizes_ref[...]  # each in [0, M], and E * M < 2**31 (the launcher's contract): no overflow below
     active_before = jnp.cumsum((sizes > 0).astype(jnp.int32))  # inclusive count of active groups
     group = jnp.sum((active_before <= slot).astype(jnp.int32))  # index of the slot-th active group
     is_group = (slot < num_slots) & (group < num_groups)
@@ -69,7 +72,8 @@ def gmm_group_major_pallas(
     precision, interpret: bool, num_fill: int = 8, out_init: jax.Array | None = None,
 ) -> jax.Array:
     """Launch the group-major kernel (see the module docstring). Expects validated shapes with
-    `M, N, K > 0`; `group_sizes` is read raw (negative sizes count as zero, rows past M dropped)."""
+    `M, N, K > 0`; unchecked `group_sizes` are clamped as `schedule.clamp_group_sizes` does
+    (negative sizes count as zero, rows past M dropped)."""
     m, k = lhs.shape
     num_groups = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -77,8 +81,16 @@ def gmm_group_major_pallas(
     num_fill = max(1, min(num_fill, cdiv(m, tiles.block_m)))
     kernel = functools.partial(_kernel, num_groups=num_groups, num_slots=num_slots, num_fill=num_fill, m=m, n=n,
                                k=k, tiles=tiles, transpose_rhs=transpose_rhs, precision=precision)
+    # Sizes clipped to [0, M] (the kernel's sums stay in int32 while E * M < 2**31; beyond, the
+    # exact clamp), in a vector of at least 16 lanes, as Triton wants; padding groups are empty.
+    if num_groups * m < 2**31:
+        sizes_E = jnp.clip(group_sizes, 0, m).astype(jnp.int32)
+    else:
+        offsets = clamp_group_sizes(group_sizes, m)
+        sizes_E = offsets[1:] - offsets[:-1]
+    sizes_G = jnp.pad(sizes_E, (0, max(16, next_pow2(num_groups)) - num_groups))
     return launch(
-        kernel, (group_sizes.astype(jnp.int32), lhs, rhs),
+        kernel, (sizes_G, lhs, rhs),
         out_shape=jax.ShapeDtypeStruct((m, n), out_dtype), grid=((num_slots + num_fill) * cdiv(n, tiles.block_n),),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, interpret=interpret, name="moe_jax_gmm_group_major",
         out_init=out_init,

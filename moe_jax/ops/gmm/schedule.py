@@ -59,10 +59,16 @@ def max_tiles(num_rows: int, num_groups: int, block_m: int) -> int:
 
 
 def clamp_group_sizes(group_sizes: jax.Array, num_rows: int) -> jax.Array:
-    """Exclusive offsets `[E+1]` of `group_sizes` clamped to `>= 0` each and `<= num_rows` in total."""
-    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-    ends = jnp.minimum(jnp.cumsum(sizes), num_rows).astype(jnp.int32)
-    return jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
+    """Exclusive offsets `[E+1]` of `group_sizes` clamped to `>= 0` each and `<= num_rows` in total.
+
+    No intermediate overflows int32, whatever the sizes (a plain cumsum of sizes near 2**31 wraps
+    negative): each size is clipped to `[0, num_rows]` before the cast, and the running total
+    saturates at `num_rows` through the associative step `(a, b) -> b + min(a, num_rows - b)`,
+    which equals `min(a + b, num_rows)` for `a, b` in `[0, num_rows]` and never exceeds it.
+    """
+    sizes = jnp.clip(group_sizes, 0, num_rows).astype(jnp.int32)
+    ends = jax.lax.associative_scan(lambda a, b: b + jnp.minimum(a, num_rows - b), sizes)
+    return jnp.concatenate([jnp.zeros((1,), jnp.int32), ends.astype(jnp.int32)])
 
 
 def make_group_metadata(group_sizes: jax.Array, *, num_rows: int, block_m: int) -> GroupMetadata:
