@@ -53,7 +53,8 @@ class Packing(NamedTuple):
 
 
 def check_mask(mask_T, num_tokens: int, fn: str) -> jax.Array | None:
-    """None, or `mask_T` as bool `[T]`; ValueError (naming `fn`) for any other shape."""
+    """None, or `mask_T` checked to be bool `[T]`; ValueError (naming `fn`) for any other shape,
+    TypeError for any other dtype (a mask is never cast: 0.5 or 2 would silently mean True)."""
     if mask_T is None:
         return None
     mask_T = jnp.asarray(mask_T)
@@ -62,7 +63,10 @@ def check_mask(mask_T, num_tokens: int, fn: str) -> jax.Array | None:
             f"{fn}: mask_T must be bool [T] = ({num_tokens},) (True = real token); got shape "
             f"{tuple(mask_T.shape)}. Flatten a [B, S] mask with mask.reshape(-1)."
         )
-    return mask_T.astype(jnp.bool_)
+    if mask_T.dtype != jnp.bool_:
+        raise TypeError(f"{fn}: mask_T must be a bool array (True = real token); got dtype {mask_T.dtype}. Pass "
+                        "mask_T.astype(bool) if nonzero means real.")
+    return mask_T
 
 
 def exclusive_cumsum(a, axis: int = 0):

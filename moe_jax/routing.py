@@ -328,7 +328,9 @@ def _real_mask(mask, lead_shape: tuple[int, ...], arg: str, fn: str) -> jax.Arra
     mask = jnp.asarray(mask)
     if tuple(mask.shape) != tuple(lead_shape):
         raise ValueError(f"{fn}: {arg} must have shape {tuple(lead_shape)}, got {tuple(mask.shape)}.")
-    return mask.astype(jnp.bool_)
+    if mask.dtype != jnp.bool_:
+        raise TypeError(f"{fn}: {arg} must be a bool array (True = real token); got dtype {mask.dtype}.")
+    return mask
 
 
 def _check_same_tokens(fn: str, a_name: str, a, b_name: str, b) -> None:

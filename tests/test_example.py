@@ -92,6 +92,8 @@ def test_resume_continues_the_same_trajectory(tmp_path):
         cli.main(args)
     with pytest.raises(SystemExit, match="--d-model: saved 32, now 64"):
         cli.main(args + ["--resume", "--d-model", "64"])
+    with pytest.raises(SystemExit, match=r"--seq: saved 16, now 8 \(it sizes the learned position table\)"):
+        cli.main(args + ["--resume", "--seq", "8"])
 
     cli.main(args + ["--resume"])
     resumed = _metrics(out)
@@ -141,6 +143,7 @@ def test_router_and_balance_choices_train(tmp_path, extra):
         (["--distributed"], "--distributed needs --ep"),
         (["--ep", "2", "--process-id", "0"], "need --distributed"),
         (["--data", "/nonexistent/corpus.txt"], "no such file"),
+        (["--data", "/tmp"], "is a directory; pass one text file"),
     ],
 )
 def test_bad_arguments_are_argparse_errors(capsys, argv, message):

@@ -8,7 +8,6 @@ Legend: N global tokens, T tokens per device, D width, E experts, El = E/P local
 P ep size, K top-k, C capacity.
 """
 
-import math
 
 import jax
 import jax.numpy as jnp
@@ -18,9 +17,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from moe_jax import routing as R
-from moe_jax.dense_reference import router_reference
 from moe_jax.layers import MoE
-from moe_jax.ops import gmm_config
 from moe_jax.parallel import capacity_for, make_mesh
 from moe_jax.testing import assert_close
 from tests.helpers import poisoned_ragged
@@ -78,21 +75,6 @@ def _assert_same(got, want, what=""):
         np.testing.assert_allclose(getattr(stats, name), getattr(stats0, name), rtol=1e-5, err_msg=name)
 
 
-def _per_device_executed(idx, mask, ep, data):
-    """numpy: rows all grouped GEMMs execute (dropless) at gmm_config's tile. One GEMM groups the
-    routes of a device's own tokens (ep = 1), or of its ep group's tokens for its El experts over
-    M = P*T*K packed rows (ep > 1)."""
-    tokens = N // (ep * data)
-    span, rows, groups = (tokens, tokens * K, E) if ep == 1 else (ep * tokens, ep * tokens * K, E // ep)
-    bm = gmm_config(rows, F, L, groups).tiles.block_m
-    total = 0
-    for start in range(0, N, span):
-        part = slice(start, start + span)
-        counts = np.bincount(idx[part][mask[part]].reshape(-1), minlength=E)
-        total += sum(math.ceil(c / bm) * bm for c in counts)
-    return total
-
-
 @pytest.mark.parametrize("ep, data", [(1, 4), (2, 1), (2, 2), (4, 1), (4, 2)])
 def test_router_path_matches_single_device(ep, data):
     """Router inside the layer, padding mask: everything equals the single-device layer."""
@@ -111,11 +93,9 @@ def test_router_path_matches_single_device(ep, data):
     stats = got[1]
     assert int(stats.dropped) == 0
 
-    # Executed rows are per device: each device's (ep = 1) or each rank's (ep > 1) grouped GEMM.
-    idx = np.asarray(router_reference(jnp.where(mask[..., None], x, 0.0), m.w_router[...], m.router).expert_idx_TK)
-    expected = _per_device_executed(idx, np.asarray(mask).reshape(-1), ep, data)
-    assert int(stats.executed_rows) == expected
-    np.testing.assert_allclose(stats.padding_fraction, (expected - int(mask.sum()) * K) / expected, rtol=1e-6)
+    # The xla backend executes the useful rows as far as moe_jax can tell (no tile padding claimed),
+    # summed over every device's grouped GEMM.
+    assert int(stats.executed_rows) == int(mask.sum()) * K and float(stats.padding_fraction) == 0.0
 
 
 def _injected(seed, experts_of_token):

@@ -409,6 +409,7 @@ def test_cli_custom_placement_and_space_separated(capsys):
         (["17,17,17", "--ranks", "2"], "--ranks 2 must divide"),
         (["17,17", "--expert-ranks", "0"], "--expert-ranks"),
         (["17,17", "--capacity", "0"], "--capacity"),
+        (["99999999999999999999999"], "does not fit in int32"),  # was an OverflowError traceback
         ([], "COUNTS"),
     ],
 )
@@ -418,6 +419,18 @@ def test_cli_bad_input(capsys, argv, needle):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert "error:" in err and needle in err
+
+
+def test_cli_as_a_module_prints_no_warning():
+    """`python -m moe_jax.padding` runs the package's __main__: no runpy RuntimeWarning about a
+    module imported before it was run (the planner was a module the package imported)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "moe_jax.padding", "17,16"],
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "Warning" not in proc.stderr and "q" in proc.stdout
 
 
 def test_cli_help(capsys):

@@ -168,6 +168,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error("--distributed needs --ep (use --ep 1 for pure data parallelism)")
     if not args.distributed and (args.coordinator, args.num_processes, args.process_id) != (None, None, None):
         parser.error("--coordinator/--num-processes/--process-id need --distributed")
+    if args.data is not None and args.data.is_dir():
+        parser.error(f"--data {args.data}: is a directory; pass one text file (concatenate several first)")
     if args.data is not None and not args.data.is_file():
         parser.error(f"--data {args.data}: no such file")
     return args
@@ -180,7 +182,9 @@ def check_resumable(out: Path, args) -> None:
         return
     saved = json.loads(path.read_text())["args"]
     current = vars(args)
-    diff = [f"--{k.replace('_', '-')}: saved {saved.get(k)!r}, now {current[k]!r}" for k in _ARCH_FIELDS if saved.get(k) != current[k]]
+    why = {"seq": " (it sizes the learned position table)"}
+    diff = [f"--{k.replace('_', '-')}: saved {saved.get(k)!r}, now {current[k]!r}{why.get(k, '')}"
+            for k in _ARCH_FIELDS if saved.get(k) != current[k]]
     if diff:
         raise SystemExit("cannot --resume: the checkpoint's model differs:\n  " + "\n  ".join(diff))
 

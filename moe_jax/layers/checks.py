@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from moe_jax import routing as routing_lib
+from moe_jax.ops import SUPPORTED_DTYPES
 from moe_jax.parallel import AxisRules
 
 __all__ = ["ROUTERS", "check_axis_rules", "check_layer_mesh", "check_router", "check_routing", "check_token_split",
@@ -18,16 +19,18 @@ __all__ = ["ROUTERS", "check_axis_rules", "check_layer_mesh", "check_router", "c
 ROUTERS = (routing_lib.SelectedSoftmax, routing_lib.SoftmaxTopK, routing_lib.SigmoidGroupedTopK)
 
 
-def float_dtype(name: str, dtype, *, allow_none: bool = False):
-    """`dtype` as a floating `jnp.dtype` (None passes when `allow_none`); TypeError otherwise."""
+def float_dtype(name: str, dtype, *, allow_none: bool = False, compute: bool = False):
+    """`dtype` as a floating `jnp.dtype` (None passes when `allow_none`); TypeError otherwise.
+    With `compute`, only the dtypes the grouped GEMMs run in (bfloat16, float16, float32)."""
     if dtype is None and allow_none:
         return None
     try:
         dt = jnp.dtype(dtype)
     except TypeError as exc:
         raise TypeError(f"{name}={dtype!r} is not a dtype; use e.g. jnp.float32 or jnp.bfloat16.") from exc
-    if not jnp.issubdtype(dt, jnp.floating):
-        raise TypeError(f"{name}={dt.name} must be a floating dtype (float32, bfloat16, float16).")
+    if not jnp.issubdtype(dt, jnp.floating) or (compute and dt not in SUPPORTED_DTYPES):
+        allowed = "bfloat16, float16 or float32" if compute else "a floating dtype (float32, bfloat16, ...)"
+        raise TypeError(f"{name}={dt.name} is not supported; use {allowed}.")
     return dt
 
 
@@ -71,12 +74,17 @@ def check_layer_mesh(mesh, rules: AxisRules, num_experts: int, backend: str) -> 
     return ep
 
 
-def flatten_inputs(x, mask, d_model: int):
-    """`(x_TD, mask_T or None, seq_BS)` from the layer's `x` (`[B, S, D]` or `[T, D]`, one sequence)."""
+def flatten_inputs(x, mask, d_model: int, dtype):
+    """`(x_TD, mask_T or None, seq_BS, compute dtype)` from the layer's `x` (`[B, S, D]` or
+    `[T, D]`, one sequence), `mask` (bool, the leading shape of `x`) and `dtype` (None: x's)."""
     if not hasattr(x, "ndim") or x.ndim not in (2, 3) or x.shape[-1] != d_model:
         raise ValueError(
             f"x must be [B, S, D] or [T, D] with D = d_model = {d_model}; got shape {tuple(getattr(x, 'shape', ()))}."
         )
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"x.dtype={jnp.dtype(x.dtype).name}: the layer's input must be a float array.")
+    if dtype is None:
+        dtype = float_dtype("x.dtype (the compute dtype when dtype=None)", x.dtype, compute=True)
     x_TD = x.reshape(-1, d_model)
     seq_BS = tuple(x.shape[:2]) if x.ndim == 3 else (1, x.shape[0])
     mask_T = None
@@ -84,8 +92,11 @@ def flatten_inputs(x, mask, d_model: int):
         mask = jnp.asarray(mask)
         if mask.shape != x.shape[:-1]:
             raise ValueError(f"mask must have shape {tuple(x.shape[:-1])} (x without its last axis); got {tuple(mask.shape)}.")
-        mask_T = mask.reshape(-1).astype(jnp.bool_)
-    return x_TD, mask_T, seq_BS
+        if mask.dtype != jnp.bool_:
+            raise TypeError(f"mask must be a bool array (True = real token); got dtype {mask.dtype}. Pass "
+                            "mask.astype(bool) if nonzero means real.")
+        mask_T = mask.reshape(-1)
+    return x_TD, mask_T, seq_BS, dtype
 
 
 def check_token_split(num_tokens: int, mesh, rules: AxisRules) -> None:

@@ -154,7 +154,7 @@ class MoE(nnx.Module):
                              "num_shared_experts >= 1 or drop shared_expert_gate.")
         self.latent_dim = None if latent_dim is None else check_int("latent_dim", latent_dim)
         self.fused_gate_up = check_bool("fused_gate_up", fused_gate_up)
-        self.dtype = float_dtype("dtype", dtype, allow_none=True)
+        self.dtype = float_dtype("dtype", dtype, allow_none=True, compute=True)
         param_dtype = float_dtype("param_dtype", param_dtype)
         resolve_backend(backend)  # ValueError naming the choices for an unknown backend
         self.backend = backend
@@ -163,6 +163,11 @@ class MoE(nnx.Module):
         self.ep = check_layer_mesh(mesh, self.rules, e, backend)
         self.mesh = mesh
         self.expert_parallel = _ep_options(expert_parallel, ep_strategy, capacity_factor)
+        if self.ep > 1 and self.expert_parallel.strategy == "ragged" and mesh.devices.flat[0].platform != "gpu":
+            raise ValueError(
+                f"ep_strategy='ragged' needs GPUs (XLA:{mesh.devices.flat[0].platform.upper()} has no "
+                "ragged_all_to_all), but this mesh's devices are not; use ep_strategy='padded'."
+            )
 
         d_in = self.latent_dim or d
         experts, replicated = (self.rules.experts, None, None), (None, None)
@@ -215,9 +220,8 @@ class MoE(nnx.Module):
         router probabilities of the T flattened tokens), for logging, analysis or distillation.
         Returns `y` (shape of `x`, compute dtype) and `MoEStats` (and the `Routing`).
         """
-        x_TD, mask_T, seq_BS = flatten_inputs(x, mask, self.d_model)
+        x_TD, mask_T, seq_BS, dtype = flatten_inputs(x, mask, self.d_model, self.dtype)
         placement = self._placement(x_TD)
-        dtype = x.dtype if self.dtype is None else self.dtype
         # Padding tokens may hold anything: zero them (where, so NaN cannot leak into gradients)
         # before they reach the router and the routed experts.
         real_TD = x_TD if mask_T is None else jnp.where(mask_T[:, None], x_TD, jnp.zeros((), x_TD.dtype))

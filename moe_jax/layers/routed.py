@@ -29,7 +29,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.experts import swiglu_experts, swiglu_experts_fused
-from moe_jax.ops import gmm_config
+from moe_jax.ops import gmm_config, resolve_backend
 from moe_jax.padding import executed_rows
 from moe_jax.ops.sharding import vary_to_union
 from moe_jax.parallel import AxisRules, EPOptions, ep_moe, is_explicit
@@ -67,7 +67,11 @@ class ExpertStage:
         return fn(x_MD, group_sizes, *weights, backend=self.backend, precision=self.precision)
 
     def executed_rows(self, group_sizes, num_rows: int) -> jax.Array:
-        """Rows the grouped GEMM runs at the tile height `gmm_config` picks for this shape."""
+        """Rows the grouped GEMM runs: at the tile height of the candidate `gmm_config` picks for
+        this shape on the Pallas backend; the useful rows on the xla backend, whose tiling is
+        XLA's own (it is reported as no tile padding rather than as our kernels' figure)."""
+        if resolve_backend(self.backend) == "xla":
+            return jnp.sum(group_sizes, dtype=jnp.int32)
         gate_up_cols = 2 * self.d_ff if self.fused_gate_up else self.d_ff
         block_m = gmm_config(num_rows, gate_up_cols, self.d_in, group_sizes.shape[0]).tiles.block_m
         return jnp.sum(executed_rows(group_sizes, block_m), dtype=jnp.int32)

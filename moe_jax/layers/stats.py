@@ -20,10 +20,11 @@ class MoEStats(NamedTuple):
     z_loss: f32 scalar, router z-loss (0 with an injected routing: there are no logits).
     counts_E: int32 `[E]`, real routes per expert (masked tokens excluded).
     tokens: int32 scalar, real tokens.
-    executed_rows: int32 scalar, rows the grouped GEMMs execute at the active tile height
-      (`gmm_config(...).tiles.block_m` of the packed shape): sum over every device's GEMM of
-      `sum_e ceil(t_e / bm) * bm`. Under a mesh this is per-device grouping, so it can exceed the
-      single-device figure.
+    executed_rows: int32 scalar, rows the grouped GEMMs execute: on the Pallas backend at the
+      tile height of the candidate that runs (`gmm_config(...).tiles.block_m` of the packed
+      shape), summed over every device's GEMM of `sum_e ceil(t_e / bm) * bm`; on the xla backend
+      the useful rows (XLA's tiling is its own, so no tile padding is claimed). Under a mesh this
+      is per-device grouping, so it can exceed the single-device figure.
     padding_fraction: f32 scalar, (executed_rows - rows fed to the GEMMs) / executed_rows.
     dropped: int32 scalar, routes dropped by EP capacity (0 when dropless or without ep > 1).
     """

@@ -6,6 +6,7 @@ from moe_jax.ops.gather import gather_rows, gather_rows_reference
 from moe_jax.ops.gmm import (
     FAMILIES,
     GmmConfig,
+    SUPPORTED_DTYPES,
     GroupMetadata,
     TileConfig,
     clamp_group_sizes,
@@ -27,6 +28,7 @@ __all__ = [
     "BackendName",
     "GmmConfig",
     "GroupMetadata",
+    "SUPPORTED_DTYPES",
     "TileConfig",
     "clamp_group_sizes",
     "gather_rows",

@@ -13,6 +13,8 @@ from moe_jax.padding.planner import capacity_padding, per_rank_padding, tile_pad
 
 __all__ = ["main"]
 
+_INT32_MAX = 2**31 - 1
+
 
 
 def _int_list(what: str, *, minimum: int):
@@ -31,6 +33,8 @@ def _int_list(what: str, *, minimum: int):
                 ) from None
             if value < minimum:
                 raise argparse.ArgumentTypeError(f"invalid {what} {text!r}: {value} is below {minimum}")
+            if value > _INT32_MAX:
+                raise argparse.ArgumentTypeError(f"invalid {what} {text!r}: {value} does not fit in int32")
             values.append(value)
         return values
 

@@ -3,7 +3,7 @@ tile schedule (`schedule`), one file per kernel family (`row_tile`, `group_major
 the shared in-kernel body in `tile`), the two backends (`backends`) and the
 fp32 references (`reference`)."""
 
-from moe_jax.ops.gmm.api import gmm, grouped_linear, tgmm
+from moe_jax.ops.gmm.api import SUPPORTED_DTYPES, gmm, grouped_linear, tgmm
 from moe_jax.ops.gmm.config import FAMILIES, GmmConfig, TileConfig, gmm_config, tgmm_config
 from moe_jax.ops.gmm.reference import gmm_reference, tgmm_reference
 from moe_jax.ops.gmm.schedule import GroupMetadata, clamp_group_sizes, make_group_metadata, max_tiles
@@ -12,6 +12,7 @@ __all__ = [
     "FAMILIES",
     "GmmConfig",
     "GroupMetadata",
+    "SUPPORTED_DTYPES",
     "TileConfig",
     "clamp_group_sizes",
     "gmm",

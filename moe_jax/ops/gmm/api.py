@@ -82,6 +82,37 @@ def _default_precision(dtype, precision):
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
+def _primitive(name: str, impl, *arrays):
+    """`impl(*arrays)` as an op that `jax.vmap` maps element by element (`lax.map`: neither
+    `ragged_dot` nor the kernels batch over a leading axis) and that autodiff refuses with the fix
+    (the differentiable form is `grouped_linear`; the backends have no derivative rules)."""
+
+    @jax.custom_jvp
+    @jax.custom_batching.custom_vmap
+    def op(*arrays):
+        return impl(*arrays)
+
+    @op.def_vmap
+    def op_vmap(axis_size, in_batched, *arrays):
+        del axis_size
+        mapped = [a for a, batched in zip(arrays, in_batched) if batched]
+
+        def one(elements):
+            it = iter(elements)
+            return impl(*(next(it) if batched else a for a, batched in zip(arrays, in_batched)))
+
+        return jax.lax.map(one, mapped), True
+
+    @op.defjvp
+    def op_jvp(primals, tangents):
+        raise TypeError(
+            f"moe_jax.ops.{name} is not differentiable; use moe_jax.ops.grouped_linear (x @ w^T per group, with "
+            "a custom VJP whose backward runs gmm and tgmm) for gradients."
+        )
+
+    return op(*arrays)
+
+
 def gmm(
     lhs: jax.Array,
     rhs: jax.Array,
@@ -130,10 +161,9 @@ def gmm(
     if m == 0 or n == 0 or k == 0:
         return jnp.zeros((m, n), out_dtype)
     lhs, rhs, group_sizes = replicate_explicit(lhs, rhs, group_sizes)
-    return implementation("gmm", backend)(
-        lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, config=config, out_dtype=out_dtype,
-        precision=_default_precision(lhs.dtype, precision),
-    )
+    impl = functools.partial(implementation("gmm", backend), transpose_rhs=transpose_rhs, config=config,
+                             out_dtype=out_dtype, precision=_default_precision(lhs.dtype, precision))
+    return _primitive("gmm", impl, lhs, rhs, group_sizes)
 
 
 def tgmm(
@@ -174,10 +204,9 @@ def tgmm(
     if m == 0 or n == 0 or k == 0:
         return jnp.zeros((num_groups, n, k), out_dtype)
     lhs, dout, group_sizes = replicate_explicit(lhs, dout, group_sizes)
-    return implementation("tgmm", backend)(
-        lhs, dout, group_sizes, config=config, out_dtype=out_dtype,
-        precision=_default_precision(lhs.dtype, precision),
-    )
+    impl = functools.partial(implementation("tgmm", backend), config=config, out_dtype=out_dtype,
+                             precision=_default_precision(lhs.dtype, precision))
+    return _primitive("tgmm", impl, lhs, dout, group_sizes)
 
 
 @dataclasses.dataclass(frozen=True)
