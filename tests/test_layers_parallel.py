@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec
 
 from moe_jax import routing as R
 from moe_jax.layers import MoE
-from moe_jax.parallel import capacity_for, make_mesh
+from moe_jax.parallel import EPOptions, capacity_for, make_mesh
 from moe_jax.testing import assert_close
 from tests.helpers import poisoned_ragged
 from tests.test_layers import flat_params, module_value_and_grads
@@ -182,8 +182,12 @@ def test_ragged_strategy_matches_padded():
     mask = jnp.ones((B, S), bool).at[0, :3].set(False)
     cot = jnp.where(mask[..., None], cot, 0.0)
     padded = module_value_and_grads(_layer(mesh, capacity_factor=1.0), x, cot, mask=mask)
+    # The layer refuses ragged on CPU devices at construction (XLA:CPU has no ragged_all_to_all);
+    # with the collective emulated, the same layer's options switch to it.
+    ragged_layer = _layer(mesh, capacity_factor=1.0)
+    ragged_layer.expert_parallel = EPOptions(strategy="ragged", capacity_factor=1.0)
     with poisoned_ragged():
-        ragged = module_value_and_grads(_layer(mesh, capacity_factor=1.0, ep_strategy="ragged"), x, cot, mask=mask)
+        ragged = module_value_and_grads(ragged_layer, x, cot, mask=mask)
     _assert_same(ragged, padded)
     assert int(ragged[1].dropped) == int(padded[1].dropped)
 
