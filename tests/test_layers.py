@@ -150,8 +150,8 @@ def test_full_layer_matches_reference_with_stats():
     np.testing.assert_allclose(stats.z_loss, z, rtol=1e-6)
     # The xla backend: the useful rows, no tile padding claimed (XLA's tiling is its own).
     assert int(stats.executed_rows) == int(counts.sum()) and float(stats.padding_fraction) == 0.0
-    assert int(stats.dropped) == 0
-    dtypes = (jnp.float32,) * 3 + (jnp.int32,) * 3 + (jnp.float32, jnp.int32)
+    assert int(stats.dropped) == 0 and stats.dropped_E.shape == (E,) and not np.any(stats.dropped_E)
+    dtypes = (jnp.float32,) * 3 + (jnp.int32,) * 3 + (jnp.float32, jnp.int32, jnp.int32)
     assert len(stats) == len(dtypes) and all(jnp.asarray(a).dtype == d for a, d in zip(stats, dtypes))
 
 

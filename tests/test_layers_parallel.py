@@ -164,6 +164,12 @@ def test_capacity_overflow_dropped_exactly(ep, data, factor):
     cot = jnp.where(mask_BS[..., None], cot, 0.0)
     got = module_value_and_grads(_layer(mesh, capacity_factor=factor), x, cot, mask=mask_BS, routing=routing)
     assert int(got[1].dropped) == expected_dropped
+    # Per expert too: the drops of each expert's real routes (the routing and its drops are out).
+    idx = np.asarray(routing.expert_idx_TK)
+    real = mask[:, None] & np.ones_like(keep)
+    want_dropped_E = np.bincount(idx[real & ~keep], minlength=E)
+    np.testing.assert_array_equal(got[1].dropped_E, want_dropped_E)
+    np.testing.assert_array_equal(got[1].counts_E - got[1].dropped_E, np.bincount(idx[keep], minlength=E))
 
     kept_routing = routing._replace(weights_TK=jnp.where(keep, routing.weights_TK, 0.0))
     want = list(module_value_and_grads(_layer(), x, cot, mask=mask_BS, routing=kept_routing))

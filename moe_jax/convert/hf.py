@@ -113,11 +113,14 @@ def _layer_kwargs(layer_kwargs: dict) -> dict:
     return layer_kwargs
 
 
-def _place(variable: nnx.Variable, value: np.ndarray) -> None:
-    """Set an abstract variable to `value` cast to its dtype, on its sharding when it has one."""
+def _place(variable: nnx.Variable, value: np.ndarray, mesh) -> None:
+    """Set an abstract variable to `value` cast to its dtype, on its sharding when it has one (over
+    the layer's concrete `mesh`: under Explicit axes `nnx.eval_shape` types it with the abstract one)."""
     target = variable.get_value()
     value = value.astype(target.dtype, copy=False)
     sharding = getattr(target, "sharding", None)
+    if sharding is not None and mesh is not None:
+        sharding = jax.sharding.NamedSharding(mesh, sharding.spec)
     variable.set_value(jnp.asarray(value) if sharding is None else jax.device_put(value, sharding))
 
 
@@ -136,7 +139,7 @@ def _build_moe(weights: dict[str, np.ndarray], kw: dict, layer_kwargs: dict) -> 
         name = ".".join(map(str, path))
         if name not in weights:  # only reachable if MoE grows a variable this module does not know
             raise NotImplementedError(f"moe_jax.convert does not know how to fill MoE variable {name!r}.")
-        _place(variable, weights[name])
+        _place(variable, weights[name], layer_kwargs.get("mesh"))
     return moe
 
 

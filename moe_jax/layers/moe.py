@@ -254,7 +254,8 @@ class MoE(nnx.Module):
                 shared_TD = gate_T1 * shared_TD
             y_TD = y_TD + shared_TD
         stats = moe_stats(routing, z_loss=z_loss, mask_T=mask_T, seq_BS=seq_BS, num_experts=self.num_experts,
-                          executed_rows=routed.executed_rows, gemm_rows=routed.gemm_rows, dropped=routed.dropped)
+                          executed_rows=routed.executed_rows, gemm_rows=routed.gemm_rows, dropped=routed.dropped,
+                          kept_E=routed.kept_E)
         y = y_TD.astype(dtype).reshape(x.shape[:-1] + (self.d_model,))
         return (y, stats, routing) if check_bool("return_routing", return_routing) else (y, stats)
 

@@ -45,6 +45,7 @@ class Routed(NamedTuple):
     executed_rows: jax.Array  # int32, rows the grouped GEMMs execute, summed over devices
     gemm_rows: jax.Array  # int32, rows fed to the grouped GEMMs, summed over devices
     dropped: jax.Array  # int32, capacity drops, global
+    kept_E: jax.Array | None  # int32 [E], delivered routes per expert, global (None: nothing can drop)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +93,7 @@ def single_device(stage: ExpertStage, x_TD, idx_TK, w_TK, mask_T, weights) -> Ro
     over the caller's token axes (and the statistics are per device)."""
     _, weights = vary_to_union(weights, (x_TD, idx_TK, w_TK))
     y_TD, executed, rows = _local(stage, x_TD, idx_TK, w_TK, mask_T, weights)
-    return Routed(y_TD, executed, rows, jnp.zeros((), jnp.int32))
+    return Routed(y_TD, executed, rows, jnp.zeros((), jnp.int32), None)
 
 
 def _varying(weights: tuple[jax.Array, ...], axes: tuple[str, ...]) -> tuple[jax.Array, ...]:
@@ -129,14 +130,16 @@ def routed_on_mesh(stage: ExpertStage, mesh, rules: AxisRules, options: EPOption
         executed = lax.psum(stage.executed_rows(stats.group_sizes_El, ep * stats.capacity), rules.tokens)
         rows = lax.psum(stats.recv_rows, rules.tokens)
         # stats.dropped is already the ep-group total; the groups of the replicas add up.
-        return y_TD, executed, rows, lax.psum(stats.dropped, rules.expert_replicas)
+        return (y_TD, executed, rows, lax.psum(stats.dropped, rules.expert_replicas),
+                lax.psum(stats.kept_E, rules.tokens))
 
     act, rep = rules.activation_spec(), P()
     body, weight_spec = (data_parallel, rep) if ep == 1 else (expert_parallel, rules.expert_spec())
+    out_specs = (act, rep, rep, rep) + (() if ep == 1 else (rep,))
     inputs = (x_TD, idx_TK, w_TK, mask_T, *weights)
     specs = (act,) * 4 + (weight_spec,) * len(weights)
     if is_explicit(mesh):
         # Explicit axes: shard_map takes inputs laid out as its specs say (Auto axes reshard).
         inputs = tuple(jax.sharding.reshard(a, spec) for a, spec in zip(inputs, specs))
-    outputs = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(act, rep, rep, rep))(*inputs)
-    return Routed(*outputs)
+    outputs = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_specs)(*inputs)
+    return Routed(*outputs, *(() if ep > 1 else (None,)))

@@ -72,6 +72,8 @@ class EPStats(NamedTuple):
     send_counts_P: `[P]` int32, real routes this rank addressed to each ep rank, before dropping.
     recv_rows: int32 scalar, rows this rank received and kept (= `sum(group_sizes_El)`).
     group_sizes_El: `[El]` int32, packed rows of each local expert on this rank.
+    kept_E: `[E]` int32, this rank's routes that were delivered, per global expert (its routes to
+        expert e minus those dropped by capacity; summed over the ranks, the experts' loads).
     capacity: static Python int C, rows one source may send to one destination (R when dropless).
     """
 
@@ -79,6 +81,7 @@ class EPStats(NamedTuple):
     send_counts_P: jax.Array
     recv_rows: jax.Array
     group_sizes_El: jax.Array
+    kept_E: jax.Array
     capacity: int
 
 
@@ -97,6 +100,7 @@ class EPPlan(NamedTuple):
     group_sizes_El: int32, packed rows of each local expert.
     exchange: `BlockExchange` of the dispatch direction (combine uses `exchange.reversed()`).
     send_counts_P: int32, routes addressed to each rank before dropping.
+    kept_PE: int32 `[P, El]`, this rank's delivered routes per (destination, local expert).
     dropped: int32 scalar, ep-group total of undelivered routes of real tokens.
     """
 
@@ -109,6 +113,7 @@ class EPPlan(NamedTuple):
     group_sizes_El: jax.Array
     exchange: BlockExchange
     send_counts_P: jax.Array
+    kept_PE: jax.Array
     dropped: jax.Array
 
     @property
@@ -120,7 +125,7 @@ class EPPlan(NamedTuple):
         """The loggable summary of this dispatch."""
         return EPStats(dropped=self.dropped, send_counts_P=self.send_counts_P,
                        recv_rows=jnp.sum(self.group_sizes_El), group_sizes_El=self.group_sizes_El,
-                       capacity=self.capacity)
+                       kept_E=self.kept_PE.reshape(-1), capacity=self.capacity)
 
     def transport_for(self, rows_ND: jax.Array) -> Transport:
         """The transport an exchange of `rows_ND`'s width runs (its block is `[C, D]`)."""
@@ -260,6 +265,7 @@ def ep_dispatch(
         group_sizes_El=regroup.group_sizes_El,
         exchange=ex,
         send_counts_P=sends.send_counts_P,
+        kept_PE=sends.kept_PE,
         dropped=dropped,
     )
     return packed_x_MD, regroup.group_sizes_El, plan
@@ -279,6 +285,7 @@ def _empty_dispatch(x_TD, tokens: int, top_k: int, strategy: str, transport, ep:
         group_sizes_El=jnp.zeros((local,), jnp.int32),
         exchange=BlockExchange(none_P, none_P, none_P, none_P, none_P, none_P),
         send_counts_P=none_P,
+        kept_PE=jnp.zeros((ep, local), jnp.int32),
         dropped=jnp.zeros((), jnp.int32),
     )
     return jnp.zeros((0, x_TD.shape[1]), x_TD.dtype), plan.group_sizes_El, plan
