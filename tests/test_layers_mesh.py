@@ -53,8 +53,10 @@ def _run(m, x, mask, cot):
     return y, stats, {p: v.get_value() for p, v in nnx.to_flat_state(g)}, dx
 
 
-REFERENCE = _layer()
-WANT = _run(REFERENCE, *_inputs())  # outside any mesh context
+# Built where the meshes' devices are (initialisers draw differently on a GPU), outside any mesh context.
+with jax.default_device(HOST[0]):
+    REFERENCE = _layer()
+    WANT = _run(REFERENCE, *_inputs())
 
 
 def _assert_matches_single_device(m, x, mask, cot, what):
