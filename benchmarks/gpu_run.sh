@@ -6,8 +6,8 @@
 #   LANE prefixes every file a phase writes under $OUT (a-tests.log, a-gmm.json, ...), and `run`
 #   reads its own lane's tune.json. The ep-* phases, parity-ep and example-ep need both GPUs: run
 #   them outside the lanes. Timings from two lanes at once share the host and its PCIe/NVLink.
-# Phases: env | tests | parity | tune | run | run-quick | layer-time | example | ep-check | ep-bench |
-#         parity-ep | example-ep   (each optionally :SECONDS)
+# Phases: env | tests | parity | tune | run | run-quick | layer-time | drop-in | example | ep-check |
+#         ep-bench | parity-ep | example-ep   (each optionally :SECONDS)
 # Env: NPROC (xdist workers), TESTS / PARITY (paths), STEPS (example), TUNE_ONLY (all|prefill|decode),
 #      EP_ARGS (e.g. --skip-ragged), EP_RANKS (ep size of ep-bench and example-ep; default 2),
 #      PARITY_EP (the EP test paths; the EP parity test runs each world size on NCCL when it sees that many GPUs).
@@ -29,6 +29,7 @@ for phase in "$@"; do
     run) timeout "$limit" python3 -m benchmarks.gmm run --json "$OUT/${L}gmm.json" $( [ -f "$OUT/${L}tune.json" ] && echo --configs "$OUT/${L}tune.json") 2>&1 | tee "$OUT/${L}gmm.log" | tail -40 ;;
     run-quick) timeout "$limit" python3 -m benchmarks.gmm run --quick --json "$OUT/${L}gmm_quick.json" 2>&1 | tee "$OUT/${L}gmm_quick.log" | tail -30 ;;
     layer-time) timeout "$limit" python3 -m parity --time --tokens 4096 --d-model 2048 --d-ff 768 --experts 128 --top-k 8 --dtype bfloat16 --json "$OUT/${L}layer_time.json" 2>&1 | tee "$OUT/${L}layer_time.log" | tail -20 ;;
+    drop-in) timeout "$limit" python3 -m benchmarks.drop_in --json "$OUT/${L}drop_in.json" 2>&1 | tee "$OUT/${L}drop_in.log" | tail -20 ;;
     example) timeout "$limit" python3 examples/train_moe.py --steps ${STEPS:-300} --out "$OUT/${L}example" 2>&1 | tr '\r' '\n' | grep -v '^ *$' | tee "$OUT/${L}example.log" | tail -25 ;;
     ep-check) timeout "$limit" bash -c 'python3 -m pytest tests/test_ep_moe.py -q -rA -p no:cacheprovider; a=$?
                 XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true" python3 -m pytest tests/test_ep_moe.py -k ragged -q -rA -p no:cacheprovider; b=$?
