@@ -94,7 +94,7 @@ def user_meshes(tokens: int) -> list[dict]:
     n = len(devices)
     base = MoE(1024, 512, 64, 4, num_shared_experts=1, dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
     x = jax.random.normal(jax.random.PRNGKey(1), (tokens, 1024), jnp.bfloat16)
-    t_base, y_base = _time(base, x)
+    t_base, y_base = _time(base, x, reps=5)
     rows = [dict(case="no mesh", ms=t_base * 1e3, rel_err=0.0)]
     user = jax.make_mesh((1, 1, n), ("data", "fsdp", "expert"), axis_types=(AxisType.Explicit,) * 3, devices=devices)
     explicit = make_mesh(ep=n, data=1, devices=devices, axis_type=AxisType.Explicit)
@@ -109,7 +109,7 @@ def user_meshes(tokens: int) -> list[dict]:
         layer = MoE(1024, 512, 64, 4, num_shared_experts=1, dtype=jnp.bfloat16, rngs=nnx.Rngs(1), **kw)
         with jax.set_mesh(mesh):
             xs = inputs if inputs is not None else jax.device_put(x, NamedSharding(mesh, PartitionSpec("batch")))
-            t, y = _time(layer, xs)
+            t, y = _time(layer, xs, reps=5)
         err = rel_err(jnp.asarray(y, jnp.float32), jnp.asarray(y_base, jnp.float32))
         rows.append(dict(case=name, ms=t * 1e3, rel_err=err, ok=err <= tolerance(jnp.bfloat16)))
     return rows

@@ -34,12 +34,12 @@ def _kernel(sizes_ref, lhs_ref, rhs_ref, out_ref, *, num_groups: int, num_slots:
     pid = pl.program_id(0)
     slot, n_blk = pid // num_n, pid % num_n
     n0 = pl.multiple_of(n_blk * tiles.block_n, tiles.block_n)
-    # One vector load, a cumsum and a few sums give this program's group and rows. The sizes
-    # arrive padded with zeros to a power of two, so the load is in bounds (never a Ref slice
-    # past the operand, which JAX checks statically).
+    # One vector load of the whole (power-of-two, >= 16; zero-padded by the launcher otherwise)
+    # sizes vector, a cumsum and a few sums give this program's group and rows. Clipped to
+    # [0, M], and E * M < 2**31 (the launcher's contract), so no sum below overflows.
     e_pad = sizes_ref.shape[0]
     idx = jnp.arange(e_pad, dtype=jnp.int32)
-    sizes = sizes_ref[...]  # each in [0, M], and E * M < 2**31 (the launcher's contract): no overflow below
+    sizes = jnp.clip(sizes_ref[...], 0, m)
     active_before = jnp.cumsum((sizes > 0).astype(jnp.int32))  # inclusive count of active groups
     group = jnp.sum((active_before <= slot).astype(jnp.int32))  # index of the slot-th active group
     is_group = (slot < num_slots) & (group < num_groups)
@@ -81,14 +81,16 @@ def gmm_group_major_pallas(
     num_fill = max(1, min(num_fill, cdiv(m, tiles.block_m)))
     kernel = functools.partial(_kernel, num_groups=num_groups, num_slots=num_slots, num_fill=num_fill, m=m, n=n,
                                k=k, tiles=tiles, transpose_rhs=transpose_rhs, precision=precision)
-    # Sizes clipped to [0, M] (the kernel's sums stay in int32 while E * M < 2**31; beyond, the
-    # exact clamp), in a vector of at least 16 lanes, as Triton wants; padding groups are empty.
-    if num_groups * m < 2**31:
-        sizes_E = jnp.clip(group_sizes, 0, m).astype(jnp.int32)
-    else:
+    # The kernel clips the sizes to [0, M]; its sums stay in int32 while E * M < 2**31 (beyond,
+    # the exact clamp runs first). It reads them as one vector of a power of two >= 16 lanes:
+    # other E are zero-padded (empty groups). At decode (E = 128 or 256, int32 sizes) nothing at all
+    # runs before the kernel.
+    sizes_E = group_sizes.astype(jnp.int32)
+    if num_groups * m >= 2**31:
         offsets = clamp_group_sizes(group_sizes, m)
         sizes_E = offsets[1:] - offsets[:-1]
-    sizes_G = jnp.pad(sizes_E, (0, max(16, next_pow2(num_groups)) - num_groups))
+    lanes = max(16, next_pow2(num_groups))
+    sizes_G = sizes_E if lanes == num_groups else jnp.pad(sizes_E, (0, lanes - num_groups))
     return launch(
         kernel, (sizes_G, lhs, rhs),
         out_shape=jax.ShapeDtypeStruct((m, n), out_dtype), grid=((num_slots + num_fill) * cdiv(n, tiles.block_n),),
