@@ -9,7 +9,6 @@ from unittest import mock
 import jax
 import jax.numpy as jnp
 from jax import lax
-import numpy as np
 
 ON_GPU = jax.default_backend() == "gpu"
 

@@ -198,3 +198,8 @@ def test_stable_rank_matches_a_stable_sort(routes, num_keys):
     valid = (keys >= 0) & (keys < num_keys)
     np.testing.assert_array_equal(got[valid], want[valid])
     np.testing.assert_array_equal(counts, np.bincount(keys[valid], minlength=num_keys))
+
+
+def test_gather_rows_is_the_old_name_of_pack_rows():
+    """`moe_jax.permute.gather_rows` (the name before `moe_jax.ops.gather_rows` existed) still works."""
+    assert gather_rows is pack_rows

@@ -26,7 +26,6 @@ __all__ = [
     "BACKENDS",
     "BackendName",
     "GPU_PLATFORMS",
-    "backends_of",
     "compile_platform",
     "implementation",
     "interpret",
@@ -93,8 +92,3 @@ def register(op: str, backend: str) -> Callable[[Callable], Callable]:
 def implementation(op: str, backend: str) -> Callable:
     """`op`'s implementation on `backend` (`auto` resolved by `resolve_backend`)."""
     return _REGISTRY[op][resolve_backend(backend)]
-
-
-def backends_of(op: str) -> tuple[str, ...]:
-    """The backends `op` has implementations for."""
-    return tuple(_REGISTRY.get(op, {}))

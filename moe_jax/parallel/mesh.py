@@ -12,7 +12,7 @@ user's model expects):
   axes other than the expert axis hold the same expert shard, so their expert gradients are
   summed over those axes; dense (router, shared-expert) gradients are summed over all token axes.
 
-The three process groups of expert parallelism are therefore axis sets (`AxisRules.ep_group`,
+The three process groups of expert parallelism are therefore axis sets (`AxisRules.experts`,
 `.expert_replicas`, `.dense_replicas`): a collective over an axis set runs within each group of
 devices that differ only along those axes, which is exactly `torch.distributed.new_group` per
 group, without creating the groups in a consistent order by hand.
@@ -81,11 +81,6 @@ class AxisRules:
                 "rank needs its own tokens), or None for no expert parallelism."
             )
         object.__setattr__(self, "tokens", tokens)
-
-    @property
-    def ep_group(self) -> tuple[str, ...]:
-        """Axes of the dispatch/combine exchanges."""
-        return () if self.experts is None else (self.experts,)
 
     @property
     def expert_replicas(self) -> tuple[str, ...]:

@@ -24,7 +24,7 @@ from moe_jax.ops.platform import interpret, register
 from moe_jax.ops.sharding import explicit_out_sharding
 
 
-def as_gmm_config(config: GmmConfig | TileConfig | None, m: int, n: int, k: int, num_groups: int) -> GmmConfig:
+def _candidate(config: GmmConfig | TileConfig | None, m: int, n: int, k: int, num_groups: int) -> GmmConfig:
     """The candidate `gmm` runs: `config`, the row-tile family for a `TileConfig`, or the table's."""
     if config is None:
         return gmm_config(m, n, k, num_groups)
@@ -37,7 +37,7 @@ def as_gmm_config(config: GmmConfig | TileConfig | None, m: int, n: int, k: int,
 def pallas_gmm(lhs, rhs, group_sizes, *, transpose_rhs, config, out_dtype, precision):
     m, k = lhs.shape
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    config = as_gmm_config(config, m, n, k, rhs.shape[0])
+    config = _candidate(config, m, n, k, rhs.shape[0])
     common = dict(transpose_rhs=transpose_rhs, tiles=config.tiles, out_dtype=out_dtype, precision=precision,
                   interpret=interpret())
     if config.family == "group_major":
