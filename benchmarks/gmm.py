@@ -36,7 +36,7 @@ import numpy as np
 
 from benchmarks import shapes as S
 from benchmarks.timing import compile_jax, time_compiled, time_torch
-from moe_jax.ops import FAMILIES, GmmConfig, TileConfig, gmm, gmm_config, grouped_linear, make_group_metadata, tgmm
+from moe_jax.ops import GmmConfig, TileConfig, gmm, gmm_config, grouped_linear, make_group_metadata, tgmm
 from moe_jax.ops.gmm.row_tile import gmm_row_tile_pallas
 from moe_jax.testing import rel_err
 
@@ -92,9 +92,9 @@ def measure_copy_tbps() -> float:
 
 
 def encode_config(config: GmmConfig | TileConfig) -> list:
-    """A candidate as JSON: `[family, *tiles]` for a `GmmConfig`, the six tile fields for a `TileConfig`."""
+    """A candidate as JSON: `[family, *tiles, splits]` for a `GmmConfig`, the six tile fields for a `TileConfig`."""
     if isinstance(config, GmmConfig):
-        return [config.family, *dataclasses.astuple(config.tiles)]
+        return [config.family, *dataclasses.astuple(config.tiles), config.splits]
     return list(dataclasses.astuple(config))
 
 
@@ -102,7 +102,7 @@ def decode_config(fields: list) -> GmmConfig | TileConfig:
     """`encode_config`'s inverse; also reads tune files written before kernel families had names,
     whose seventh field was a bool choosing the group-major kernel."""
     if isinstance(fields[0], str):
-        return GmmConfig(fields[0], TileConfig(*fields[1:]))
+        return GmmConfig(fields[0], TileConfig(*fields[1:7]), *fields[7:])
     if len(fields) == 7:
         return GmmConfig("group_major" if fields[6] else "row_tile", TileConfig(*fields[:6]))
     return TileConfig(*fields)
@@ -397,8 +397,10 @@ _DECODE_TILES = [
     TileConfig(16, 32, 256, 4, 3, 1), TileConfig(16, 64, 128, 4, 4, 1), TileConfig(16, 64, 256, 4, 3, 1),
     TileConfig(16, 16, 256, 4, 3, 1), TileConfig(16, 32, 512, 4, 3, 1), TileConfig(16, 128, 128, 4, 4, 1),
 ]
-# Each decode tile shape with both kernel families: the row-tile schedule and the group-major launch.
-DECODE_CANDIDATES = [GmmConfig(family, t) for t in _DECODE_TILES for family in FAMILIES]
+# Each decode tile shape with the row-tile schedule and the group-major launch, and the first three
+# with split-K over 2, 4 and 8 programs.
+DECODE_CANDIDATES = ([GmmConfig(family, t) for t in _DECODE_TILES for family in ("row_tile", "group_major")]
+                     + [GmmConfig("split_k", t, splits=s) for t in _DECODE_TILES[:3] for s in (2, 4, 8)])
 
 
 def cmd_tune(args):

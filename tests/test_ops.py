@@ -247,6 +247,51 @@ def test_every_output_element_is_written(sizes, m):
     assert_close(dw, tgmm_reference(x, dy, gs), jnp.float32, "weight-gradient kernel")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("transpose_rhs", [True, False])
+@pytest.mark.parametrize("sizes,k,splits", [
+    ((1, 0, 0, 2, 0, 0, 0, 1), 72, 3),  # decode: few rows, empty experts; 5 K blocks over 3 splits (2, 2, 1)
+    ((0, 0, 0, 0), 48, 2),  # nothing routed: every row is a zero-fill row
+    ((3, 0, 9, 0), 40, 8),  # more splits than K blocks (3): five empty splits write zeros
+], ids=["decode", "empty", "splits_past_k"])
+def test_split_k_matches_reference(dtype, transpose_rhs, sizes, k, splits):
+    """Split-K against the fp32 reference, rows past the groups zero, the same bits on a rerun."""
+    e, n = len(sizes), 40
+    m = sum(sizes) + 3
+    x, w = _inputs(41, m, k, n, e, dtype, transpose_rhs)
+    gs = jnp.asarray(sizes, jnp.int32)
+    config = GmmConfig("split_k", TileConfig(16, 16, 16, 4, 2, 1), splits=splits)
+    run = jax.jit(lambda x, w, gs: gmm(x, w, gs, transpose_rhs=transpose_rhs, config=config, backend="pallas_triton"))
+    out = run(x, w, gs)
+    assert out.dtype == dtype
+    assert_close(out, gmm_reference(x, w, gs, transpose_rhs=transpose_rhs), dtype, config.name)
+    assert (np.asarray(out[sum(sizes):], np.float32) == 0).all()
+    np.testing.assert_array_equal(np.asarray(run(x, w, gs), np.float32), np.asarray(out, np.float32))
+
+
+def test_split_k_writes_every_partial():
+    """Launched into NaN-filled partial planes, every element of every plane is written."""
+    from moe_jax.ops.gmm.group_major import gmm_group_major_pallas
+
+    sizes, k, n, splits = (4, 0, 11, 2), 56, 24, 3
+    m = sum(sizes) + 5
+    x, w = _inputs(42, m, k, n, len(sizes), jnp.float32)
+    gs = jnp.asarray(sizes, jnp.int32)
+    out = gmm_group_major_pallas(x, w, gs, transpose_rhs=True, tiles=TileConfig(16, 16, 16, 4, 2, 1),
+                                 out_dtype=jnp.float32, precision=jax.lax.Precision.HIGHEST, interpret=not ON_GPU,
+                                 num_fill=2, splits=splits, out_init=jnp.full((splits, m, n), jnp.nan, jnp.float32))
+    assert_close(out, gmm_reference(x, w, gs), jnp.float32, "split-K into NaN partials")
+
+
+def test_split_k_lowers_for_h200_at_decode():
+    """Split-K at decode (8 rows over 128 experts, K = 2048) lowers through Pallas to Triton IR."""
+    config = GmmConfig("split_k", TileConfig(16, 32, 256, 4, 3, 1), splits=4)
+    text = lower_for_gpu(lambda x, w, gs: gmm(x, w, gs, config=config, backend="pallas_triton"),
+                         jax.ShapeDtypeStruct((8, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((128, 1536, 2048), jnp.bfloat16),
+                         jax.ShapeDtypeStruct((128,), jnp.int32))
+    assert re.findall(r'name = "(moe_jax_\w+)"', text) == ["moe_jax_gmm_split_k"]
+
+
 # ---------------------------------------------------------------------------------------------
 # Weight gradient
 
@@ -442,6 +487,11 @@ def test_config_table_and_validation():
     assert TileConfig(block_m=np.int64(32)).block_m == 32  # numpy integers are ints
     with pytest.raises(ValueError, match="family"):
         GmmConfig("split_everything")
+    with pytest.raises(ValueError, match="the split_k family takes splits >= 2"):
+        GmmConfig("split_k")
+    with pytest.raises(ValueError, match="the split_k family takes splits >= 2, the others splits=1"):
+        GmmConfig("row_tile", splits=2)
+    assert GmmConfig("split_k", splits=4).name.startswith("split_k4 ")
     with pytest.raises(TypeError, match="config must be a GmmConfig or TileConfig"):
         gmm(jnp.ones((4, 8)), jnp.ones((2, 4, 8)), _sizes(2, 2), config="row_tile")
     with pytest.raises(TypeError, match="config must be a TileConfig"):

@@ -40,8 +40,8 @@ def pallas_gmm(lhs, rhs, group_sizes, *, transpose_rhs, config, out_dtype, preci
     config = _candidate(config, m, n, k, rhs.shape[0])
     common = dict(transpose_rhs=transpose_rhs, tiles=config.tiles, out_dtype=out_dtype, precision=precision,
                   interpret=interpret())
-    if config.family == "group_major":
-        return gmm_group_major_pallas(lhs, rhs, group_sizes, **common)
+    if config.family in ("group_major", "split_k"):
+        return gmm_group_major_pallas(lhs, rhs, group_sizes, splits=config.splits, **common)
     meta = make_group_metadata(group_sizes, num_rows=m, block_m=config.tiles.block_m)
     return gmm_row_tile_pallas(lhs, rhs, meta, **common)
 

@@ -12,6 +12,9 @@ Families (`FAMILIES`):
   (`schedule.make_group_metadata`); every program has about the same work whatever the skew.
 - `group_major`: one program per (active-group slot, column block) walks that group's row tiles;
   no schedule is built before the kernel, which is what decode needs; a hot group is serialised.
+- `split_k`: the group-major walk with each program's K loop split over `splits` programs,
+  fp32 partial sums reduced in a fixed order (no atomics): for launches whose active groups x
+  column blocks leave SMs idle.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from moe_jax.validation import check_int
 
 __all__ = ["FAMILIES", "GmmConfig", "TileConfig", "gmm_config", "tgmm_config"]
 
-FAMILIES = ("row_tile", "group_major")
+FAMILIES = ("row_tile", "group_major", "split_k")
 _WARPS = (1, 2, 4, 8, 16)
 
 
@@ -67,22 +70,30 @@ class TileConfig:
 
 @dataclasses.dataclass(frozen=True)
 class GmmConfig:
-    """A forward/input-gradient candidate: kernel `family` (one of `FAMILIES`) with `tiles`."""
+    """A forward/input-gradient candidate: kernel `family` (one of `FAMILIES`) with `tiles`, and
+    for `split_k` the number of K splits (>= 2; 1 for the other families)."""
 
     family: str = "row_tile"
     tiles: TileConfig = TileConfig()
+    splits: int = 1
 
     def __post_init__(self):
         if self.family not in FAMILIES:
             raise ValueError(f"GmmConfig.family={self.family!r}: use one of {FAMILIES}.")
         if not isinstance(self.tiles, TileConfig):
             raise TypeError(f"GmmConfig.tiles must be a TileConfig; got {type(self.tiles).__name__}.")
+        splits = check_int("GmmConfig.splits", self.splits)
+        if (self.family == "split_k") != (splits > 1):
+            raise ValueError(f"GmmConfig(family={self.family!r}, splits={splits}): the split_k family takes "
+                             "splits >= 2, the others splits=1.")
+        object.__setattr__(self, "splits", splits)
 
     @property
     def name(self) -> str:
-        """E.g. `row_tile 128x256x64 w8 s4` (block_m x block_n x block_k, warps, stages)."""
+        """E.g. `row_tile 128x256x64 w8 s4` (block_m x block_n x block_k, warps, stages), `split_k4 ...`."""
         t = self.tiles
-        return f"{self.family} {t.block_m}x{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}"
+        family = self.family + (str(self.splits) if self.family == "split_k" else "")
+        return f"{family} {t.block_m}x{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}"
 
 
 def gmm_config(m: int, n: int, k: int, num_groups: int) -> GmmConfig:

@@ -1,4 +1,5 @@
-"""The group-major family of the forward grouped GEMM: one program per (active-group slot, column block).
+"""The group-major and split-K families of the forward grouped GEMM: one program per
+(active-group slot, column block), or per (slot, column block, K split).
 
 Legend: M packed rows, K reduction width, N output width, E groups.
 
@@ -8,6 +9,12 @@ its group's rows from the raw sizes, so no schedule is built before the launch: 
 launch is the only kernel, and only as many group programs as rows can exist (8 of 128 experts
 at one token, top-8). Under heavy skew a hot group is walked by few programs, so prefill uses
 the row-tile family.
+
+Split-K (the `split_k` family) splits each program's K loop over `splits` programs, so a launch
+with few active groups and column blocks still fills the GPU. Each writes its fp32 partial sums
+into its own plane of a `[splits, M, N]` buffer (every element of every plane has one writer,
+fill programs zero theirs), and a fixed-order sum over the planes gives the result: no atomics,
+the same bits every run.
 """
 
 from __future__ import annotations
@@ -28,11 +35,12 @@ __all__ = ["gmm_group_major_pallas"]
 
 
 def _kernel(sizes_ref, lhs_ref, rhs_ref, out_ref, *, num_groups: int, num_slots: int, num_fill: int, m: int, n: int,
-            k: int, tiles: TileConfig, transpose_rhs: bool, precision):
+            k: int, tiles: TileConfig, transpose_rhs: bool, precision, splits: int):
     bm = tiles.block_m
     num_n = cdiv(n, tiles.block_n)
     pid = pl.program_id(0)
-    slot, n_blk = pid // num_n, pid % num_n
+    slot, rest = pid // (num_n * splits), pid % (num_n * splits)
+    n_blk, split = rest // splits, rest % splits  # a tile's splits are neighbours: they share its rows in L2
     n0 = pl.multiple_of(n_blk * tiles.block_n, tiles.block_n)
     # One vector load of the whole (power-of-two, >= 16; zero-padded by the launcher otherwise)
     # sizes vector, a cumsum and a few sums give this program's group and rows. Clipped to
@@ -55,13 +63,19 @@ def _kernel(sizes_ref, lhs_ref, rhs_ref, out_ref, *, num_groups: int, num_slots:
     end = jnp.where(is_group, group_end, jnp.where(is_fill, jnp.int32(m), first))
     stride = (1 + (1 - is_group.astype(jnp.int32)) * (num_fill - 1)) * bm
     num_row_tiles = jnp.maximum(end - first + stride - 1, 0) // stride
-    k_steps = is_group.astype(jnp.int32) * cdiv(k, tiles.block_k)
+    # This split's K blocks: a contiguous share of the cdiv(K, bk) blocks (the last shares may be
+    # shorter or empty; an empty share writes zeros).
+    k_blocks = cdiv(k, tiles.block_k)
+    per_split = cdiv(k_blocks, splits)
+    k_first = split * per_split
+    k_steps = is_group.astype(jnp.int32) * jnp.clip(k_blocks - k_first, 0, per_split)
     group = jnp.minimum(group, num_groups - 1)
 
     def tile(j, carry):
         start = first + j * stride
         row_block(lhs_ref, rhs_ref, out_ref, group=group, start=start, end=jnp.minimum(start + bm, end), n0=n0,
-                  k_steps=k_steps, n=n, k=k, tiles=tiles, transpose_rhs=transpose_rhs, precision=precision)
+                  k_steps=k_steps, n=n, k=k, tiles=tiles, transpose_rhs=transpose_rhs, precision=precision,
+                  k_first=k_first, plane=None if splits == 1 else split)
         return carry
 
     lax.fori_loop(0, num_row_tiles, tile, 0)
@@ -69,18 +83,19 @@ def _kernel(sizes_ref, lhs_ref, rhs_ref, out_ref, *, num_groups: int, num_slots:
 
 def gmm_group_major_pallas(
     lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool, tiles: TileConfig, out_dtype,
-    precision, interpret: bool, num_fill: int = 8, out_init: jax.Array | None = None,
+    precision, interpret: bool, num_fill: int = 8, splits: int = 1, out_init: jax.Array | None = None,
 ) -> jax.Array:
-    """Launch the group-major kernel (see the module docstring). Expects validated shapes with
-    `M, N, K > 0`; unchecked `group_sizes` are clamped as `schedule.clamp_group_sizes` does
-    (negative sizes count as zero, rows past M dropped)."""
+    """Launch the group-major kernel, or with `splits > 1` the split-K one (see the module
+    docstring). Expects validated shapes with `M, N, K > 0`; unchecked `group_sizes` are clamped
+    as `schedule.clamp_group_sizes` does (negative sizes count as zero, rows past M dropped).
+    `out_init` (tests): the `[M, N]` output, or with splits the `[splits, M, N]` fp32 partials."""
     m, k = lhs.shape
     num_groups = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     num_slots = min(num_groups, m)
     num_fill = max(1, min(num_fill, cdiv(m, tiles.block_m)))
     kernel = functools.partial(_kernel, num_groups=num_groups, num_slots=num_slots, num_fill=num_fill, m=m, n=n,
-                               k=k, tiles=tiles, transpose_rhs=transpose_rhs, precision=precision)
+                               k=k, tiles=tiles, transpose_rhs=transpose_rhs, precision=precision, splits=splits)
     # The kernel clips the sizes to [0, M]; its sums stay in int32 while E * M < 2**31 (beyond,
     # the exact clamp runs first). It reads them as one vector of a power of two >= 16 lanes:
     # other E are zero-padded (empty groups). At decode (E = 128 or 256, int32 sizes) nothing at all
@@ -91,9 +106,12 @@ def gmm_group_major_pallas(
         sizes_E = offsets[1:] - offsets[:-1]
     lanes = max(16, next_pow2(num_groups))
     sizes_G = sizes_E if lanes == num_groups else jnp.pad(sizes_E, (0, lanes - num_groups))
-    return launch(
-        kernel, (sizes_G, lhs, rhs),
-        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype), grid=((num_slots + num_fill) * cdiv(n, tiles.block_n),),
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, interpret=interpret, name="moe_jax_gmm_group_major",
-        out_init=out_init,
+    out_shape = jax.ShapeDtypeStruct((m, n), out_dtype) if splits == 1 else jax.ShapeDtypeStruct((splits, m, n),
+                                                                                                    jnp.float32)
+    out = launch(
+        kernel, (sizes_G, lhs, rhs), out_shape=out_shape,
+        grid=((num_slots + num_fill) * cdiv(n, tiles.block_n) * splits,), num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages, interpret=interpret,
+        name="moe_jax_gmm_group_major" if splits == 1 else "moe_jax_gmm_split_k", out_init=out_init,
     )
+    return out if splits == 1 else jnp.sum(out, axis=0).astype(out_dtype)
