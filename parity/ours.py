@@ -57,10 +57,10 @@ def _ep_devices(config: ParityConfig) -> list:
     )
 
 
-def ep_mesh(config: ParityConfig):
+def ep_mesh(config: ParityConfig, devices: list | None = None):
     """The `("data", "ep")` mesh of `config.ep_size` devices (data=1), or None for ep_size=1.
 
-    Devices: the default platform's when it has ep_size of them, else the host's CPU devices
+    Devices: `devices` when given, else the default platform's when it has ep_size of them, else the host's CPU devices
     (forced by XLA_FLAGS=--xla_force_host_platform_device_count, which the root conftest and
     `python -m parity` set), as tests/test_layers_parallel.py does: a one-GPU host then runs the
     EP layer on CPU, where backend "auto" picks XLA and only the "padded" exchange exists.
@@ -71,7 +71,7 @@ def ep_mesh(config: ParityConfig):
         return None
     from moe_jax.parallel import make_mesh
 
-    devices = _ep_devices(config)
+    devices = _ep_devices(config) if devices is None else list(devices)
     platform = devices[0].platform
     # XLA:CPU has no ragged_all_to_all: fail here, not with a JaxRuntimeError mid-compile.
     if config.ep_strategy == "ragged" and platform != "gpu":

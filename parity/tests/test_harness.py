@@ -241,14 +241,11 @@ def test_router_groups_fit():
     assert harness.router_groups(128, 8) == (8, 4)
 
 
-def test_ragged_ep_off_gpus_is_a_clear_error(monkeypatch):
+def test_ragged_ep_off_gpus_is_a_clear_error():
     """XLA:CPU has no ragged_all_to_all: `ep_mesh` refuses a non-GPU mesh before compiling (the
-    mesh is forced onto host CPU devices, so this runs on GPU hosts too)."""
-    from parity import ours
-
-    monkeypatch.setattr(ours, "_ep_devices", lambda config: jax.devices("cpu")[: config.ep_size])
+    mesh is put on host CPU devices, so this runs on GPU hosts too)."""
     with pytest.raises(ValueError, match="ep_strategy='ragged' needs 2 GPUs"):
-        harness.ep_mesh(make_config(ep_size=2, ep_strategy="ragged"))
+        harness.ep_mesh(make_config(ep_size=2, ep_strategy="ragged"), devices=jax.devices("cpu")[:2])
 
 
 def test_time_ep_needs_ep_size_accelerators(monkeypatch):
