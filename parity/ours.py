@@ -60,10 +60,10 @@ def _ep_devices(config: ParityConfig) -> list:
 def ep_mesh(config: ParityConfig, devices: list | None = None):
     """The `("data", "ep")` mesh of `config.ep_size` devices (data=1), or None for ep_size=1.
 
-    Devices: `devices` when given, else the default platform's when it has ep_size of them, else the host's CPU devices
-    (forced by XLA_FLAGS=--xla_force_host_platform_device_count, which the root conftest and
-    `python -m parity` set), as tests/test_layers_parallel.py does: a one-GPU host then runs the
-    EP layer on CPU, where backend "auto" picks XLA and only the "padded" exchange exists.
+    Devices: `devices` when given, else the default platform's when it has ep_size of them, else
+    the host's CPU devices (forced by XLA_FLAGS=--xla_force_host_platform_device_count, which the
+    root conftest and `python -m parity` set), as tests/test_layers_parallel.py does: a one-GPU
+    host then runs the EP layer on CPU, where backend "auto" picks XLA and only the "padded" exchange exists.
     Raises ValueError when there are too few devices, or when `ep_strategy="ragged"` would run on
     devices other than GPUs.
     """
