@@ -36,7 +36,7 @@ import numpy as np
 
 from benchmarks import shapes as S
 from benchmarks.timing import compile_jax, time_compiled, time_torch
-from moe_jax.ops import GmmConfig, TileConfig, gmm, gmm_config, grouped_linear, make_group_metadata, tgmm
+from moe_jax.ops import GmmConfig, TileConfig, gmm, gmm_config, grouped_linear, tgmm
 from moe_jax.ops.gmm.row_tile import gmm_row_tile_pallas
 from moe_jax.testing import rel_err
 
@@ -177,14 +177,13 @@ def _decode_jobs(case: Case):
     shape = case.shape
     cfg = case.configs.get("fwd") or gmm_config(shape.m, shape.n, shape.k, shape.e)
     tiles = cfg.tiles if isinstance(cfg, GmmConfig) else cfg
-    meta = make_group_metadata(gs, num_rows=shape.m, block_m=tiles.block_m)
-    tiles_kernel = lambda x, w, meta: gmm_row_tile_pallas(x, w, meta, transpose_rhs=True, tiles=tiles,
+    tiles_kernel = lambda x, w, gs: gmm_row_tile_pallas(x, w, gs, transpose_rhs=True, tiles=tiles,
                                                           out_dtype=x.dtype, precision=jax.lax.Precision.DEFAULT,
                                                           interpret=False)
     case.rec["configs"] = {"fwd": encode_config(cfg), "tiles_kernel": encode_config(tiles)}
     return [
         ("ours", lambda x, w, gs: gmm(x, w, gs, config=cfg), [(x, w, gs) for w in ws], 40),
-        ("ours_tiles_kernel", tiles_kernel, [(x, w, meta) for w in ws], 40),
+        ("ours_tiles_kernel", tiles_kernel, [(x, w, gs) for w in ws], 40),
         ("ragged_dot", jax.lax.ragged_dot, [(x, jnp.swapaxes(w, 1, 2), gs) for w in ws[:2]], 10),
     ]
 

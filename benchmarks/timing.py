@@ -23,8 +23,10 @@ def compile_jax(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, reps: int 
     output: XLA cannot merge identical calls (CSE would otherwise time one call `reps` times
     over), the calls run in order, and only two outputs are alive at once.
 
-    Returns `(run, reps)` where `run()` executes them once. Compiling is thread-safe, so callers
-    may build many candidates in parallel and time them one by one.
+    Returns `(run, reps)` where `run()` executes them once; `run(other_sets)` runs the same
+    executable on other arrays of the same shapes (e.g. another histogram's `group_sizes`).
+    Compiling is thread-safe, so callers may build many candidates in parallel and time them one
+    by one.
     """
     n = len(arg_sets)
 
@@ -41,7 +43,7 @@ def compile_jax(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, reps: int 
         return jnp.stack(firsts)
 
     compiled = jax.jit(many).lower(arg_sets).compile()
-    return (lambda: compiled(arg_sets)), reps
+    return (lambda sets=arg_sets: compiled(sets)), reps
 
 
 def _touch(out):

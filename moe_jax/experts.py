@@ -89,11 +89,13 @@ def swiglu_experts(
     *,
     backend: BackendName = "auto",
     precision: jax.lax.Precision | None = None,
+    kernel: str | None = None,
 ) -> jax.Array:
     """SwiGLU experts with separate gate and up weights: `y_MD` `[M, D]` in `x_MD.dtype`.
 
-    All arrays must share one float dtype (cast weights to the compute dtype first). `backend`
-    and `precision` are passed to every `grouped_linear`.
+    All arrays must share one float dtype (cast weights to the compute dtype first). `backend`,
+    `precision` and `kernel` (the forward and input-gradient GEMMs' `config`: `"auto"` for the
+    tuned on-device selector, None for the static shape table) go to every `grouped_linear`.
     """
     _check_gate_up(x_MD, w_gate_EFD, "w_gate_EFD")
     if w_up_EFD.shape != w_gate_EFD.shape:
@@ -102,10 +104,11 @@ def swiglu_experts(
         )
     num_experts, hidden, _ = w_gate_EFD.shape
     _check_down(x_MD, w_down_EDF, num_experts, hidden)
-    gate_MF = grouped_linear(x_MD, w_gate_EFD, group_sizes_E, backend=backend, precision=precision)
-    up_MF = grouped_linear(x_MD, w_up_EFD, group_sizes_E, backend=backend, precision=precision)
+    opts = dict(backend=backend, precision=precision, fwd_config=kernel, dgrad_config=kernel)
+    gate_MF = grouped_linear(x_MD, w_gate_EFD, group_sizes_E, **opts)
+    up_MF = grouped_linear(x_MD, w_up_EFD, group_sizes_E, **opts)
     h_MF = _swiglu(gate_MF, up_MF)
-    return grouped_linear(h_MF, w_down_EDF, group_sizes_E, backend=backend, precision=precision)
+    return grouped_linear(h_MF, w_down_EDF, group_sizes_E, **opts)
 
 
 def swiglu_experts_fused(
@@ -116,18 +119,20 @@ def swiglu_experts_fused(
     *,
     backend: BackendName = "auto",
     precision: jax.lax.Precision | None = None,
+    kernel: str | None = None,
 ) -> jax.Array:
     """SwiGLU experts with fused gate/up weights `[E, 2F, D]` (`[:F]` gate, `[F:]` up).
 
     One grouped GEMM computes gate and up together (`x_MD` is read once); equal to
-    `swiglu_experts` on `split_gate_up(w_gate_up_E2FD)`.
+    `swiglu_experts` on `split_gate_up(w_gate_up_E2FD)`. `kernel`: as for `swiglu_experts`.
     """
     _check_gate_up(x_MD, w_gate_up_E2FD, "w_gate_up_E2FD")
     hidden = _fused_hidden(w_gate_up_E2FD)
     _check_down(x_MD, w_down_EDF, w_gate_up_E2FD.shape[0], hidden)
-    gate_up_M2F = grouped_linear(x_MD, w_gate_up_E2FD, group_sizes_E, backend=backend, precision=precision)
+    opts = dict(backend=backend, precision=precision, fwd_config=kernel, dgrad_config=kernel)
+    gate_up_M2F = grouped_linear(x_MD, w_gate_up_E2FD, group_sizes_E, **opts)
     h_MF = _swiglu(gate_up_M2F[:, :hidden], gate_up_M2F[:, hidden:])
-    return grouped_linear(h_MF, w_down_EDF, group_sizes_E, backend=backend, precision=precision)
+    return grouped_linear(h_MF, w_down_EDF, group_sizes_E, **opts)
 
 
 def swiglu_experts_reference(

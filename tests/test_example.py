@@ -74,6 +74,15 @@ def test_overfit_loss_falls_and_artifacts_written(tmp_path):
     assert json.loads((out / "config.json").read_text())["args"]["steps"] == steps
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["20", "40"]
 
+    # The run's routing traces: every logged step's counts, and the decode loop's newest tokens.
+    from benchmarks.traces import decode_traces, train_traces
+
+    train = train_traces(out)
+    assert len(train) == steps and all(c.sum() == 8 * 16 * 2 for c in train.values())
+    decode = decode_traces(out, tokens=(1, 3))
+    assert sorted(decode) == ["decode/T1/layer0", "decode/T3/layer0"]
+    assert decode["decode/T3/layer0"].sum() == 3 * 2 and decode["decode/T3/layer0"].shape == (4,)
+
 
 def test_resume_continues_the_same_trajectory(tmp_path):
     """Simulate preemption after the step-3 checkpoint: the resumed steps 4..6 repeat the original ones.

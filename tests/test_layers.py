@@ -19,7 +19,7 @@ from moe_jax import routing as R
 from moe_jax.dense_reference import LatentWeights, SwiGLUWeights, moe_reference, router_reference
 from moe_jax.experts import split_gate_up
 from moe_jax.layers import MoE, MoEStats, SelectionBias
-from moe_jax.ops import gmm_config
+from moe_jax.ops import CANDIDATES, candidate_index, gmm_config, select, selector_table
 from moe_jax.parallel import make_mesh
 from moe_jax.testing import assert_close, rel_err, tolerance
 
@@ -151,7 +151,9 @@ def test_full_layer_matches_reference_with_stats():
     # The xla backend: the useful rows, no tile padding claimed (XLA's tiling is its own).
     assert int(stats.executed_rows) == int(counts.sum()) and float(stats.padding_fraction) == 0.0
     assert int(stats.dropped) == 0 and stats.dropped_E.shape == (E,) and not np.any(stats.dropped_E)
-    dtypes = (jnp.float32,) * 3 + (jnp.int32,) * 3 + (jnp.float32, jnp.int32, jnp.int32)
+    assert int(stats.useful_rows) == int(stats.useful_rows_max) == int(stats.executed_rows_max) == int(counts.sum())
+    assert stats.kernel_counts_C.shape == (len(CANDIDATES),) and not np.any(stats.kernel_counts_C)
+    dtypes = (jnp.float32,) * 3 + (jnp.int32,) * 7 + (jnp.float32, jnp.int32, jnp.int32)
     assert len(stats) == len(dtypes) and all(jnp.asarray(a).dtype == d for a, d in zip(stats, dtypes))
 
 
@@ -247,14 +249,23 @@ def test_return_routing():
     np.testing.assert_array_equal(stats.counts_E, np.bincount(np.asarray(routing.expert_idx_TK).ravel(), minlength=E))
 
 
-def test_pallas_backend_matches_reference():
+@pytest.mark.parametrize("gemm_kernel", ["static", "auto"])
+def test_pallas_backend_matches_reference(gemm_kernel):
     """The layer on the Pallas kernels (interpreted on CPU), small shape; its executed rows are
-    the running candidate's: every expert's rows rounded up to the tile height."""
-    m = MoE(D, F, 4, K, backend="pallas_triton", fused_gate_up=True, rngs=nnx.Rngs(10))
+    the running candidate's (the shape table's, or the selector's pick): every expert's rows
+    rounded up to its tile height, and `kernel_counts_C` names it."""
+    m = MoE(D, F, 4, K, backend="pallas_triton", fused_gate_up=True, gemm_kernel=gemm_kernel, rngs=nnx.Rngs(10))
     _, stats = assert_matches_reference(m, inputs(10, (4, D)), seed=10)
-    block_m = gmm_config(4 * K, 2 * F, D, 4).tiles.block_m
+    if gemm_kernel == "static":
+        config = gmm_config(4 * K, 2 * F, D, 4)
+    else:
+        pick = select(jnp.asarray(stats.counts_E, jnp.int32), 4 * K, selector_table(2 * F, D, 4))
+        config = list(CANDIDATES.values())[int(pick.candidate)]
+    block_m = config.tiles.block_m
     executed = sum(math.ceil(c / block_m) * block_m for c in np.asarray(stats.counts_E))
-    assert int(stats.executed_rows) == executed
+    assert int(stats.executed_rows) == int(stats.executed_rows_max) == executed
+    assert int(stats.useful_rows) == int(stats.useful_rows_max) == 4 * K
+    np.testing.assert_array_equal(stats.kernel_counts_C, np.eye(len(CANDIDATES), dtype=np.int32)[candidate_index(config)])
     np.testing.assert_allclose(stats.padding_fraction, (executed - 4 * K) / executed, rtol=1e-6)
 
 

@@ -96,6 +96,11 @@ def test_router_path_matches_single_device(ep, data):
     # The xla backend executes the useful rows as far as moe_jax can tell (no tile padding claimed),
     # summed over every device's grouped GEMM.
     assert int(stats.executed_rows) == int(mask.sum()) * K and float(stats.padding_fraction) == 0.0
+    # Sums over devices beside the largest device's figure: the slowest device sets the latency.
+    devices = ep * data
+    assert int(stats.useful_rows) == int(mask.sum()) * K
+    assert int(mask.sum()) * K / devices <= int(stats.useful_rows_max) <= int(stats.useful_rows)
+    assert int(stats.executed_rows_max) == int(stats.useful_rows_max) and not np.any(stats.kernel_counts_C)
 
 
 def _injected(seed, experts_of_token):

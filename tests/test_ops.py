@@ -235,8 +235,7 @@ def test_every_output_element_is_written(sizes, m):
     nan_out = jnp.full((m, n), jnp.nan, jnp.float32)
     ref = gmm_reference(x, w, gs)
     tiles = TileConfig(16, 16, 16, 4, 2, 2)
-    meta = make_group_metadata(gs, num_rows=m, block_m=tiles.block_m)
-    out = gmm_row_tile_pallas(x, w, meta, transpose_rhs=True, tiles=tiles, out_init=nan_out, **common)
+    out = gmm_row_tile_pallas(x, w, gs, transpose_rhs=True, tiles=tiles, out_init=nan_out, **common)
     assert_close(out, ref, jnp.float32, "row-tile kernel")
     out = gmm_group_major_pallas(x, w, gs, transpose_rhs=True, tiles=TileConfig(16, 16, 16, 4, 2, 1),
                                  out_init=nan_out, num_fill=2, **common)
@@ -492,7 +491,7 @@ def test_config_table_and_validation():
     with pytest.raises(ValueError, match="the split_k family takes splits >= 2, the others splits=1"):
         GmmConfig("row_tile", splits=2)
     assert GmmConfig("split_k", splits=4).name.startswith("split_k4 ")
-    with pytest.raises(TypeError, match="config must be a GmmConfig or TileConfig"):
+    with pytest.raises(TypeError, match="config must be a GmmConfig or TileConfig or SelectorTable, 'auto'"):
         gmm(jnp.ones((4, 8)), jnp.ones((2, 4, 8)), _sizes(2, 2), config="row_tile")
     with pytest.raises(TypeError, match="config must be a TileConfig"):
         tgmm(jnp.ones((4, 8)), jnp.ones((4, 4)), _sizes(2, 2), config=GmmConfig())

@@ -20,6 +20,7 @@ def history_record(step: int, m: StepMetrics, ep: int) -> dict:
             "z": float(m.stats.z_loss[i]),
             # fraction of routes per expert; 1/E each when balanced
             "load": [round(float(c), 6) for c in counts_E / max(counts_E.sum(), 1)],
+            "counts": [int(c) for c in counts_E],  # routes per expert (the routing trace)
             "padding_fraction": float(m.stats.padding_fraction[i]),
             "dropped": int(m.stats.dropped[i]),
         }

@@ -107,10 +107,10 @@ class Block(nnx.Module):
             dtype=dtype, backend=cfg.backend, rngs=rngs, **ep_kwargs,
         )
 
-    def __call__(self, x_BSD: jax.Array):
+    def __call__(self, x_BSD: jax.Array, return_routing: bool = False):
         x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD))
-        y_BSD, stats = self.moe(self.ffn_norm(x_BSD))
-        return x_BSD + y_BSD, stats
+        y_BSD, stats, *routing = self.moe(self.ffn_norm(x_BSD), return_routing=return_routing)
+        return (x_BSD + y_BSD, stats, *routing)
 
 
 class MoETransformer(nnx.Module):
@@ -128,13 +128,16 @@ class MoETransformer(nnx.Module):
         self.final_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, rngs=rngs)
         self.head = None if cfg.tied_head else nnx.Linear(cfg.d_model, VOCAB_SIZE, use_bias=False, dtype=dtype, rngs=rngs)
 
-    def __call__(self, tokens_BS: jax.Array):
+    def __call__(self, tokens_BS: jax.Array, return_routing: bool = False):
+        """`(logits_BSV, stats)`, and with `return_routing` a third item: each layer's
+        `moe_jax.routing.Routing` over the B*S tokens (for routing traces)."""
         x_BSD = self.embed(tokens_BS) + self.pos_embed(jnp.arange(tokens_BS.shape[1]))
-        layer_stats = []
+        layer_stats, routings = [], []
         for block in self.blocks:
-            x_BSD, stats = block(x_BSD)
+            x_BSD, stats, *routing = block(x_BSD, return_routing)
             layer_stats.append(stats)
+            routings += routing
         x_BSD = self.final_norm(x_BSD)
         logits_BSV = self.embed.attend(x_BSD) if self.head is None else self.head(x_BSD)
         stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *layer_stats)
-        return logits_BSV.astype(jnp.float32), stacked
+        return (logits_BSV.astype(jnp.float32), stacked) + ((routings,) if return_routing else ())

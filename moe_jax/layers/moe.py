@@ -47,7 +47,9 @@ from moe_jax.parallel import AxisRules, EPOptions
 from moe_jax.parallel.transports import check_strategy
 from moe_jax.validation import check_bool, check_int
 
-__all__ = ["MoE", "SelectionBias"]
+__all__ = ["GEMM_KERNELS", "MoE", "SelectionBias"]
+
+GEMM_KERNELS = ("auto", "static")
 
 _HI = lax.Precision.HIGHEST
 
@@ -87,6 +89,11 @@ class MoE(nnx.Module):
       param_dtype: parameter dtype.
       backend: grouped-GEMM backend (`"auto"`, `"pallas_triton"`, `"xla"`); the row gathers and
         EP's send plan use it too.
+      gemm_kernel: how the Pallas backend picks each grouped GEMM's kernel: `"auto"` (default),
+        the per-device tuned selector (`moe_jax.ops.gmm.selector`: from the packed rows and, where
+        the table says it pays, the routing histogram, on device); `"static"`, the shape table
+        (`moe_jax.ops.gmm_config`; reproducible across histograms). `MoEStats.kernel_counts_C`
+        says which ran.
       precision: dot precision for the expert/shared/latent GEMMs (default: HIGHEST for fp32).
       mesh: a `jax.sharding.Mesh` (Auto or Explicit axes) for data/expert parallelism: the
         parameters are placed on it and the routed stage runs in `jax.shard_map` over it
@@ -127,6 +134,7 @@ class MoE(nnx.Module):
         dtype=None,
         param_dtype=jnp.float32,
         backend: str = "auto",
+        gemm_kernel: str = "auto",
         precision: lax.Precision | None = None,
         mesh: Mesh | None = None,
         axis_rules: AxisRules | None = None,
@@ -158,6 +166,10 @@ class MoE(nnx.Module):
         param_dtype = float_dtype("param_dtype", param_dtype)
         resolve_backend(backend)  # ValueError naming the choices for an unknown backend
         self.backend = backend
+        if gemm_kernel not in GEMM_KERNELS:
+            raise ValueError(f"gemm_kernel={gemm_kernel!r}: use one of {GEMM_KERNELS} ('auto': the tuned on-device "
+                             "selector picks each GEMM's kernel from the routing histogram; 'static': from the shape).")
+        self.gemm_kernel = gemm_kernel
         self.precision = precision
         self.axis_rules = check_axis_rules(axis_rules)
         self.ep = check_layer_mesh(mesh, self.rules, e, backend)
@@ -238,7 +250,7 @@ class MoE(nnx.Module):
         if self.latent_dim is not None:
             routed_in_TD = linear(routed_in_TD, self.w_latent_down[...], dtype, self.precision).astype(dtype)
         stage = ExpertStage(self.num_experts, self.latent_dim or self.d_model, self.d_ff, self.fused_gate_up,
-                            self.backend, self.precision)
+                            self.backend, self.precision, self.gemm_kernel)
         args = (routed_in_TD, routing.expert_idx_TK, routing.weights_TK, mask_T, self._expert_weights(dtype))
         if placement is None:
             routed = single_device(stage, *args)
@@ -254,7 +266,7 @@ class MoE(nnx.Module):
                 shared_TD = gate_T1 * shared_TD
             y_TD = y_TD + shared_TD
         stats = moe_stats(routing, z_loss=z_loss, mask_T=mask_T, seq_BS=seq_BS, num_experts=self.num_experts,
-                          executed_rows=routed.executed_rows, gemm_rows=routed.gemm_rows, dropped=routed.dropped,
+                          gemm=routed.gemm, dropped=routed.dropped,
                           kept_E=routed.kept_E)
         y = y_TD.astype(dtype).reshape(x.shape[:-1] + (self.d_model,))
         return (y, stats, routing) if check_bool("return_routing", return_routing) else (y, stats)

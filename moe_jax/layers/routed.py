@@ -29,7 +29,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.experts import swiglu_experts, swiglu_experts_fused
-from moe_jax.ops import gmm_config, resolve_backend
+from moe_jax.ops import CANDIDATES, candidate_index, gmm_config, resolve_backend, select, selector_table
 from moe_jax.padding import executed_rows
 from moe_jax.ops.sharding import vary_to_union
 from moe_jax.parallel import AxisRules, EPOptions, ep_moe, is_explicit
@@ -42,10 +42,26 @@ class Routed(NamedTuple):
     """What the routed stage returns."""
 
     y_TD: jax.Array  # routed output at width D, compute dtype
-    executed_rows: jax.Array  # int32, rows the grouped GEMMs execute, summed over devices
-    gemm_rows: jax.Array  # int32, rows fed to the grouped GEMMs, summed over devices
+    gemm: "GemmTelemetry"  # the gate/up GEMM's rows and kernel, over devices
     dropped: jax.Array  # int32, capacity drops, global
     kept_E: jax.Array | None  # int32 [E], delivered routes per expert, global (None: nothing can drop)
+
+
+class GemmTelemetry(NamedTuple):
+    """The gate/up grouped GEMM of each device: rows executed P (at the chosen kernel's tile
+    height), useful rows U, and which `CANDIDATES` member ran; sums and maxima over devices."""
+
+    executed_rows: jax.Array  # int32, sum over devices
+    executed_rows_max: jax.Array  # int32, the largest device's
+    useful_rows: jax.Array  # int32, sum over devices
+    useful_rows_max: jax.Array  # int32
+    kernel_counts_C: jax.Array  # int32 [C], devices whose GEMM ran each candidate
+
+    def reduce(self, axes) -> "GemmTelemetry":
+        """Over the mesh axes `axes` (inside `shard_map`)."""
+        return GemmTelemetry(lax.psum(self.executed_rows, axes), lax.pmax(self.executed_rows_max, axes),
+                             lax.psum(self.useful_rows, axes), lax.pmax(self.useful_rows_max, axes),
+                             lax.psum(self.kernel_counts_C, axes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,19 +79,32 @@ class ExpertStage:
     backend: str
     precision: lax.Precision | None
 
+    kernel: str  # "auto" (the tuned on-device selector) or "static" (the shape table)
+
     def experts(self, x_MD, group_sizes, weights):
         fn = swiglu_experts_fused if self.fused_gate_up else swiglu_experts
-        return fn(x_MD, group_sizes, *weights, backend=self.backend, precision=self.precision)
+        return fn(x_MD, group_sizes, *weights, backend=self.backend, precision=self.precision,
+                  kernel="auto" if self.kernel == "auto" else None)
 
-    def executed_rows(self, group_sizes, num_rows: int) -> jax.Array:
-        """Rows the grouped GEMM runs: at the tile height of the candidate `gmm_config` picks for
-        this shape on the Pallas backend; the useful rows on the xla backend, whose tiling is
-        XLA's own (it is reported as no tile padding rather than as our kernels' figure)."""
+    def telemetry(self, group_sizes, num_rows: int) -> GemmTelemetry:
+        """One device's gate/up GEMM: on the Pallas backend the candidate that runs (the selector's
+        pick, or the shape table's) and its executed rows; on the xla backend the useful rows and no
+        candidate (XLA's tiling is its own, so no tile padding is claimed)."""
+        useful = jnp.sum(group_sizes, dtype=jnp.int32)
+        num_c = len(CANDIDATES)
         if resolve_backend(self.backend) == "xla":
-            return jnp.sum(group_sizes, dtype=jnp.int32)
+            return GemmTelemetry(useful, useful, useful, useful, jnp.zeros((num_c,), jnp.int32))
         gate_up_cols = 2 * self.d_ff if self.fused_gate_up else self.d_ff
-        block_m = gmm_config(num_rows, gate_up_cols, self.d_in, group_sizes.shape[0]).tiles.block_m
-        return jnp.sum(executed_rows(group_sizes, block_m), dtype=jnp.int32)
+        num_groups = group_sizes.shape[0]
+        if self.kernel == "auto":
+            pick = select(group_sizes, num_rows, selector_table(gate_up_cols, self.d_in, num_groups))
+            executed, chosen = pick.executed_rows, pick.candidate
+        else:
+            config = gmm_config(num_rows, gate_up_cols, self.d_in, num_groups)
+            executed = jnp.sum(executed_rows(group_sizes, config.tiles.block_m), dtype=jnp.int32)
+            chosen = candidate_index(config)
+        counts_C = (jnp.arange(num_c) == chosen).astype(jnp.int32)
+        return GemmTelemetry(executed, executed, useful, useful, counts_C)
 
 
 def _local(stage: ExpertStage, x_TD, idx_TK, w_TK, mask_T, weights):
@@ -83,8 +112,7 @@ def _local(stage: ExpertStage, x_TD, idx_TK, w_TK, mask_T, weights):
     packing = pack(idx_TK, stage.num_experts, mask_T=mask_T)
     y_RD = stage.experts(pack_rows(x_TD, packing, backend=stage.backend), packing.group_sizes_E, weights)
     y_TD = combine(y_RD, w_TK, packing)  # pack(mask_T=...) already left masked routes out
-    sizes = packing.group_sizes_E
-    return y_TD, stage.executed_rows(sizes, idx_TK.size), jnp.sum(sizes)
+    return y_TD, stage.telemetry(packing.group_sizes_E, idx_TK.size)
 
 
 def single_device(stage: ExpertStage, x_TD, idx_TK, w_TK, mask_T, weights) -> Routed:
@@ -92,8 +120,8 @@ def single_device(stage: ExpertStage, x_TD, idx_TK, w_TK, mask_T, weights) -> Ro
     device's tokens; replicated weights are cast to vary with the tokens, so their gradients sum
     over the caller's token axes (and the statistics are per device)."""
     _, weights = vary_to_union(weights, (x_TD, idx_TK, w_TK))
-    y_TD, executed, rows = _local(stage, x_TD, idx_TK, w_TK, mask_T, weights)
-    return Routed(y_TD, executed, rows, jnp.zeros((), jnp.int32), None)
+    y_TD, gemm = _local(stage, x_TD, idx_TK, w_TK, mask_T, weights)
+    return Routed(y_TD, gemm, jnp.zeros((), jnp.int32), None)
 
 
 def _varying(weights: tuple[jax.Array, ...], axes: tuple[str, ...]) -> tuple[jax.Array, ...]:
@@ -113,8 +141,8 @@ def routed_on_mesh(stage: ExpertStage, mesh, rules: AxisRules, options: EPOption
 
     def data_parallel(x_TD, idx_TK, w_TK, mask_T, *weights):
         weights = _varying(weights, rules.dense_replicas)  # replicated: gradients sum over the token axes
-        y_TD, executed, rows = _local(stage, x_TD, idx_TK, w_TK, mask_T, weights)
-        return y_TD, lax.psum(executed, rules.tokens), lax.psum(rows, rules.tokens), jnp.zeros((), jnp.int32)
+        y_TD, gemm = _local(stage, x_TD, idx_TK, w_TK, mask_T, weights)
+        return y_TD, gemm.reduce(rules.tokens), jnp.zeros((), jnp.int32)
 
     def expert_parallel(x_TD, idx_TK, w_TK, mask_T, *weights):
         weights = _varying(weights, rules.expert_replicas)  # an ep shard's replicas sum its gradients
@@ -127,15 +155,13 @@ def routed_on_mesh(stage: ExpertStage, mesh, rules: AxisRules, options: EPOption
             capacity=options.capacity(num_tokens, top_k, ep, local), mask_T=mask_T, backend=stage.backend,
             transport=options.transport,
         )
-        executed = lax.psum(stage.executed_rows(stats.group_sizes_El, ep * stats.capacity), rules.tokens)
-        rows = lax.psum(stats.recv_rows, rules.tokens)
+        gemm = stage.telemetry(stats.group_sizes_El, ep * stats.capacity).reduce(rules.tokens)
         # stats.dropped is already the ep-group total; the groups of the replicas add up.
-        return (y_TD, executed, rows, lax.psum(stats.dropped, rules.expert_replicas),
-                lax.psum(stats.kept_E, rules.tokens))
+        return (y_TD, gemm, lax.psum(stats.dropped, rules.expert_replicas), lax.psum(stats.kept_E, rules.tokens))
 
     act, rep = rules.activation_spec(), P()
     body, weight_spec = (data_parallel, rep) if ep == 1 else (expert_parallel, rules.expert_spec())
-    out_specs = (act, rep, rep, rep) + (() if ep == 1 else (rep,))
+    out_specs = (act, GemmTelemetry(*(rep,) * len(GemmTelemetry._fields)), rep) + (() if ep == 1 else (rep,))
     inputs = (x_TD, idx_TK, w_TK, mask_T, *weights)
     specs = (act,) * 4 + (weight_spec,) * len(weights)
     if is_explicit(mesh):

@@ -20,12 +20,17 @@ class MoEStats(NamedTuple):
     z_loss: f32 scalar, router z-loss (0 with an injected routing: there are no logits).
     counts_E: int32 `[E]`, real routes per expert (masked tokens excluded).
     tokens: int32 scalar, real tokens.
-    executed_rows: int32 scalar, rows the grouped GEMMs execute: on the Pallas backend at the
-      tile height of the candidate that runs (`gmm_config(...).tiles.block_m` of the packed
-      shape), summed over every device's GEMM of `sum_e ceil(t_e / bm) * bm`; on the xla backend
-      the useful rows (XLA's tiling is its own, so no tile padding is claimed). Under a mesh this
-      is per-device grouping, so it can exceed the single-device figure.
-    padding_fraction: f32 scalar, (executed_rows - rows fed to the GEMMs) / executed_rows.
+    executed_rows: int32 scalar, rows the gate/up grouped GEMM executes, `sum_e ceil(t_e / bm) * bm`
+      at the tile height bm of the candidate that ran (the selector's pick with `gemm_kernel="auto"`,
+      the shape table's with `"static"`), summed over devices; on the xla backend the useful rows
+      (XLA's tiling is its own, so no tile padding is claimed). Under a mesh this is per-device
+      grouping, so it can exceed the single-device figure.
+    executed_rows_max: int32 scalar, the largest single device's executed rows (the slowest rank).
+    useful_rows: int32 scalar, rows fed to the grouped GEMMs (U), summed over devices.
+    useful_rows_max: int32 scalar, the largest single device's U.
+    kernel_counts_C: int32 `[C]`, devices whose gate/up GEMM ran each `moe_jax.ops.CANDIDATES`
+      member (in its order; all zero on the xla backend).
+    padding_fraction: f32 scalar, (executed_rows - useful_rows) / executed_rows.
     dropped: int32 scalar, routes dropped by EP capacity (0 when dropless or without ep > 1).
     dropped_E: int32 `[E]`, those drops per expert (`counts_E - dropped_E` is what the experts
       executed).
@@ -37,16 +42,21 @@ class MoEStats(NamedTuple):
     counts_E: jax.Array
     tokens: jax.Array
     executed_rows: jax.Array
+    executed_rows_max: jax.Array
+    useful_rows: jax.Array
+    useful_rows_max: jax.Array
+    kernel_counts_C: jax.Array
     padding_fraction: jax.Array
     dropped: jax.Array
     dropped_E: jax.Array
 
 
 def moe_stats(routing: routing_lib.Routing, *, z_loss, mask_T, seq_BS: tuple[int, int], num_experts: int,
-              executed_rows, gemm_rows, dropped, kept_E) -> MoEStats:
+              gemm, dropped, kept_E) -> MoEStats:
     """`MoEStats` of one call from its routing of T = B*S tokens (`seq_BS = (B, S)`), the real-token
-    mask (None: all real) and the routed stage's row counts (`kept_E`: delivered routes per expert,
-    None where nothing can drop)."""
+    mask (None: all real), the routed stage's GEMM telemetry `gemm` (executed and useful rows, sums
+    and maxima, kernel counts) and drops (`kept_E`: delivered routes per expert, None where nothing
+    can drop)."""
     idx_TK, probs_TE = routing.expert_idx_TK, routing.probs_TE
     num_tokens, top_k = idx_TK.shape
     counts_E = routing_lib.expert_counts(idx_TK, num_experts, mask_T=mask_T)
@@ -59,9 +69,14 @@ def moe_stats(routing: routing_lib.Routing, *, z_loss, mask_T, seq_BS: tuple[int
         z_loss=z_loss,
         counts_E=counts_E,
         tokens=jnp.asarray(num_tokens if mask_T is None else jnp.sum(mask_T, dtype=jnp.int32), jnp.int32),
-        executed_rows=executed_rows,
+        executed_rows=gemm.executed_rows,
+        executed_rows_max=gemm.executed_rows_max,
+        useful_rows=gemm.useful_rows,
+        useful_rows_max=gemm.useful_rows_max,
+        kernel_counts_C=gemm.kernel_counts_C,
         padding_fraction=jnp.where(
-            executed_rows > 0, (executed_rows - gemm_rows) / jnp.maximum(executed_rows, 1), 0.0
+            gemm.executed_rows > 0,
+            (gemm.executed_rows - gemm.useful_rows) / jnp.maximum(gemm.executed_rows, 1), 0.0,
         ).astype(jnp.float32),
         dropped=dropped,
         dropped_E=jnp.zeros((num_experts,), jnp.int32) if kept_E is None else counts_E - kept_E,

@@ -4,6 +4,11 @@ and the row gather (`ops.gather`), each with its kernels, backends and fp32 refe
 
 from moe_jax.ops.gather import gather_rows, gather_rows_reference
 from moe_jax.ops.gmm import (
+    CANDIDATES,
+    SelectorTable,
+    candidate_index,
+    select,
+    selector_table,
     FAMILIES,
     GmmConfig,
     SUPPORTED_DTYPES,
@@ -23,6 +28,11 @@ from moe_jax.ops.gmm import (
 from moe_jax.ops.platform import BACKENDS, BackendName, resolve_backend
 
 __all__ = [
+    "CANDIDATES",
+    "SelectorTable",
+    "candidate_index",
+    "select",
+    "selector_table",
     "BACKENDS",
     "FAMILIES",
     "BackendName",

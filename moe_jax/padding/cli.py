@@ -67,7 +67,8 @@ def _build_parser() -> argparse.ArgumentParser:
             "examples:\n"
             "  python -m moe_jax.padding 17,17,17,17,16,16,16,16 --tiles 8,16,32\n"
             "  python -m moe_jax.padding 100,32,0,0,0,0,0,0 --tiles 8,32 --ranks 4\n"
-            "  python -m moe_jax.padding 100,32,16,16 --expert-ranks 0,1,1,0 --capacity 64"
+            "  python -m moe_jax.padding 100,32,16,16 --expert-ranks 0,1,1,0 --capacity 64\n"
+            "  python -m moe_jax.padding 100,32,0,0,0,0,0,0 --gemm 1536,2048"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -110,7 +111,42 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="C",
         help="also report capacity padding of fixed per-expert buffers of C rows (kept, dropped, padded)",
     )
+    parser.add_argument(
+        "--gemm",
+        type=_int_list("gemm shape", minimum=1),
+        default=None,
+        metavar="N,K",
+        help=(
+            "also say which kernel gemm_kernel='auto' runs for these counts in a forward grouped GEMM "
+            "of N output and K input columns (M = sum of the counts): the histogram features, the tuned "
+            "table and its cell"
+        ),
+    )
     return parser
+
+
+def _selector_lines(counts: list[int], gemm: list[int]) -> list[str]:
+    """What the on-device selector picks for `counts` at forward GEMM width/depth `gemm = [N, K]`."""
+    import jax.numpy as jnp
+
+    from moe_jax.ops import CANDIDATES, select, selector_table
+
+    n, k = gemm
+    num_rows = max(sum(counts), 1)
+    table = selector_table(n, k, len(counts))
+    pick = select(jnp.asarray(counts, jnp.int32), num_rows, table)
+    f = pick.features
+    name = list(CANDIDATES)[int(pick.candidate)]
+    row, col = table.row(num_rows), int(table.column(f))
+    return [
+        f"selector (gemm_kernel='auto') for a GEMM of N={n}, K={k}, M={num_rows}: runs {name} "
+        f"({CANDIDATES[name].name}), P = {int(pick.executed_rows)}",
+        f"  features: U = {int(f.useful_rows)}, active = {int(f.active)}, max rows = {int(f.max_rows)}, "
+        f"effective experts = {float(f.effective):.3f}",
+        f"  table: tuned at (N, K, E) = {table.shape} on {table.device}; cell row {row} (M in "
+        f"({2 ** (row - 1) if row else 0}, {2 ** row}]), column {col} (round(log2 effective experts)); "
+        f"that row's candidates: {', '.join(table.candidates_for(num_rows))}",
+    ]
 
 
 def _format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -128,6 +164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     counts = [c for group in args.counts for c in group]
     counts_E = np.asarray(counts, dtype=np.int64)
     num_experts = len(counts)
+    if args.gemm is not None and len(args.gemm) != 2:
+        parser.error(f"--gemm takes N,K (two ints); got {args.gemm}")
     per_rank = args.ranks is not None or args.expert_ranks is not None
     rank_kwargs = {}
     if args.expert_ranks is not None:
@@ -187,6 +225,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"ranks R = {num_ranks} ({placement}); useful rows per rank: {useful_R} "
             f"(max {int(rank_stats.useful_max)}, sum {int(rank_stats.useful_sum)})"
         )
+    if args.gemm is not None:
+        print("\n".join(_selector_lines(counts, args.gemm)))
     if cap is not None:
         print(
             f"capacity padding (C = {cap.capacity} rows/expert, buffer {int(cap.buffer_rows)} rows): "

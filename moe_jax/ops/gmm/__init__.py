@@ -1,14 +1,24 @@
 """The grouped GEMM, one room: public ops (`api`), candidates and tables (`config`), the on-device
-tile schedule (`schedule`), one file per kernel family (`row_tile`, `group_major`, `wgrad`, with
+tile schedule (`schedule`), the on-device kernel choice (`selector`, its tuned tables in
+`selector_tables`), one file per kernel family (`row_tile`, `group_major`, `wgrad`, with
 the shared in-kernel body in `tile`), the two backends (`backends`) and the
 fp32 references (`reference`)."""
 
 from moe_jax.ops.gmm.api import SUPPORTED_DTYPES, gmm, grouped_linear, tgmm
-from moe_jax.ops.gmm.config import FAMILIES, GmmConfig, TileConfig, gmm_config, tgmm_config
+from moe_jax.ops.gmm.config import CANDIDATES, FAMILIES, GmmConfig, TileConfig, candidate_index, gmm_config, tgmm_config
 from moe_jax.ops.gmm.reference import gmm_reference, tgmm_reference
 from moe_jax.ops.gmm.schedule import GroupMetadata, clamp_group_sizes, make_group_metadata, max_tiles
+from moe_jax.ops.gmm.selector import Features, Selection, SelectorTable, histogram_features, select, selector_table
 
 __all__ = [
+    "CANDIDATES",
+    "Features",
+    "Selection",
+    "SelectorTable",
+    "candidate_index",
+    "histogram_features",
+    "select",
+    "selector_table",
     "FAMILIES",
     "GmmConfig",
     "GroupMetadata",

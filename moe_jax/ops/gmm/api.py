@@ -31,6 +31,7 @@ import numpy as np
 
 from moe_jax.ops.gmm import backends  # noqa: F401  (registers the two backends)
 from moe_jax.ops.gmm.config import GmmConfig, TileConfig
+from moe_jax.ops.gmm.selector import SelectorTable, selector_table
 from moe_jax.ops.platform import BackendName, implementation, resolve_backend
 from moe_jax.ops.sharding import replicate_explicit
 
@@ -73,7 +74,16 @@ def _check_group_sizes(group_sizes, num_groups: int, num_rows: int, expert_arg: 
 def _check_config(name: str, config, allowed: tuple) -> None:
     if config is not None and not isinstance(config, allowed):
         want = " or ".join(t.__name__ for t in allowed)
-        raise TypeError(f"{name} must be a {want} or None (the per-shape table); got {type(config).__name__}.")
+        auto = ", 'auto' (the on-device selector)" if SelectorTable in allowed else ""
+        raise TypeError(f"{name} must be a {want}{auto} or None (the per-shape table); got {config!r}.")
+
+
+def _gmm_choice(config, n: int, k: int, num_groups: int):
+    """`config` of `gmm`, with `"auto"` resolved to the tuned selector table of this shape."""
+    if isinstance(config, str) and config == "auto":
+        return selector_table(n, k, num_groups)
+    _check_config("config", config, (GmmConfig, TileConfig, SelectorTable))
+    return config
 
 
 def _default_precision(dtype, precision):
@@ -119,7 +129,7 @@ def gmm(
     group_sizes: jax.Array,
     *,
     transpose_rhs: bool = True,
-    config: GmmConfig | TileConfig | None = None,
+    config: GmmConfig | TileConfig | SelectorTable | str | None = None,
     backend: BackendName = "auto",
     preferred_element_type=None,
     precision: jax.lax.Precision | None = None,
@@ -131,8 +141,10 @@ def gmm(
       rhs: `[E, N, K]` (default, the linear-layer "NT" layout) or, with `transpose_rhs=False`,
         `[E, K, N]` (rows of group e are `lhs_e @ rhs[e]`).
       group_sizes: `[E]` integer rows per group.
-      config: the Pallas backend's candidate, a `GmmConfig` (kernel family and tiles) or a
-        `TileConfig` (the row-tile family); default: the `gmm_config` table.
+      config: the Pallas backend's kernel: a `GmmConfig` (kernel family and tiles), a
+        `TileConfig` (the row-tile family), a `SelectorTable` or `"auto"` (the on-device selector,
+        `moe_jax.ops.gmm.selector`: a candidate picked from `group_sizes` inside the program);
+        default None: the static `gmm_config` table.
       backend: `auto` (Pallas on GPU, XLA elsewhere), `pallas_triton` or `xla`.
       preferred_element_type: output dtype (default: `lhs.dtype`).
       precision: dot precision for fp32 inputs (default HIGHEST).
@@ -156,7 +168,7 @@ def gmm(
     if num_groups == 0:
         raise ValueError("rhs has zero groups (E=0); a grouped GEMM needs at least one group.")
     _check_group_sizes(group_sizes, num_groups, m, "rhs")
-    _check_config("config", config, (GmmConfig, TileConfig))
+    config = _gmm_choice(config, n, k, num_groups)
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     if m == 0 or n == 0 or k == 0:
         return jnp.zeros((m, n), out_dtype)
@@ -213,8 +225,8 @@ def tgmm(
 class _LinearOptions:
     backend: str
     precision: jax.lax.Precision | None
-    fwd_config: GmmConfig | TileConfig | None
-    dgrad_config: GmmConfig | TileConfig | None
+    fwd_config: GmmConfig | TileConfig | SelectorTable | str | None
+    dgrad_config: GmmConfig | TileConfig | SelectorTable | str | None
     wgrad_config: TileConfig | None
 
 
@@ -248,8 +260,8 @@ def grouped_linear(
     *,
     backend: BackendName = "auto",
     precision: jax.lax.Precision | None = None,
-    fwd_config: GmmConfig | TileConfig | None = None,
-    dgrad_config: GmmConfig | TileConfig | None = None,
+    fwd_config: GmmConfig | TileConfig | SelectorTable | str | None = None,
+    dgrad_config: GmmConfig | TileConfig | SelectorTable | str | None = None,
     wgrad_config: TileConfig | None = None,
 ) -> jax.Array:
     """Differentiable grouped linear layer: `y[M,N]`, rows of group e are `x_e @ w[e]^T`.

@@ -2,7 +2,8 @@
 
 - `pallas_triton`: choose a candidate (`config` None takes the per-shape table,
   `config.gmm_config` / `config.tgmm_config`; a bare `TileConfig` for `gmm` means the row-tile
-  family with those tiles), build the schedule on device, launch the family's kernel.
+  family with those tiles; a `selector.SelectorTable` picks one on device from the histogram and
+  runs it through a chain of gated launches), launch the family's kernel.
 - `xla`: `jax.lax.ragged_dot_general`, XLA's grouped dot; tile configs are ignored (XLA picks its
   own tiling).
 
@@ -15,10 +16,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moe_jax.ops.gmm.config import GmmConfig, TileConfig, gmm_config, tgmm_config
+from moe_jax.ops.gmm.config import CANDIDATES, GmmConfig, TileConfig, gmm_config, tgmm_config
 from moe_jax.ops.gmm.group_major import gmm_group_major_pallas
 from moe_jax.ops.gmm.row_tile import gmm_row_tile_pallas
-from moe_jax.ops.gmm.schedule import clamp_group_sizes, make_group_metadata
+from moe_jax.ops.gmm.schedule import clamp_group_sizes
+from moe_jax.ops.gmm.selector import SelectorTable, select
+from moe_jax.ops.gmm.tile import Gate
 from moe_jax.ops.gmm.wgrad import tgmm_pallas
 from moe_jax.ops.platform import interpret, register
 from moe_jax.ops.sharding import explicit_out_sharding
@@ -33,17 +36,30 @@ def _candidate(config: GmmConfig | TileConfig | None, m: int, n: int, k: int, nu
     return config
 
 
+def _run(config: GmmConfig, lhs, rhs, group_sizes, **common):
+    if config.family in ("group_major", "split_k"):
+        return gmm_group_major_pallas(lhs, rhs, group_sizes, splits=config.splits, tiles=config.tiles, **common)
+    return gmm_row_tile_pallas(lhs, rhs, group_sizes, tiles=config.tiles, **common)
+
+
 @register("gmm", "pallas_triton")
 def pallas_gmm(lhs, rhs, group_sizes, *, transpose_rhs, config, out_dtype, precision):
     m, k = lhs.shape
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    config = _candidate(config, m, n, k, rhs.shape[0])
-    common = dict(transpose_rhs=transpose_rhs, tiles=config.tiles, out_dtype=out_dtype, precision=precision,
-                  interpret=interpret())
-    if config.family in ("group_major", "split_k"):
-        return gmm_group_major_pallas(lhs, rhs, group_sizes, splits=config.splits, **common)
-    meta = make_group_metadata(group_sizes, num_rows=m, block_m=config.tiles.block_m)
-    return gmm_row_tile_pallas(lhs, rhs, meta, **common)
+    common = dict(transpose_rhs=transpose_rhs, out_dtype=out_dtype, precision=precision, interpret=interpret())
+    if not isinstance(config, SelectorTable):
+        return _run(_candidate(config, m, n, k, rhs.shape[0]), lhs, rhs, group_sizes, **common)
+    names = config.candidates_for(m)
+    if len(names) == 1:
+        return _run(CANDIDATES[names[0]], lhs, rhs, group_sizes, **common)
+    # One gated launch per candidate of this row, chained through one output buffer: the chosen
+    # launch writes every element, the others return at once (no XLA conditional, which on GPU
+    # copies its predicate to the host and waits for it).
+    choice_1 = select(group_sizes, m, config).branch.reshape(1)
+    out = None
+    for i, name in enumerate(names):
+        out = _run(CANDIDATES[name], lhs, rhs, group_sizes, gate=Gate(choice_1, i), out_init=out, **common)
+    return out
 
 
 @register("tgmm", "pallas_triton")

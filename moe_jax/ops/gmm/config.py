@@ -23,7 +23,9 @@ import dataclasses
 
 from moe_jax.validation import check_int
 
-__all__ = ["FAMILIES", "GmmConfig", "TileConfig", "gmm_config", "tgmm_config"]
+import types
+
+__all__ = ["CANDIDATES", "FAMILIES", "GmmConfig", "TileConfig", "candidate_index", "gmm_config", "tgmm_config"]
 
 FAMILIES = ("row_tile", "group_major", "split_k")
 _WARPS = (1, 2, 4, 8, 16)
@@ -96,8 +98,35 @@ class GmmConfig:
         return f"{family} {t.block_m}x{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}"
 
 
+def _tiles(bm, bn, bk, warps, stages, group_m):
+    return TileConfig(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, group_m=group_m)
+
+
+# The named candidate family, decode to prefill. Every candidate is valid for every input (empty
+# groups, ragged edges, zero rows); the static table and the on-device selector
+# (`moe_jax.ops.gmm.selector`) both choose among these, and `MoEStats.kernel_counts_C` counts them
+# in this order.
+CANDIDATES: types.MappingProxyType[str, GmmConfig] = types.MappingProxyType({
+    "gm16x32": GmmConfig("group_major", _tiles(16, 32, 256, 4, 3, 1)),
+    "gm16x64": GmmConfig("group_major", _tiles(16, 64, 256, 4, 3, 1)),
+    "sk4_16x64": GmmConfig("split_k", _tiles(16, 64, 256, 4, 3, 1), splits=4),
+    "rt16x64": GmmConfig("row_tile", _tiles(16, 64, 256, 4, 3, 1)),
+    "rt32x128": GmmConfig("row_tile", _tiles(32, 128, 128, 4, 3, 8)),
+    "rt64x128": GmmConfig("row_tile", _tiles(64, 128, 64, 4, 4, 8)),
+    "rt64x256": GmmConfig("row_tile", _tiles(64, 256, 64, 8, 4, 8)),
+    "rt128x128": GmmConfig("row_tile", _tiles(128, 128, 64, 8, 4, 8)),
+    "rt128x256": GmmConfig("row_tile", _tiles(128, 256, 64, 8, 4, 8)),
+})
+
+
+def candidate_index(config: GmmConfig) -> int:
+    """Position of `config` in `CANDIDATES`, or -1 for a configuration outside the family."""
+    return next((i for i, c in enumerate(CANDIDATES.values()) if c == config), -1)
+
+
 def gmm_config(m: int, n: int, k: int, num_groups: int) -> GmmConfig:
-    """Forward/input-gradient candidate for `lhs[m,k] x rhs[num_groups, n, k]`.
+    """The static choice: a `CANDIDATES` member for `lhs[m,k] x rhs[num_groups, n, k]` from the
+    shapes alone (the on-device selector also looks at the histogram).
 
     Shape classes by mean rows per group `m / num_groups` (H200 sweeps, docs/decisions.md):
     - decode (<= 16): the group-major family (bytes are weights; no schedule kernels before it)
@@ -108,14 +137,10 @@ def gmm_config(m: int, n: int, k: int, num_groups: int) -> GmmConfig:
     """
     rows = m / max(num_groups, 1)
     if rows <= 16:
-        bn = 32 if rows < 2 else 64
-        return GmmConfig("group_major", TileConfig(block_m=16, block_n=bn, block_k=256, num_warps=4, num_stages=3,
-                                                   group_m=1))
+        return CANDIDATES["gm16x32" if rows < 2 else "gm16x64"]
     if rows <= 64:
-        return GmmConfig("row_tile", TileConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4,
-                                                group_m=8))
-    bn = 256 if n >= 1024 else 128
-    return GmmConfig("row_tile", TileConfig(block_m=128, block_n=bn, block_k=64, num_warps=8, num_stages=4, group_m=8))
+        return CANDIDATES["rt64x128"]
+    return CANDIDATES["rt128x256" if n >= 1024 else "rt128x128"]
 
 
 def tgmm_config(m: int, n: int, k: int, num_groups: int) -> TileConfig:

@@ -27,18 +27,22 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from moe_jax.ops.gmm.config import TileConfig
-from moe_jax.ops.gmm.schedule import clamp_group_sizes
-from moe_jax.ops.gmm.tile import row_block
-from moe_jax.ops.pallas_triton import cdiv, launch, next_pow2
+from moe_jax.ops.gmm.tile import Gate, gated, lane_sizes, row_block
+from moe_jax.ops.pallas_triton import cdiv, launch
 
 __all__ = ["gmm_group_major_pallas"]
 
 
-def _kernel(sizes_ref, lhs_ref, rhs_ref, out_ref, *, num_groups: int, num_slots: int, num_fill: int, m: int, n: int,
-            k: int, tiles: TileConfig, transpose_rhs: bool, precision, splits: int):
+def _kernel(sizes_ref, *refs, gate_index, **static):
+    gate_ref, (lhs_ref, rhs_ref, out_ref) = (refs[0], refs[1:]) if gate_index is not None else (None, refs)
+    pid = pl.program_id(0)  # read outside the gate: the interpreter resolves it at the top level only
+    gated(gate_ref, gate_index, lambda: _body(pid, sizes_ref, lhs_ref, rhs_ref, out_ref, **static))
+
+
+def _body(pid, sizes_ref, lhs_ref, rhs_ref, out_ref, *, num_groups: int, num_slots: int, num_fill: int, m: int, n: int,
+          k: int, tiles: TileConfig, transpose_rhs: bool, precision, splits: int):
     bm = tiles.block_m
     num_n = cdiv(n, tiles.block_n)
-    pid = pl.program_id(0)
     slot, rest = pid // (num_n * splits), pid % (num_n * splits)
     n_blk, split = rest // splits, rest % splits  # a tile's splits are neighbours: they share its rows in L2
     n0 = pl.multiple_of(n_blk * tiles.block_n, tiles.block_n)
@@ -84,32 +88,28 @@ def _kernel(sizes_ref, lhs_ref, rhs_ref, out_ref, *, num_groups: int, num_slots:
 def gmm_group_major_pallas(
     lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool, tiles: TileConfig, out_dtype,
     precision, interpret: bool, num_fill: int = 8, splits: int = 1, out_init: jax.Array | None = None,
+    gate: Gate | None = None,
 ) -> jax.Array:
     """Launch the group-major kernel, or with `splits > 1` the split-K one (see the module
     docstring). Expects validated shapes with `M, N, K > 0`; unchecked `group_sizes` are clamped
     as `schedule.clamp_group_sizes` does (negative sizes count as zero, rows past M dropped).
-    `out_init` (tests): the `[M, N]` output, or with splits the `[splits, M, N]` fp32 partials."""
+    `out_init`: the `[M, N]` output, or with splits the `[splits, M, N]` fp32 partials (tests
+    pass NaN; a chain passes the previous launch). `gate` (not with splits): see `tile.Gate`."""
+    if gate is not None and splits > 1:
+        raise ValueError("split-K launches cannot be gated: their planes are summed after the launch.")
     m, k = lhs.shape
     num_groups = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     num_slots = min(num_groups, m)
     num_fill = max(1, min(num_fill, cdiv(m, tiles.block_m)))
     kernel = functools.partial(_kernel, num_groups=num_groups, num_slots=num_slots, num_fill=num_fill, m=m, n=n,
-                               k=k, tiles=tiles, transpose_rhs=transpose_rhs, precision=precision, splits=splits)
-    # The kernel clips the sizes to [0, M]; its sums stay in int32 while E * M < 2**31 (beyond,
-    # the exact clamp runs first). It reads them as one vector of a power of two >= 16 lanes:
-    # other E are zero-padded (empty groups). At decode (E = 128 or 256, int32 sizes) nothing at all
-    # runs before the kernel.
-    sizes_E = group_sizes.astype(jnp.int32)
-    if num_groups * m >= 2**31:
-        offsets = clamp_group_sizes(group_sizes, m)
-        sizes_E = offsets[1:] - offsets[:-1]
-    lanes = max(16, next_pow2(num_groups))
-    sizes_G = sizes_E if lanes == num_groups else jnp.pad(sizes_E, (0, lanes - num_groups))
+                               k=k, tiles=tiles, transpose_rhs=transpose_rhs, precision=precision, splits=splits,
+                               gate_index=None if gate is None else gate.index)
+    gate_inputs = () if gate is None else (gate.choice_1,)
     out_shape = jax.ShapeDtypeStruct((m, n), out_dtype) if splits == 1 else jax.ShapeDtypeStruct((splits, m, n),
                                                                                                     jnp.float32)
     out = launch(
-        kernel, (sizes_G, lhs, rhs), out_shape=out_shape,
+        kernel, (lane_sizes(group_sizes, m), *gate_inputs, lhs, rhs), out_shape=out_shape,
         grid=((num_slots + num_fill) * cdiv(n, tiles.block_n) * splits,), num_warps=tiles.num_warps,
         num_stages=tiles.num_stages, interpret=interpret,
         name="moe_jax_gmm_group_major" if splits == 1 else "moe_jax_gmm_split_k", out_init=out_init,

@@ -1,19 +1,54 @@
-"""The in-kernel body both forward families share: one block of output rows of one group.
+"""What the forward families share: the in-kernel body (one block of output rows of one group),
+the sizes vector their programs read, and the gate that lets one launch of a chain run.
 
-Legend: M packed rows, K reduction width, N output width.
+Legend: M packed rows, K reduction width, N output width, E groups.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from moe_jax.ops.gmm.config import TileConfig
-from moe_jax.ops.pallas_triton import masked_load, outer_and
+from moe_jax.ops.gmm.schedule import clamp_group_sizes
+from moe_jax.ops.pallas_triton import masked_load, next_pow2, outer_and
 
-__all__ = ["row_block"]
+__all__ = ["Gate", "gated", "lane_sizes", "row_block"]
+
+
+class Gate(NamedTuple):
+    """Device-side choice among the launches of a chain: launch `index` runs only where
+    `choice_1[0] == index`; the others return at once and leave the (aliased) output alone."""
+
+    choice_1: jax.Array  # int32 [1]
+    index: int
+
+
+def gated(gate_ref, index: int | None, body) -> None:
+    """Run `body()` in every program, or, with a gate, only when its choice is `index`."""
+    if gate_ref is None:
+        body()
+    else:
+        pl.when(gate_ref[0] == index)(body)
+
+
+def lane_sizes(group_sizes: jax.Array, num_rows: int) -> jax.Array:
+    """`group_sizes` `[E]` as the int32 vector the kernels load whole: zero-padded (empty groups)
+    to a power of two >= 16 lanes. The kernels clip the sizes to `[0, M]` and sum them in int32,
+    exact while E * M < 2**31; beyond, the exact clamp (`clamp_group_sizes`) runs first. At
+    decode nothing at all runs before the kernel."""
+    num_groups = group_sizes.shape[0]
+    sizes_E = group_sizes.astype(jnp.int32)
+    if num_groups * num_rows >= 2**31:
+        offsets = clamp_group_sizes(group_sizes, num_rows)
+        sizes_E = offsets[1:] - offsets[:-1]
+    lanes = max(16, next_pow2(num_groups))
+    return sizes_E if lanes == num_groups else jnp.pad(sizes_E, (0, lanes - num_groups))
 
 
 def row_block(lhs_ref, rhs_ref, out_ref, *, group, start, end, n0, k_steps, n: int, k: int,
