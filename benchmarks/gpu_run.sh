@@ -7,8 +7,9 @@
 #   reads its own lane's tune.json. The ep-* phases, parity-ep and example-ep need both GPUs: run
 #   them outside the lanes. Timings from two lanes at once share the host and its PCIe/NVLink.
 # Phases: env | tests | parity | tune | run | run-quick | layer-time | drop-in | example | ep-check |
-#         ep-bench | parity-ep | example-ep   (each optionally :SECONDS)
+#         ep-bench | parity-ep | example-ep | routed   (each optionally :SECONDS)
 # Env: NPROC (xdist workers), TESTS / PARITY (paths), STEPS (example), TUNE_ONLY (all|prefill|decode),
+#      ROUTED_SHAPES (routed: indices into benchmarks.routed_gmm's shapes; default all),
 #      EP_ARGS (e.g. --skip-ragged), EP_RANKS (ep size of ep-bench and example-ep; default 2),
 #      PARITY_EP (the EP test paths; the EP parity test runs each world size on NCCL when it sees that many GPUs).
 # ep-check runs tests/test_ep_moe.py (ep 2 and 4, on GPUs where the host has that many, else on host
@@ -29,6 +30,7 @@ for phase in "$@"; do
     run) timeout "$limit" python3 -m benchmarks.gmm run --json "$OUT/${L}gmm.json" $( [ -f "$OUT/${L}tune.json" ] && echo --configs "$OUT/${L}tune.json") 2>&1 | tee "$OUT/${L}gmm.log" | tail -40 ;;
     run-quick) timeout "$limit" python3 -m benchmarks.gmm run --quick --json "$OUT/${L}gmm_quick.json" 2>&1 | tee "$OUT/${L}gmm_quick.log" | tail -30 ;;
     layer-time) timeout "$limit" python3 -m parity --time --tokens 4096 --d-model 2048 --d-ff 768 --experts 128 --top-k 8 --dtype bfloat16 --json "$OUT/${L}layer_time.json" 2>&1 | tee "$OUT/${L}layer_time.log" | tail -20 ;;
+    routed) timeout "$limit" python3 -m benchmarks.routed_gmm sweep ${ROUTED_SHAPES:+--shapes $ROUTED_SHAPES} --traces benchmarks/data/expert_counts.npz --json "$OUT/${L}routed.json" 2>&1 | tee "$OUT/${L}routed.log" | grep -v "^|" | tail -20 ;;
     drop-in) timeout "$limit" python3 -m benchmarks.drop_in --json "$OUT/${L}drop_in.json" 2>&1 | tee "$OUT/${L}drop_in.log" | tail -20 ;;
     example) timeout "$limit" python3 examples/train_moe.py --steps ${STEPS:-300} --out "$OUT/${L}example" 2>&1 | tr '\r' '\n' | grep -v '^ *$' | tee "$OUT/${L}example.log" | tail -25 ;;
     ep-check) timeout "$limit" bash -c 'python3 -m pytest tests/test_ep_moe.py -q -rA -p no:cacheprovider; a=$?

@@ -107,6 +107,22 @@ def rescale_trace(counts: np.ndarray, e: int, top_k: int, tokens: int, seed: int
     return out[rng.permutation(e)]
 
 
+def trace_picks(traces: dict, tokens: int) -> list[str]:
+    """The recorded histograms timed at `tokens`: each layer's decode step of the nearest recorded
+    T, and each layer's first and last training step (six or so per token count, not all)."""
+    decode = [k for k in traces if k.startswith("decode/")]
+    picks = []
+    if decode:
+        recorded = sorted({int(k.split("/")[1][1:]) for k in decode})
+        nearest = min(recorded, key=lambda t: (abs(math.log2(t) - math.log2(tokens)), t))
+        picks += sorted(k for k in decode if k.startswith(f"decode/T{nearest}/"))
+    train = [k for k in traces if k.startswith("train/")]
+    if train:
+        steps = sorted({int(k.split("/")[1][4:]) for k in train})
+        picks += sorted(k for k in train if int(k.split("/")[1][4:]) in (steps[0], steps[-1]))
+    return picks
+
+
 # ---------------------------------------------------------------------------------------------
 # shapes of the sweep
 
@@ -252,8 +268,8 @@ def cmd_sweep(args):
             tx = torch.utils.dlpack.from_dlpack(x)
             hists = [(f"{n}", "train", c) for n, c in synthetic_histograms(tokens, shape.e, shape.top_k, 0)]
             hists += [(f"{n}", "test", c) for n, c in synthetic_histograms(tokens, shape.e, shape.top_k, 1)]
-            for tname, tc in traces.items():
-                hists.append((f"trace:{tname}", "test", rescale_trace(tc, shape.e, shape.top_k, tokens, 2)))
+            for tname in trace_picks(traces, tokens):
+                hists.append((f"trace:{tname}", "test", rescale_trace(traces[tname], shape.e, shape.top_k, tokens, 2)))
             reps = int(max(3, min(20, (2 << 30) // max(m * shape.n * 2 + m * shape.k * 2, 1))))
             gs0 = jnp.asarray(hists[0][2], jnp.int32)
             arg_sets = lambda gs: [(x, w, gs) for w in ws]

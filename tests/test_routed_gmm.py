@@ -2,6 +2,7 @@
 device-side buckets, and the padding CLI's selector line (CPU)."""
 
 import json
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -106,3 +107,12 @@ def test_train_traces_read_the_example_metrics(tmp_path):
     (tmp_path / "metrics.json").write_text(json.dumps(dict(history=[dict(step=1, layers=[dict(load=[1.0])])])))
     with pytest.raises(ValueError, match="rerun the example"):
         train_traces(tmp_path)
+
+
+def test_trace_picks_take_the_nearest_decode_step_and_the_ends_of_training():
+    """The committed traces, as the sweep samples them at one token count."""
+    traces = dict(np.load(Path(__file__).parents[1] / "benchmarks" / "data" / "expert_counts.npz"))
+    picks = R.trace_picks(traces, 100)
+    assert picks == ["decode/T128/layer0", "decode/T128/layer1", "train/step1/layer0", "train/step1/layer1",
+                     "train/step300/layer0", "train/step300/layer1"]
+    assert all(traces[k].shape == (8,) for k in picks)
