@@ -11,8 +11,9 @@ down), Mixtral-8x7B and DeepSeek-V3, from decode (T = 1 token) to prefill:
 - synthetic: at each T and top-k (U = T*k rows), uniform routing, Zipf-skewed routing (s = 0.8,
   1.2, 2.0), routing concentrated on k, 2k or 4k experts, and four hot experts that every token
   picks; each with two seeds, `train` (fits the table) and `test` (scores it);
-- traces (`--traces PATH`, an .npz of name -> `[E]` counts): recorded histograms rescaled to each
-  shape's experts (all `test`); no trace file is committed yet.
+- traces (`--traces benchmarks/data/expert_counts.npz`, made by `benchmarks/traces.py`): at each
+  T, every layer's decode step of the nearest recorded T and its first and last training step
+  (`trace_picks`), rescaled onto the shape's experts (all `test`).
 For each histogram it records every candidate's time, executed rows P, padding fraction, effective
 (useful rows) and physical (executed rows) TFLOP/s and active weight bytes. It then fits a
 `SelectorTable` per shape from the `train` histograms (`fit_table`), compiles the selector path
