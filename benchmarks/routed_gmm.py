@@ -237,7 +237,7 @@ def cmd_sweep(args):
     import torch
 
     from benchmarks.timing import compile_jax, time_compiled, time_torch
-    from moe_jax.ops import CANDIDATES, gmm, gmm_config
+    from moe_jax.ops import CANDIDATES, candidate_index, gmm, gmm_config
 
     names = list(CANDIDATES)
     chainable = [n for n, c in CANDIDATES.items() if c.family != "split_k"]  # the selector's gated chain
@@ -264,14 +264,12 @@ def cmd_sweep(args):
         tws = [torch.utils.dlpack.from_dlpack(w) for w in ws]
         shape_rows = []
         for tokens in token_counts:
-            m = tokens * shape.top_k
-            x = jax.random.normal(jax.random.PRNGKey(tokens), (m, shape.k), jnp.bfloat16)
+            m, x, reps = _rows(shape, tokens)
             tx = torch.utils.dlpack.from_dlpack(x)
             hists = [(f"{n}", "train", c) for n, c in synthetic_histograms(tokens, shape.e, shape.top_k, 0)]
             hists += [(f"{n}", "test", c) for n, c in synthetic_histograms(tokens, shape.e, shape.top_k, 1)]
             for tname in trace_picks(traces, tokens):
                 hists.append((f"trace:{tname}", "test", rescale_trace(traces[tname], shape.e, shape.top_k, tokens, 2)))
-            reps = int(max(3, min(20, (2 << 30) // max(m * shape.n * 2 + m * shape.k * 2, 1))))
             gs0 = jnp.asarray(hists[0][2], jnp.int32)
             arg_sets = lambda gs: [(x, w, gs) for w in ws]
             specs = [(lambda x, w, gs, c=c: gmm(x, w, gs, config=c), arg_sets(gs0), reps) for c in CANDIDATES.values()]
@@ -280,8 +278,7 @@ def cmd_sweep(args):
                 gs = jnp.asarray(counts, jnp.int32)
                 row = dict(shape=shape.name, n=shape.n, k=shape.k, e=shape.e, top_k=shape.top_k, tokens=tokens, m=m,
                            hist=hname, split=split, counts=counts.tolist(), **histogram_stats(counts), times={},
-                           static=names.index(next(nm for nm, c in CANDIDATES.items()
-                                                   if c == gmm_config(m, shape.n, shape.k, shape.e))))
+                           static=candidate_index(gmm_config(m, shape.n, shape.k, shape.e)))
                 for name, b in zip(names, built):
                     if isinstance(b, Exception):
                         row["times"][name] = None
@@ -300,10 +297,8 @@ def cmd_sweep(args):
         results["tables"][shape.name] = dict(shape=list(table.shape), choice=choice)
         for tokens in token_counts:
             rows_t = [r for r in shape_rows if r["tokens"] == tokens and r["split"] == "test"]
-            m = tokens * shape.top_k
-            x = jax.random.normal(jax.random.PRNGKey(tokens), (m, shape.k), jnp.bfloat16)
+            m, x, reps = _rows(shape, tokens)
             gs0 = jnp.asarray(rows_t[0]["counts"], jnp.int32)
-            reps = int(max(3, min(20, (2 << 30) // max(m * shape.n * 2 + m * shape.k * 2, 1))))
             sel = compile_many([(lambda x, w, gs: gmm(x, w, gs, config=table), [(x, w, gs0) for w in ws], reps)])[0]
             if isinstance(sel, Exception):
                 raise sel
@@ -329,6 +324,16 @@ def cmd_sweep(args):
     print(report(results))
 
 
+def _rows(shape: S.GemmShape, tokens: int):
+    """`(M, x [M, K] bf16, reps)` of one token count: the same rows for every candidate and the selector."""
+    import jax
+    import jax.numpy as jnp
+
+    m = tokens * shape.top_k
+    x = jax.random.normal(jax.random.PRNGKey(tokens), (m, shape.k), jnp.bfloat16)
+    return m, x, int(max(3, min(20, (2 << 30) // max(m * shape.n * 2 + m * shape.k * 2, 1))))
+
+
 def _selected(gs, m, table):
     from moe_jax.ops.gmm.selector import select
 
@@ -338,14 +343,14 @@ def _selected(gs, m, table):
 def _annotate(rows, shape):
     """Per candidate: P, padding fraction, effective/physical TFLOP/s, active weight bytes."""
     from moe_jax.ops import CANDIDATES
+    from moe_jax.padding import executed_rows
 
     for row in rows:
         counts = np.asarray(row["counts"])
         row["weight_bytes"] = int((counts > 0).sum()) * shape.n * shape.k * 2
         per = {}
         for name, c in CANDIDATES.items():
-            bm = c.tiles.block_m
-            p = int((-(-counts // bm) * bm).sum())
+            p = int(executed_rows(counts, c.tiles.block_m).sum())
             t = row["times"].get(name)
             per[name] = dict(P=p, padding=(p - row["useful_rows"]) / p if p else 0.0,
                              tflops=None if not t else 2 * row["useful_rows"] * shape.n * shape.k / t / 1e12,

@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax.experts import swiglu_experts, swiglu_experts_fused
 from moe_jax.ops import CANDIDATES, candidate_index, gmm_config, resolve_backend, select, selector_table
-from moe_jax.padding import executed_rows
+from moe_jax.ops.gmm import histogram_features
 from moe_jax.ops.sharding import vary_to_union
 from moe_jax.parallel import AxisRules, EPOptions, ep_moe, is_explicit
 from moe_jax.permute import combine, pack, pack_rows
@@ -90,19 +90,19 @@ class ExpertStage:
         """One device's gate/up GEMM: on the Pallas backend the candidate that runs (the selector's
         pick, or the shape table's) and its executed rows; on the xla backend the useful rows and no
         candidate (XLA's tiling is its own, so no tile padding is claimed)."""
-        useful = jnp.sum(group_sizes, dtype=jnp.int32)
         num_c = len(CANDIDATES)
         if resolve_backend(self.backend) == "xla":
+            useful = jnp.sum(group_sizes, dtype=jnp.int32)
             return GemmTelemetry(useful, useful, useful, useful, jnp.zeros((num_c,), jnp.int32))
         gate_up_cols = 2 * self.d_ff if self.fused_gate_up else self.d_ff
         num_groups = group_sizes.shape[0]
         if self.kernel == "auto":
             pick = select(group_sizes, num_rows, selector_table(gate_up_cols, self.d_in, num_groups))
-            executed, chosen = pick.executed_rows, pick.candidate
+            features, chosen = pick.features, pick.candidate
         else:
-            config = gmm_config(num_rows, gate_up_cols, self.d_in, num_groups)
-            executed = jnp.sum(executed_rows(group_sizes, config.tiles.block_m), dtype=jnp.int32)
-            chosen = candidate_index(config)
+            features = histogram_features(group_sizes, num_rows)
+            chosen = candidate_index(gmm_config(num_rows, gate_up_cols, self.d_in, num_groups))
+        executed, useful = features.executed_C[chosen], features.useful_rows
         counts_C = (jnp.arange(num_c) == chosen).astype(jnp.int32)
         return GemmTelemetry(executed, executed, useful, useful, counts_C)
 

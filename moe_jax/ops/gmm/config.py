@@ -20,10 +20,9 @@ Families (`FAMILIES`):
 from __future__ import annotations
 
 import dataclasses
+import types
 
 from moe_jax.validation import check_int
-
-import types
 
 __all__ = ["CANDIDATES", "FAMILIES", "GmmConfig", "TileConfig", "candidate_index", "gmm_config", "tgmm_config"]
 

@@ -27,16 +27,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from moe_jax.ops.gmm.config import TileConfig
-from moe_jax.ops.gmm.tile import Gate, gated, lane_sizes, row_block
+from moe_jax.ops.gmm.tile import Gate, gate_inputs, gated_kernel, lane_sizes, row_block
 from moe_jax.ops.pallas_triton import cdiv, launch
 
 __all__ = ["gmm_group_major_pallas"]
-
-
-def _kernel(sizes_ref, *refs, gate_index, **static):
-    gate_ref, (lhs_ref, rhs_ref, out_ref) = (refs[0], refs[1:]) if gate_index is not None else (None, refs)
-    pid = pl.program_id(0)  # read outside the gate: the interpreter resolves it at the top level only
-    gated(gate_ref, gate_index, lambda: _body(pid, sizes_ref, lhs_ref, rhs_ref, out_ref, **static))
 
 
 def _body(pid, sizes_ref, lhs_ref, rhs_ref, out_ref, *, num_groups: int, num_slots: int, num_fill: int, m: int, n: int,
@@ -102,14 +96,12 @@ def gmm_group_major_pallas(
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     num_slots = min(num_groups, m)
     num_fill = max(1, min(num_fill, cdiv(m, tiles.block_m)))
-    kernel = functools.partial(_kernel, num_groups=num_groups, num_slots=num_slots, num_fill=num_fill, m=m, n=n,
-                               k=k, tiles=tiles, transpose_rhs=transpose_rhs, precision=precision, splits=splits,
-                               gate_index=None if gate is None else gate.index)
-    gate_inputs = () if gate is None else (gate.choice_1,)
+    body = functools.partial(_body, num_groups=num_groups, num_slots=num_slots, num_fill=num_fill, m=m, n=n,
+                             k=k, tiles=tiles, transpose_rhs=transpose_rhs, precision=precision, splits=splits)
     out_shape = jax.ShapeDtypeStruct((m, n), out_dtype) if splits == 1 else jax.ShapeDtypeStruct((splits, m, n),
                                                                                                     jnp.float32)
     out = launch(
-        kernel, (lane_sizes(group_sizes, m), *gate_inputs, lhs, rhs), out_shape=out_shape,
+        gated_kernel(body, gate), (lane_sizes(group_sizes, m), *gate_inputs(gate), lhs, rhs), out_shape=out_shape,
         grid=((num_slots + num_fill) * cdiv(n, tiles.block_n) * splits,), num_warps=tiles.num_warps,
         num_stages=tiles.num_stages, interpret=interpret,
         name="moe_jax_gmm_group_major" if splits == 1 else "moe_jax_gmm_split_k", out_init=out_init,

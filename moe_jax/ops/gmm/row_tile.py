@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 
 from moe_jax.ops.gmm.config import TileConfig
 from moe_jax.ops.gmm.schedule import max_tiles
-from moe_jax.ops.gmm.tile import Gate, gated, lane_sizes, row_block
+from moe_jax.ops.gmm.tile import Gate, gate_inputs, gated_kernel, lane_sizes, row_block
 from moe_jax.ops.pallas_triton import cdiv, launch
 
 __all__ = ["gmm_row_tile_pallas"]
@@ -71,26 +71,19 @@ def _tile_rows(sizes_ref, tile, *, m: int, bm: int, num_groups: int):
     return jnp.minimum(group, num_groups - 1), start, end, is_group
 
 
-def _kernel(sizes_ref, *refs, num_groups: int, m: int, n: int, k: int, num_tiles: int, tiles: TileConfig,
-            transpose_rhs: bool, precision, gate_index):
-    gate_ref, (lhs_ref, rhs_ref, out_ref) = (refs[0], refs[1:]) if gate_index is not None else (None, refs)
-
-    pid = pl.program_id(0)  # read outside the gate: the interpreter resolves it at the top level only
-
-    def body():
-        num_n = cdiv(n, tiles.block_n)
-        tile, n_blk = _swizzle(pid, num_tiles, num_n, tiles.group_m)
-        group, start, end, is_group = _tile_rows(sizes_ref, tile, m=m, bm=tiles.block_m, num_groups=num_groups)
-        # Fill tiles run no K steps and store zeros; tiles past them store nothing. An int32
-        # product, not a select of literals: scf.for needs one integer type for its bounds.
-        row_block(
-            lhs_ref, rhs_ref, out_ref, group=group, start=start, end=end,
-            n0=pl.multiple_of(n_blk * tiles.block_n, tiles.block_n),
-            k_steps=is_group.astype(jnp.int32) * cdiv(k, tiles.block_k),
-            n=n, k=k, tiles=tiles, transpose_rhs=transpose_rhs, precision=precision,
-        )
-
-    gated(gate_ref, gate_index, body)
+def _body(pid, sizes_ref, lhs_ref, rhs_ref, out_ref, *, num_groups: int, m: int, n: int, k: int, num_tiles: int,
+          tiles: TileConfig, transpose_rhs: bool, precision):
+    num_n = cdiv(n, tiles.block_n)
+    tile, n_blk = _swizzle(pid, num_tiles, num_n, tiles.group_m)
+    group, start, end, is_group = _tile_rows(sizes_ref, tile, m=m, bm=tiles.block_m, num_groups=num_groups)
+    # Fill tiles run no K steps and store zeros; tiles past them store nothing. An int32
+    # product, not a select of literals: scf.for needs one integer type for its bounds.
+    row_block(
+        lhs_ref, rhs_ref, out_ref, group=group, start=start, end=end,
+        n0=pl.multiple_of(n_blk * tiles.block_n, tiles.block_n),
+        k_steps=is_group.astype(jnp.int32) * cdiv(k, tiles.block_k),
+        n=n, k=k, tiles=tiles, transpose_rhs=transpose_rhs, precision=precision,
+    )
 
 
 def gmm_row_tile_pallas(
@@ -108,12 +101,10 @@ def gmm_row_tile_pallas(
     num_groups = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     num_tiles = max_tiles(m, num_groups, tiles.block_m)
-    kernel = functools.partial(_kernel, num_groups=num_groups, m=m, n=n, k=k, num_tiles=num_tiles, tiles=tiles,
-                               transpose_rhs=transpose_rhs, precision=precision,
-                               gate_index=None if gate is None else gate.index)
-    gate_inputs = () if gate is None else (gate.choice_1,)
+    body = functools.partial(_body, num_groups=num_groups, m=m, n=n, k=k, num_tiles=num_tiles, tiles=tiles,
+                             transpose_rhs=transpose_rhs, precision=precision)
     return launch(
-        kernel, (lane_sizes(group_sizes, m), *gate_inputs, lhs, rhs),
+        gated_kernel(body, gate), (lane_sizes(group_sizes, m), *gate_inputs(gate), lhs, rhs),
         out_shape=jax.ShapeDtypeStruct((m, n), out_dtype), grid=(num_tiles * cdiv(n, tiles.block_n),),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, interpret=interpret, name="moe_jax_gmm",
         out_init=out_init,

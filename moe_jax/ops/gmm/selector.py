@@ -13,7 +13,7 @@ rows on a few hot experts favour row tiles that split each hot expert over many 
    experts, max rows per expert, effective experts `U^2 / sum t^2` (1 for one hot expert, E for a
    balanced histogram), and the executed rows P of every candidate (rows rounded up to its tile
    height per expert).
-2. `SelectorTable.cell`: the row bucket `r = ceil(log2 M)` of the static packed rows (M in
+2. `SelectorTable.row` / `.column`: the row bucket `r = ceil(log2 M)` of the static packed rows (M in
    `(2^(r-1), 2^r]`; the dropless layer has U = M, and M sizes the row-tile grids) and the traced
    effective-expert bucket `x = round(log2 E_eff)`. Every histogram of one cell runs the same
    kernel, so layers whose histograms differ by a few rows do not flip kernels: E_eff has to move
@@ -21,8 +21,8 @@ rows on a few hot experts favour row tiles that split each hot expert over many 
 3. The table maps the cell to a candidate name; `select` returns its position among the row's
    distinct candidates (`candidates_for(M)`; only those are compiled), and the backend runs one
    gated launch per candidate, chained through one output buffer, of which only the chosen one
-   does any work. No XLA conditional is used: on GPU, XLA copies a conditional's predicate to the
-   host and waits for it, a host round trip per call (measured: tens of microseconds).
+   does any work. No XLA conditional is used: XLA's GPU runtime copies a conditional's branch
+   index to the host and waits for it, a host round trip per call (docs/kernel-selection.md).
 
 Tables are tuned offline per device and shape (`python -m benchmarks.routed_gmm fit`, from a sweep
 of routing-shaped histograms) and live in `selector_tables`; `selector_table(n, k, E)` returns the
@@ -38,15 +38,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moe_jax.ops.gmm.config import CANDIDATES, GmmConfig
+from moe_jax.ops.gmm.config import CANDIDATES
 from moe_jax.ops.gmm.schedule import clamp_group_sizes
 
-__all__ = ["Features", "Selection", "SelectorTable", "histogram_features", "select", "selector_table", "tile_height"]
-
-
-def tile_height(config: GmmConfig) -> int:
-    """Rows per tile that a candidate executes for each expert (rows are rounded up to it)."""
-    return config.tiles.block_m
+__all__ = ["Features", "Selection", "SelectorTable", "histogram_features", "select", "selector_table"]
 
 
 class Features(NamedTuple):
@@ -69,14 +64,15 @@ def histogram_features(group_sizes: jax.Array, num_rows: int) -> Features:
     sum_sq = jnp.sum(tf * tf)
     uf = useful.astype(jnp.float32)
     effective = jnp.where(sum_sq > 0, uf * uf / jnp.maximum(sum_sq, 1.0), 0.0)
-    heights = sorted({tile_height(c) for c in CANDIDATES.values()})
+    # Rows rounded up to each tile height (as `moe_jax.padding.executed_rows`), once per height.
+    heights = sorted({c.tiles.block_m for c in CANDIDATES.values()})
     executed = {h: jnp.sum(-(-t // h) * h, dtype=jnp.int32) for h in heights}
     return Features(
         useful_rows=useful,
         active=jnp.sum(t > 0, dtype=jnp.int32),
         max_rows=jnp.max(t),
         effective=effective,
-        executed_C=jnp.stack([executed[tile_height(c)] for c in CANDIDATES.values()]),
+        executed_C=jnp.stack([executed[c.tiles.block_m] for c in CANDIDATES.values()]),
     )
 
 

@@ -18,7 +18,7 @@ from moe_jax.ops.gmm.config import TileConfig
 from moe_jax.ops.gmm.schedule import clamp_group_sizes
 from moe_jax.ops.pallas_triton import masked_load, next_pow2, outer_and
 
-__all__ = ["Gate", "gated", "lane_sizes", "row_block"]
+__all__ = ["Gate", "gate_inputs", "gated_kernel", "lane_sizes", "row_block"]
 
 
 class Gate(NamedTuple):
@@ -29,12 +29,27 @@ class Gate(NamedTuple):
     index: int
 
 
-def gated(gate_ref, index: int | None, body) -> None:
-    """Run `body()` in every program, or, with a gate, only when its choice is `index`."""
-    if gate_ref is None:
-        body()
-    else:
-        pl.when(gate_ref[0] == index)(body)
+def gate_inputs(gate: Gate | None) -> tuple[jax.Array, ...]:
+    """The launch inputs a gate adds after the sizes vector: its choice, or nothing."""
+    return () if gate is None else (gate.choice_1,)
+
+
+def gated_kernel(body, gate: Gate | None):
+    """The kernel `(sizes_ref, [choice_ref,] lhs_ref, rhs_ref, out_ref)` that runs
+    `body(pid, sizes_ref, lhs_ref, rhs_ref, out_ref)` in every program, or, with a gate, only where
+    the choice is `gate.index`. The program id is read outside the gate: the interpreter resolves
+    it at the top level only."""
+    index = None if gate is None else gate.index
+
+    def kernel(sizes_ref, *refs):
+        pid = pl.program_id(0)
+        if index is None:
+            body(pid, sizes_ref, *refs)
+        else:
+            choice_ref, *rest = refs
+            pl.when(choice_ref[0] == index)(lambda: body(pid, sizes_ref, *rest))
+
+    return kernel
 
 
 def lane_sizes(group_sizes: jax.Array, num_rows: int) -> jax.Array:
