@@ -7,3 +7,11 @@ import os
 _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+
+# Triton picks compiled or interpreted kernels when `@triton.jit` runs, from TRITON_INTERPRET: off
+# a CUDA GPU the kernels (moe_jax's `triton` backend, parity's reference) run interpreted on CPU
+# tensors. Set before any test module imports triton; an explicit setting is left alone.
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -49,12 +49,12 @@ def _torch():
     return torch
 
 
-def _to_torch(x):
+def to_torch(x):
     torch = _torch()
     return torch.utils.dlpack.from_dlpack(x)
 
 
-def _inputs(shape: S.GemmShape, counts: np.ndarray, seed: int = 0, weight_sets: int = 1):
+def make_inputs(shape: S.GemmShape, counts: np.ndarray, seed: int = 0, weight_sets: int = 1):
     key = jax.random.PRNGKey(seed)
     kx, kd, *kw = jax.random.split(key, 2 + weight_sets)
     x = jax.random.normal(kx, (shape.m, shape.k), jnp.bfloat16)
@@ -65,11 +65,11 @@ def _inputs(shape: S.GemmShape, counts: np.ndarray, seed: int = 0, weight_sets: 
     return x, ws, dy, gs
 
 
-def _reps(out_bytes: int, cap: int = 20) -> int:
+def reps_for(out_bytes: int, cap: int = 20) -> int:
     return int(max(2, min(cap, (6 << 30) // max(out_bytes, 1))))
 
 
-def _try(fn, *args, **kw):
+def attempt(fn, *args, **kw):
     try:
         return fn(*args, **kw)
     except Exception as e:  # a peer that cannot run a shape is reported, not fatal
@@ -145,7 +145,7 @@ def _prefill_jobs(case: Case):
     x, w, dy, gs = (case.inputs[k] for k in ("x", "w", "dy", "gs"))
     cfg = case.configs
     fwd, dgrad, wgrad = cfg.get("fwd"), cfg.get("dgrad"), cfg.get("wgrad")
-    reps = _reps(case.shape.m * case.shape.n * 2, cap=10)
+    reps = reps_for(case.shape.m * case.shape.n * 2, cap=10)
 
     def ours_fb(x, w, gs, dy):
         y, vjp = jax.vjp(lambda x, w: grouped_linear(x, w, gs, fwd_config=fwd, dgrad_config=dgrad,
@@ -154,7 +154,7 @@ def _prefill_jobs(case: Case):
 
     # Forward+backward keeps two calls' outputs alive, weight gradient included (14 GiB at the
     # DeepSeek-V3 shape: three of them ran out of memory on 2026-11-30).
-    fb_reps = max(2, min(reps // 3, _reps(case.shape.e * case.shape.n * case.shape.k * 2)))
+    fb_reps = max(2, min(reps // 3, reps_for(case.shape.e * case.shape.n * case.shape.k * 2)))
     jobs = [
         ("ours", lambda x, w, gs: gmm(x, w, gs, config=fwd), [(x, w, gs)], reps),
         ("ours_fb", ours_fb, [(x, w, gs, dy)], fb_reps),
@@ -188,7 +188,7 @@ def _decode_jobs(case: Case):
     ]
 
 
-def _torch_offsets(counts: np.ndarray):
+def torch_offsets(counts: np.ndarray):
     """`torch._grouped_mm`'s `offs`: the end row of each group, int32 on the GPU."""
     torch = _torch()
     return torch.as_tensor(np.cumsum(counts), dtype=torch.int32, device="cuda")
@@ -204,9 +204,9 @@ def _err_vs_torch(case: Case, w, tx, tw, offs) -> float:
 def _torch_prefill(case: Case, quick: bool):
     torch = _torch()
     shape = case.shape
-    tx, tw, tdy = (_to_torch(case.inputs[k]) for k in ("x", "w", "dy"))
-    offs = _torch_offsets(case.counts)
-    reps = _reps(shape.m * shape.n * 2, cap=10)
+    tx, tw, tdy = (to_torch(case.inputs[k]) for k in ("x", "w", "dy"))
+    offs = torch_offsets(case.counts)
+    reps = reps_for(shape.m * shape.n * 2, cap=10)
     case.rec["rel_err_vs_torch"] = _err_vs_torch(case, case.inputs["w"], tx, tw, offs)
     t = case.times
     t["torch"] = time_torch(lambda: torch._grouped_mm(tx, tw.transpose(-2, -1), offs=offs), [()], reps=reps)
@@ -217,12 +217,12 @@ def _torch_prefill(case: Case, quick: bool):
         out = torch._grouped_mm(txg, twg.transpose(-2, -1), offs=offs)
         return torch.autograd.grad(out, (txg, twg), tdy)
 
-    t["torch_fb"] = _try(time_torch, torch_fb, [()], reps=max(2, reps // 3), graph=False)
+    t["torch_fb"] = attempt(time_torch, torch_fb, [()], reps=max(2, reps // 3), graph=False)
     if not quick:
         from parity.reference import grouped_gemm
 
         full = torch.cat([torch.zeros(1, dtype=torch.int32, device="cuda"), offs])
-        t["seed_triton"] = _try(time_torch, lambda: grouped_gemm.grouped_mm(tx, tw, full), [()], reps=2,
+        t["seed_triton"] = attempt(time_torch, lambda: grouped_gemm.grouped_mm(tx, tw, full), [()], reps=2,
                                 trials=3, graph=False)
     a = torch.empty(shape.m, shape.k, dtype=torch.bfloat16, device="cuda").normal_()
     b = torch.empty(shape.k, shape.n, dtype=torch.bfloat16, device="cuda").normal_()
@@ -231,9 +231,9 @@ def _torch_prefill(case: Case, quick: bool):
 
 def _torch_decode(case: Case):
     torch = _torch()
-    offs = _torch_offsets(case.counts)
-    tx = _to_torch(case.inputs["x"])
-    tws = [_to_torch(w) for w in case.inputs["ws"]]
+    offs = torch_offsets(case.counts)
+    tx = to_torch(case.inputs["x"])
+    tws = [to_torch(w) for w in case.inputs["ws"]]
     case.rec["rel_err_vs_torch"] = _err_vs_torch(case, case.inputs["ws"][0], tx, tws[0], offs)
     case.times["torch"] = time_torch(lambda w: torch._grouped_mm(tx, w.transpose(-2, -1), offs=offs),
                                      [(w,) for w in tws], reps=40)
@@ -272,7 +272,7 @@ def _print_decode(case: Case, copy_tbps: float):
           f"err {case.rec.get('rel_err_vs_torch', float('nan')):.1e}", flush=True)
 
 
-def _compile_all(specs):
+def compile_all(specs):
     """`compile_jax(fn, arg_sets, reps=reps)` of every `(fn, arg_sets, reps)` in `specs`, in
     parallel threads; an exception in place of the executable where one does not compile."""
     def build(spec):
@@ -294,7 +294,7 @@ def cmd_run(args):
     cases: list[Case] = []
     jobs = []
     for shape in (S.PREFILL[:1] if args.quick else S.PREFILL):
-        x, (w,), dy, _ = _inputs(shape, S.balanced_counts(shape.m, shape.e))
+        x, (w,), dy, _ = make_inputs(shape, S.balanced_counts(shape.m, shape.e))
         w_ekn = jnp.swapaxes(w, 1, 2) if _ragged_dot_fits(shape) else None  # a copy: 14 GiB at DeepSeek-V3
         for skew in ("balanced", "zipf"):
             counts = S.balanced_counts(shape.m, shape.e) if skew == "balanced" else S.zipf_counts(
@@ -308,7 +308,7 @@ def cmd_run(args):
             cases.append(case)
             jobs += [(case, *j) for j in _prefill_jobs(case)]
     # Every bucket shares these weights, rotated over 4 copies: one bucket's active experts fit in L2.
-    _, ws, _, _ = _inputs(S.decode_shape(1), S.decode_counts(1), seed=7, weight_sets=4)
+    _, ws, _, _ = make_inputs(S.decode_shape(1), S.decode_counts(1), seed=7, weight_sets=4)
     for tokens in S.DECODE_TOKENS:
         shape = S.decode_shape(tokens)
         counts = S.decode_counts(tokens)
@@ -321,7 +321,7 @@ def cmd_run(args):
         cases.append(case)
         jobs += [(case, *j) for j in _decode_jobs(case)]
     print(f"compiling {len(jobs)} JAX executables ...", flush=True)
-    built = _compile_all([job[2:] for job in jobs])
+    built = compile_all([job[2:] for job in jobs])
     for (case, key, *_), b in zip(jobs, built):
         if isinstance(b, Exception):
             print(f"    [skipped] {case.shape.name} {case.skew} {key}: {type(b).__name__}: {str(b).splitlines()[0][:150]}")
@@ -409,26 +409,26 @@ def cmd_tune(args):
     jobs = []  # (label dict, fn, arg_sets, reps)
     for shape in prefill:
         counts = S.balanced_counts(shape.m, shape.e)
-        x, (w,), dy, gs = _inputs(shape, counts)
-        reps = _reps(shape.m * max(shape.n, shape.k) * 2, cap=8)
+        x, (w,), dy, gs = make_inputs(shape, counts)
+        reps = reps_for(shape.m * max(shape.n, shape.k) * 2, cap=8)
         for c in FWD_CANDIDATES:
             jobs.append((dict(shape=shape.name, kernel="fwd", config=encode_config(c)),
                          lambda x, w, gs, c=c: gmm(x, w, gs, config=c), [(x, w, gs)], reps, shape))
             jobs.append((dict(shape=shape.name, kernel="dgrad", config=encode_config(c)),
                          lambda dy, w, gs, c=c: gmm(dy, w, gs, transpose_rhs=False, config=c), [(dy, w, gs)], reps, shape))
-        wreps = _reps(shape.e * shape.n * shape.k * 2, cap=6)
+        wreps = reps_for(shape.e * shape.n * shape.k * 2, cap=6)
         for c in TGMM_CANDIDATES:
             jobs.append((dict(shape=shape.name, kernel="wgrad", config=encode_config(c)),
                          lambda x, dy, gs, c=c: tgmm(x, dy, gs, config=c), [(x, dy, gs)], wreps, shape))
     for tokens in decode:
         shape = S.decode_shape(tokens)
-        x, ws, _, gs = _inputs(shape, S.decode_counts(tokens), weight_sets=4)
+        x, ws, _, gs = make_inputs(shape, S.decode_counts(tokens), weight_sets=4)
         for c in DECODE_CANDIDATES:
             jobs.append((dict(shape=shape.name, kernel="fwd", config=encode_config(c)),
                          lambda x, w, gs, c=c: gmm(x, w, gs, config=c), [(x, w, gs) for w in ws], 20, shape))
 
     print(f"compiling {len(jobs)} candidates ...", flush=True)
-    built = _compile_all([job[1:4] for job in jobs])
+    built = compile_all([job[1:4] for job in jobs])
     for (label, *_, shape), b in zip(jobs, built):
         if isinstance(b, Exception):
             rows.append({**label, "seconds": None, "error": f"{type(b).__name__}: {str(b)[:200]}"})

@@ -7,9 +7,11 @@
 #   reads its own lane's tune.json. The ep-* phases, parity-ep and example-ep need both GPUs: run
 #   them outside the lanes. Timings from two lanes at once share the host and its PCIe/NVLink.
 # Phases: env | tests | parity | tune | run | run-quick | layer-time | drop-in | example | ep-check |
-#         ep-bench | parity-ep | example-ep | routed   (each optionally :SECONDS)
+#         ep-bench | parity-ep | example-ep | routed | jax-triton | backends | layer   (each optionally :SECONDS)
 # Env: NPROC (xdist workers), TESTS / PARITY (paths), STEPS (example), TUNE_ONLY (all|prefill|decode),
 #      ROUTED_SHAPES (routed: indices into benchmarks.routed_gmm's shapes; default all),
+#      WHEELS (jax-triton: the folder holding the jax_triton wheel, default .whl; the image has no registry),
+#      LAYER_SHAPES / LAYER_VARIANTS (layer: benchmarks.layer's --shapes / --variants),
 #      EP_ARGS (e.g. --skip-ragged), EP_RANKS (ep size of ep-bench and example-ep; default 2),
 #      PARITY_EP (the EP test paths; the EP parity test runs each world size on NCCL when it sees that many GPUs).
 # ep-check runs tests/test_ep_moe.py (ep 2 and 4, on GPUs where the host has that many, else on host
@@ -39,6 +41,10 @@ for phase in "$@"; do
     ep-bench) timeout "$limit" python3 -m benchmarks.ep --ranks ${EP_RANKS:-2} ${EP_ARGS:-} --json "$OUT/${L}ep.json" 2>&1 | tee "$OUT/${L}ep.log" | tail -30 ;;
     parity-ep) timeout "$limit" python3 -m pytest ${PARITY_EP:-tests/test_parallel_exchange.py parity/tests/test_parity_ep.py parity/tests/test_reference_ep.py} -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/${L}parity_ep.log" | tail -25 ;;
     example-ep) timeout "$limit" python3 examples/train_moe.py --ep ${EP_RANKS:-2} --steps ${STEPS:-200} --out "$OUT/${L}example_ep" 2>&1 | tr '\r' '\n' | grep -v '^ *$' | tee "$OUT/${L}example_ep.log" | tail -25 ;;
+    jax-triton) python3 -m pip install -q --no-deps --no-index "${WHEELS:-.whl}"/jax_triton-*.whl 2>&1 | tail -2
+                python3 -c "import jax_triton; print('jax_triton', jax_triton.__version__)" ;;
+    backends) timeout "$limit" python3 -m benchmarks.backends --json "$OUT/${L}backends.json" 2>&1 | tee "$OUT/${L}backends.log" | tail -30 ;;
+    layer) timeout "$limit" python3 -m benchmarks.layer ${LAYER_SHAPES:+--shapes $LAYER_SHAPES} ${LAYER_VARIANTS:+--variants $LAYER_VARIANTS} --json "$OUT/${L}layer.json" 2>&1 | tee "$OUT/${L}layer.log" | tail -20 ;;
     *) echo "unknown phase $name" ;;
   esac
   echo "=== $name done rc=${PIPESTATUS[0]} $(date -u +%T)"

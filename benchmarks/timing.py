@@ -103,3 +103,22 @@ def time_torch(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, reps: int =
         end.synchronize()
         samples.append(start.elapsed_time(end) / 1e3 / reps)
     return statistics.median(samples)
+
+
+def run_meta(command: str) -> dict:
+    """Date, device and library versions of a benchmark run, and its `command`, for result files."""
+    import datetime
+    import platform
+
+    import torch
+
+    meta = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                device=jax.devices()[0].device_kind, jax=jax.__version__, torch=torch.__version__,
+                python=platform.python_version(), command=command)
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return meta

@@ -32,7 +32,7 @@ from moe_jax.ops import (
 from moe_jax.testing import assert_close, rel_err
 from tests.helpers import ON_GPU, h200_mesh, lower_for_gpu, sharded_aval
 
-BACKENDS = ["pallas_triton", "xla"]
+BACKENDS = ["pallas_triton", "xla"] + (["triton"] if ON_GPU else [])  # triton: jax_triton needs a GPU
 DTYPES = [jnp.float32, jnp.bfloat16]
 # Small tiles on CPU keep the interpreter quick while still exercising multi-tile groups.
 SMALL = TileConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2, group_m=2)
@@ -502,6 +502,33 @@ def test_backend_resolution():
     assert resolve_backend("xla") == "xla"
     with pytest.raises(ValueError, match="backend='cutlass'"):
         resolve_backend("cutlass")
+
+
+def test_triton_backend_needs_a_gpu():
+    if ON_GPU:
+        assert resolve_backend("triton") == "triton"
+    else:
+        with pytest.raises(ValueError, match="backend='triton'.*needs a CUDA GPU"):
+            resolve_backend("triton")
+
+
+def test_auto_backend_per_kernel_table():
+    """`auto` resolves per kernel: xla off GPU; compiling for an H200, the table's choice for the
+    kernel and shape class, with triton replaced by pallas_triton where jax_triton is missing."""
+    from moe_jax.ops import H200_BACKENDS, KERNELS, gemm_backend
+
+    if not ON_GPU:
+        assert {gemm_backend(k, "auto", 32768, 128) for k in KERNELS} == {"xla"}
+    assert gemm_backend("tgmm", "xla", 32768, 128) == "xla"
+    with pytest.raises(ValueError, match="kernel='gmm'"):
+        gemm_backend("gmm", "auto", 8, 8)
+    with jax.sharding.use_abstract_mesh(h200_mesh((1,), ("ep",))):
+        for (kernel, cls), want in H200_BACKENDS.items():
+            rows = 64 * 128 if cls == "decode" else 64 * 128 + 1
+            assert gemm_backend(kernel, "auto", rows, 128, triton_available=True) == want
+            assert gemm_backend(kernel, "auto", rows, 128, triton_available=False) == (
+                "pallas_triton" if want == "triton" else want)
+    assert H200_BACKENDS[("gmm_nn", "prefill")] == "triton" and H200_BACKENDS[("gmm_nt", "prefill")] == "pallas_triton"
 
 
 def test_auto_backend_follows_the_mesh_platform(monkeypatch):

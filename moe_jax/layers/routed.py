@@ -29,7 +29,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.experts import swiglu_experts, swiglu_experts_fused
-from moe_jax.ops import CANDIDATES, candidate_index, gmm_config, resolve_backend, select, selector_table
+from moe_jax.ops import (CANDIDATES, candidate_index, gemm_backend, gmm_config, select, selector_table,
+                         triton_candidate)
 from moe_jax.ops.gmm import histogram_features
 from moe_jax.ops.sharding import vary_to_union
 from moe_jax.parallel import AxisRules, EPOptions, ep_moe, is_explicit
@@ -88,15 +89,20 @@ class ExpertStage:
 
     def telemetry(self, group_sizes, num_rows: int) -> GemmTelemetry:
         """One device's gate/up GEMM: on the Pallas backend the candidate that runs (the selector's
-        pick, or the shape table's) and its executed rows; on the xla backend the useful rows and no
-        candidate (XLA's tiling is its own, so no tile padding is claimed)."""
+        pick, or the shape table's) and its executed rows; on the triton backend its row-tile
+        candidate (`triton_candidate`); on the xla backend the useful rows and no candidate (XLA's
+        tiling is its own, so no tile padding is claimed)."""
         num_c = len(CANDIDATES)
-        if resolve_backend(self.backend) == "xla":
+        num_groups = group_sizes.shape[0]
+        backend = gemm_backend("gmm_nt", self.backend, num_rows, num_groups)
+        if backend == "xla":
             useful = jnp.sum(group_sizes, dtype=jnp.int32)
             return GemmTelemetry(useful, useful, useful, useful, jnp.zeros((num_c,), jnp.int32))
         gate_up_cols = 2 * self.d_ff if self.fused_gate_up else self.d_ff
-        num_groups = group_sizes.shape[0]
-        if self.kernel == "auto":
+        if backend == "triton":
+            features = histogram_features(group_sizes, num_rows)
+            chosen = candidate_index(triton_candidate(num_rows, gate_up_cols, self.d_in, num_groups))
+        elif self.kernel == "auto":
             pick = select(group_sizes, num_rows, selector_table(gate_up_cols, self.d_in, num_groups))
             features, chosen = pick.features, pick.candidate
         else:

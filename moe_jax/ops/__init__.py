@@ -5,6 +5,9 @@ and the row gather (`ops.gather`), each with its kernels, backends and fp32 refe
 from moe_jax.ops.gather import gather_rows, gather_rows_reference
 from moe_jax.ops.gmm import (
     CANDIDATES,
+    H200_BACKENDS,
+    KERNELS,
+    gemm_backend,
     SelectorTable,
     candidate_index,
     select,
@@ -23,12 +26,16 @@ from moe_jax.ops.gmm import (
     max_tiles,
     tgmm,
     tgmm_config,
+    triton_candidate,
     tgmm_reference,
 )
 from moe_jax.ops.platform import BACKENDS, BackendName, resolve_backend
 
 __all__ = [
     "CANDIDATES",
+    "H200_BACKENDS",
+    "KERNELS",
+    "gemm_backend",
     "SelectorTable",
     "candidate_index",
     "select",
@@ -52,5 +59,6 @@ __all__ = [
     "resolve_backend",
     "tgmm",
     "tgmm_config",
+    "triton_candidate",
     "tgmm_reference",
 ]

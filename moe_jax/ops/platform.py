@@ -6,6 +6,12 @@ with `implementation(op, backend)`. Backend names:
 
 - `pallas_triton`: our Pallas kernels lowered through Triton; compiled on GPU, run with
   `interpret=True` elsewhere (see `interpret()`).
+- `triton`: official Triton kernels (`triton.jit`) called through `jax_triton.triton_call`; GPU
+  only (jax_triton imports only with a CUDA jaxlib). Implemented for `gmm` and `tgmm`; ops without
+  a Triton kernel (`gather_rows`, `plan_sends`) run their `pallas_triton` implementation there.
+- `mosaic_gpu`: Pallas Mosaic GPU kernels (TMA, wgmma, warp specialization) for `gmm`; compiled
+  on GPU, run in Pallas's GPU interpret mode elsewhere. Ops without a Mosaic GPU kernel (`tgmm`,
+  `gather_rows`, `plan_sends`) run their `pallas_triton` implementation there.
 - `xla`: plain XLA (`jax.lax.ragged_dot_general`, `jnp` indexing).
 - `auto`: `pallas_triton` when compiling for a GPU, else `xla`; logged once per platform.
 
@@ -34,8 +40,8 @@ __all__ = [
     "resolve_backend",
 ]
 
-BACKENDS = ("pallas_triton", "xla")
-BackendName = Literal["auto", "pallas_triton", "xla"]
+BACKENDS = ("pallas_triton", "triton", "mosaic_gpu", "xla")
+BackendName = Literal["auto", "pallas_triton", "triton", "mosaic_gpu", "xla"]
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 _log = logging.getLogger("moe_jax")
@@ -61,7 +67,8 @@ def interpret() -> bool:
 
 def resolve_backend(backend: str) -> str:
     """The backend `backend` stands for: `auto` is `pallas_triton` on GPU, else `xla` (logged once
-    per platform on the `moe_jax` logger, INFO); ValueError naming the choices otherwise."""
+    per platform on the `moe_jax` logger, INFO); ValueError naming the choices otherwise, and for
+    `triton` off GPU."""
     if backend == "auto":
         platform = compile_platform()
         picked = "pallas_triton" if platform in GPU_PLATFORMS else "xla"
@@ -73,6 +80,11 @@ def resolve_backend(backend: str) -> str:
         raise ValueError(
             f"backend={backend!r} is not a moe_jax backend; use one of 'auto', "
             + ", ".join(repr(b) for b in BACKENDS) + "."
+        )
+    if backend == "triton" and not on_gpu():
+        raise ValueError(
+            f"backend='triton' runs official Triton kernels through jax_triton, which needs a CUDA GPU; "
+            f"compiling for {compile_platform()!r}, use backend='auto', 'pallas_triton' (interpret mode) or 'xla'."
         )
     return backend
 
@@ -90,5 +102,8 @@ def register(op: str, backend: str) -> Callable[[Callable], Callable]:
 
 
 def implementation(op: str, backend: str) -> Callable:
-    """`op`'s implementation on `backend` (`auto` resolved by `resolve_backend`)."""
-    return _REGISTRY[op][resolve_backend(backend)]
+    """`op`'s implementation on `backend` (`auto` resolved by `resolve_backend`); an op with no
+    `triton` or `mosaic_gpu` kernel runs its `pallas_triton` one on that backend."""
+    impls = _REGISTRY[op]
+    name = resolve_backend(backend)
+    return impls[name] if name in impls or name == "xla" else impls["pallas_triton"]

@@ -29,8 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_jax.ops.gmm import backends  # noqa: F401  (registers the two backends)
+from moe_jax.ops.gmm import backends  # noqa: F401  (registers the three backends)
+from moe_jax.ops.gmm.backend_table import gemm_backend
 from moe_jax.ops.gmm.config import GmmConfig, TileConfig
+from moe_jax.ops.gmm.mosaic import MosaicConfig
 from moe_jax.ops.gmm.selector import SelectorTable, selector_table
 from moe_jax.ops.platform import BackendName, implementation, resolve_backend
 from moe_jax.ops.sharding import replicate_explicit
@@ -82,7 +84,7 @@ def _gmm_choice(config, n: int, k: int, num_groups: int):
     """`config` of `gmm`, with `"auto"` resolved to the tuned selector table of this shape."""
     if isinstance(config, str) and config == "auto":
         return selector_table(n, k, num_groups)
-    _check_config("config", config, (GmmConfig, TileConfig, SelectorTable))
+    _check_config("config", config, (GmmConfig, TileConfig, SelectorTable, MosaicConfig))
     return config
 
 
@@ -145,7 +147,9 @@ def gmm(
         `TileConfig` (the row-tile family), a `SelectorTable` or `"auto"` (the on-device selector,
         `moe_jax.ops.gmm.selector`: a candidate picked from `group_sizes` inside the program);
         default None: the static `gmm_config` table.
-      backend: `auto` (Pallas on GPU, XLA elsewhere), `pallas_triton` or `xla`.
+      backend: `auto` (on GPU the per-kernel table of `backend_table`: Pallas for the forward,
+        official Triton for the input gradient at prefill sizes; XLA elsewhere), `pallas_triton`,
+        `triton` (GPU only) or `xla`.
       preferred_element_type: output dtype (default: `lhs.dtype`).
       precision: dot precision for fp32 inputs (default HIGHEST).
     """
@@ -173,6 +177,7 @@ def gmm(
     if m == 0 or n == 0 or k == 0:
         return jnp.zeros((m, n), out_dtype)
     lhs, rhs, group_sizes = replicate_explicit(lhs, rhs, group_sizes)
+    backend = gemm_backend("gmm_nt" if transpose_rhs else "gmm_nn", backend, m, num_groups)
     impl = functools.partial(implementation("gmm", backend), transpose_rhs=transpose_rhs, config=config,
                              out_dtype=out_dtype, precision=_default_precision(lhs.dtype, precision))
     return _primitive("gmm", impl, lhs, rhs, group_sizes)
@@ -216,7 +221,8 @@ def tgmm(
     if m == 0 or n == 0 or k == 0:
         return jnp.zeros((num_groups, n, k), out_dtype)
     lhs, dout, group_sizes = replicate_explicit(lhs, dout, group_sizes)
-    impl = functools.partial(implementation("tgmm", backend), config=config, out_dtype=out_dtype,
+    impl = functools.partial(implementation("tgmm", gemm_backend("tgmm", backend, m, num_groups)), config=config,
+                             out_dtype=out_dtype,
                              precision=_default_precision(lhs.dtype, precision))
     return _primitive("tgmm", impl, lhs, dout, group_sizes)
 
@@ -271,5 +277,6 @@ def grouped_linear(
     `dw = tgmm(x, dy)`; the gradient of an empty group's weight is exactly zero. Rows past
     `sum(group_sizes)` get zero output and zero gradient.
     """
-    opts = _LinearOptions(resolve_backend(backend), precision, fwd_config, dgrad_config, wgrad_config)
+    resolve_backend(backend)  # ValueError naming the choices; `auto` is resolved per kernel
+    opts = _LinearOptions(backend, precision, fwd_config, dgrad_config, wgrad_config)
     return _grouped_linear(opts, *replicate_explicit(x, w, group_sizes))

@@ -1,9 +1,14 @@
-"""The two backends of `gmm`/`tgmm`, registered with `moe_jax.ops.platform`.
+"""The backends of `gmm`/`tgmm`, registered with `moe_jax.ops.platform`.
 
 - `pallas_triton`: choose a candidate (`config` None takes the per-shape table,
   `config.gmm_config` / `config.tgmm_config`; a bare `TileConfig` for `gmm` means the row-tile
   family with those tiles; a `selector.SelectorTable` picks one on device from the histogram and
   runs it through a chain of gated launches), launch the family's kernel.
+- `triton`: official Triton kernels through `jax_triton` (`triton_kernels`, `triton_launch`), the
+  row-tile family only: a row-tile candidate runs with its tiles; a group-major or split-K choice,
+  `"auto"` or a `SelectorTable` runs `triton_candidate`.
+- `mosaic_gpu`: `gmm` on the Mosaic GPU kernel (`mosaic`), with a `MosaicConfig` or its default
+  tiles; `tgmm` has no Mosaic GPU kernel and runs on `pallas_triton`.
 - `xla`: `jax.lax.ragged_dot_general`, XLA's grouped dot; tile configs are ignored (XLA picks its
   own tiling).
 
@@ -16,12 +21,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moe_jax.ops.gmm.config import CANDIDATES, GmmConfig, TileConfig, gmm_config, tgmm_config
+from moe_jax.ops.gmm.config import CANDIDATES, GmmConfig, TileConfig, gmm_config, tgmm_config, triton_candidate
 from moe_jax.ops.gmm.group_major import gmm_group_major_pallas
+from moe_jax.ops.gmm.mosaic import MosaicConfig, gmm_mosaic
 from moe_jax.ops.gmm.row_tile import gmm_row_tile_pallas
 from moe_jax.ops.gmm.schedule import clamp_group_sizes
 from moe_jax.ops.gmm.selector import SelectorTable, select
 from moe_jax.ops.gmm.tile import Gate
+from moe_jax.ops.gmm.triton_launch import gmm_triton, tgmm_triton
 from moe_jax.ops.gmm.wgrad import tgmm_pallas
 from moe_jax.ops.platform import interpret, register
 from moe_jax.ops.sharding import explicit_out_sharding
@@ -29,7 +36,7 @@ from moe_jax.ops.sharding import explicit_out_sharding
 
 def _candidate(config: GmmConfig | TileConfig | None, m: int, n: int, k: int, num_groups: int) -> GmmConfig:
     """The candidate `gmm` runs: `config`, the row-tile family for a `TileConfig`, or the table's."""
-    if config is None:
+    if config is None or isinstance(config, MosaicConfig):
         return gmm_config(m, n, k, num_groups)
     if isinstance(config, TileConfig):
         return GmmConfig("row_tile", config)
@@ -68,6 +75,39 @@ def pallas_tgmm(lhs, dout, group_sizes, *, config, out_dtype, precision):
     tiles = config or tgmm_config(m, dout.shape[1], k, group_sizes.shape[0])
     return tgmm_pallas(lhs, dout, clamp_group_sizes(group_sizes, m), tiles=tiles, out_dtype=out_dtype,
                        precision=precision, interpret=interpret())
+
+
+def triton_tiles(config, m: int, n: int, k: int, num_groups: int) -> TileConfig:
+    """The `triton` backend's tiles for `gmm`'s `config`: a `TileConfig` or row-tile candidate's
+    own, else `triton_candidate`'s (group-major and split-K have no Triton kernel, and the
+    selector's tables were tuned on the Pallas kernels)."""
+    if isinstance(config, TileConfig):
+        return config
+    if isinstance(config, GmmConfig) and config.family == "row_tile":
+        return config.tiles
+    return triton_candidate(m, n, k, num_groups).tiles
+
+
+@register("gmm", "triton")
+def triton_gmm(lhs, rhs, group_sizes, *, transpose_rhs, config, out_dtype, precision):
+    m, k = lhs.shape
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    return gmm_triton(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs,
+                      tiles=triton_tiles(config, m, n, k, rhs.shape[0]), out_dtype=out_dtype, precision=precision)
+
+
+@register("tgmm", "triton")
+def triton_tgmm(lhs, dout, group_sizes, *, config, out_dtype, precision):
+    m, k = lhs.shape
+    tiles = config or tgmm_config(m, dout.shape[1], k, group_sizes.shape[0])
+    return tgmm_triton(lhs, dout, group_sizes, tiles=tiles, out_dtype=out_dtype, precision=precision)
+
+
+@register("gmm", "mosaic_gpu")
+def mosaic_gmm(lhs, rhs, group_sizes, *, transpose_rhs, config, out_dtype, precision):
+    del precision  # bf16/fp16 only: wgmma accumulates in fp32
+    return gmm_mosaic(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
+                      config=config if isinstance(config, MosaicConfig) else MosaicConfig(), interpret=interpret())
 
 
 def _clamped_sizes(group_sizes, num_rows):

@@ -24,7 +24,8 @@ import types
 
 from moe_jax.validation import check_int
 
-__all__ = ["CANDIDATES", "FAMILIES", "GmmConfig", "TileConfig", "candidate_index", "gmm_config", "tgmm_config"]
+__all__ = ["CANDIDATES", "FAMILIES", "GmmConfig", "TileConfig", "candidate_index", "gmm_config", "tgmm_config",
+           "triton_candidate"]
 
 FAMILIES = ("row_tile", "group_major", "split_k")
 _WARPS = (1, 2, 4, 8, 16)
@@ -154,3 +155,11 @@ def tgmm_config(m: int, n: int, k: int, num_groups: int) -> TileConfig:
         return TileConfig(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=3, group_m=1)
     bm = 64 if rows >= 768 else 32
     return TileConfig(block_m=bm, block_n=128, block_k=128, num_warps=8, num_stages=3, group_m=1)
+
+
+def triton_candidate(m: int, n: int, k: int, num_groups: int) -> GmmConfig:
+    """The row-tile candidate the `triton` backend runs for a shape when not given tiles: the
+    static table's choice, or at decode sizes (where the table picks a group-major kernel) the
+    16-row tiles of `CANDIDATES["rt16x64"]`."""
+    static = gmm_config(m, n, k, num_groups)
+    return static if static.family == "row_tile" else CANDIDATES["rt16x64"]

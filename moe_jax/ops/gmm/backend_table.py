@@ -1,0 +1,75 @@
+"""Which backend `backend="auto"` runs for each grouped-GEMM kernel on a GPU.
+
+Kernels: `gmm_nt` (the forward, `rhs [E, N, K]`), `gmm_nn` (the input gradient, `rhs` read as
+`[E, K, N]`) and `tgmm` (the weight gradient). Shape classes: `decode` (at most 64 rows per group
+on average, where the Pallas group-major and split-K kernels live) and `prefill`.
+
+`H200_BACKENDS` comes from `python -m benchmarks.backends` on one H200 (docs/kernel-selection.md,
+`benchmarks/results/2026-12-01-h200-backends.md`): on the prefill rows the official Triton kernels
+(`triton`) beat the Pallas Triton ones on the input gradient (geomean 0.93x vs 0.91x
+`torch._grouped_mm`) and the weight gradient (0.84x vs 0.81x); the forward stays on Pallas, where
+the on-device selector chooses among its candidates (0.95x vs 0.90x). It is applied on every GPU:
+it is the only one measured. Where jax_triton is not installed, `triton` choices run on
+`pallas_triton`. Off GPU, `auto` is `xla` for every kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import types
+
+from moe_jax.ops.platform import on_gpu, resolve_backend
+
+__all__ = ["H200_BACKENDS", "KERNELS", "gemm_backend", "have_jax_triton", "shape_class"]
+
+KERNELS = ("gmm_nt", "gmm_nn", "tgmm")
+DECODE_ROWS_PER_GROUP = 64
+
+H200_BACKENDS: types.MappingProxyType[tuple[str, str], str] = types.MappingProxyType({
+    ("gmm_nt", "decode"): "pallas_triton",
+    ("gmm_nt", "prefill"): "pallas_triton",
+    ("gmm_nn", "decode"): "pallas_triton",
+    ("gmm_nn", "prefill"): "triton",
+    ("tgmm", "decode"): "pallas_triton",
+    ("tgmm", "prefill"): "triton",
+})
+
+_log = logging.getLogger("moe_jax")
+_announced: set = set()
+
+
+@functools.cache
+def have_jax_triton() -> bool:
+    """Whether jax_triton imports here (it needs a CUDA jaxlib)."""
+    try:
+        importlib.import_module("jax_triton")
+    except ImportError:
+        return False
+    return True
+
+
+def shape_class(num_rows: int, num_groups: int) -> str:
+    """`decode` at <= 64 rows per group on average, else `prefill`."""
+    return "decode" if num_rows <= DECODE_ROWS_PER_GROUP * max(num_groups, 1) else "prefill"
+
+
+def gemm_backend(kernel: str, backend: str, num_rows: int, num_groups: int, *,
+                 table=H200_BACKENDS, triton_available: bool | None = None) -> str:
+    """The backend that runs `kernel` (one of `KERNELS`) for `backend`: an explicit name as
+    `platform.resolve_backend` checks it; `auto` off GPU is `xla`, on GPU `table`'s choice for the
+    shape class (`triton` only where jax_triton imports, or `triton_available` says so), logged
+    once per choice on the `moe_jax` logger (INFO)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r}: use one of {KERNELS}.")
+    if backend != "auto" or not on_gpu():
+        return resolve_backend(backend)
+    cls = shape_class(num_rows, num_groups)
+    picked = table[(kernel, cls)]
+    if picked == "triton" and not (have_jax_triton() if triton_available is None else triton_available):
+        picked = "pallas_triton"
+    if (kernel, cls, picked) not in _announced:
+        _announced.add((kernel, cls, picked))
+        _log.info("moe_jax: backend='auto' runs %s (%s) on %r", kernel, cls, picked)
+    return picked

@@ -1,0 +1,237 @@
+"""The `mosaic_gpu` backend's grouped GEMM: Pallas Mosaic GPU (TMA, wgmma, warp specialization,
+a persistent tile loop), for the forward and the input gradient.
+
+Legend: M packed rows, K reduction width, N output width, E groups, W worst-case row tiles.
+
+`out[M, N]`: rows of group e are `lhs_e @ rhs[e]^T` (rhs `[E, N, K]`, `transpose_rhs=True`) or
+`lhs_e @ rhs[e]` (rhs `[E, K, N]`). The contract is `row_tile`'s: tiles of `tile_m` rows laid from
+each group's first row (rounded down to 8 rows, `aligned_tiles`, built before the launch), tiles
+of the zero-fill pseudo-group store zeros, every output element is written once, fp32
+accumulation.
+
+Each CTA (one per SM) walks (row tile, column block) work items: one memory warpgroup streams
+`[tile_m, tile_k]` blocks of the tile's rows and `[2 tile_n, tile_k]` blocks of its group's weight
+into shared memory through TMA, `max_concurrent_steps` deep, while two compute warpgroups each
+accumulate a `[tile_m, tile_n]` half with wgmma (Hopper's asynchronous warpgroup MMA; the pattern of
+NVIDIA's CUTLASS "warp-specialized" Hopper GEMMs). A tile that starts within `tile_m` of the last
+row reads the `tile_m` rows ending at M instead, so no read leaves `lhs`; the tile's own rows `[start, end)` are stored from shared memory by up to `log2(tile_m) + 1`
+predicated TMA copies of power-of-two heights (TMA boxes are static), rows of neighbouring groups
+that the tile also computed are never stored.
+
+Off GPU the same kernel runs in Pallas's GPU interpret mode (`plgpu.InterpretGPUParams`: shared
+memory, warpgroups, barriers and TMA simulated on the CPU), which is how the tests check it there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from moe_jax.ops.gmm.schedule import clamp_group_sizes
+
+__all__ = ["MosaicConfig", "ROW_ALIGN", "SMEM_BYTES", "aligned_tiles", "gmm_mosaic", "mosaic_supports", "num_work_tiles",
+           "smem_bytes"]
+
+H200_SMS = 132
+ROW_ALIGN = 8  # TMA boxes into the swizzled tiles start on a multiple of the 8-row tiling
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+    """Tiles of the Mosaic GPU kernel: `tile_m` rows x `2 * tile_n` columns per CTA (one
+    `tile_n` half per compute warpgroup), K steps of `tile_k`, `max_concurrent_steps` TMA stages."""
+
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_k: int = 64
+    max_concurrent_steps: int = 3
+
+    def __post_init__(self):
+        for name in ("tile_m", "tile_n", "tile_k"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 64 or v & (v - 1):
+                raise ValueError(f"MosaicConfig.{name}={v!r}: must be a power of two >= 64 (wgmma tiles).")
+        if not isinstance(self.max_concurrent_steps, int) or not 1 <= self.max_concurrent_steps <= 8:
+            raise ValueError(f"MosaicConfig.max_concurrent_steps={self.max_concurrent_steps!r}: must be in [1, 8].")
+
+
+SMEM_BYTES = 227 * 1024  # shared memory per block on sm_90 (opt-in maximum)
+
+
+def smem_bytes(config: MosaicConfig, dtype, out_dtype) -> int:
+    """Shared memory the kernel allocates: the pipeline's A and B stages and the two warpgroups'
+    output tiles."""
+    stages = config.max_concurrent_steps * (config.tile_m + 2 * config.tile_n) * config.tile_k
+    return stages * jnp.dtype(dtype).itemsize + 2 * config.tile_m * config.tile_n * jnp.dtype(out_dtype).itemsize
+
+
+def mosaic_supports(m: int, n: int, k: int, dtype, config: MosaicConfig = MosaicConfig(), out_dtype=None) -> bool:
+    """Whether the kernel takes this shape: bf16/fp16, `N` a multiple of `2 * tile_n`, `K` of
+    `tile_k`, at least `tile_m` rows and a multiple of `ROW_ALIGN`, and tiles that fit in shared
+    memory."""
+    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and n % (2 * config.tile_n) == 0
+            and k % config.tile_k == 0 and m >= config.tile_m and m % ROW_ALIGN == 0
+            and smem_bytes(config, dtype, out_dtype or dtype) <= SMEM_BYTES)
+
+
+def aligned_tiles(group_sizes: jax.Array, *, num_rows: int, tile_m: int) -> jax.Array:
+    """`[4, W]` int32 work list: per tile its group (E for the zero-fill pseudo-group of the rows
+    past the last group), first and one-past-last row to store, and the first of the `tile_m` rows
+    it reads (a multiple of `ROW_ALIGN`, at most `M - tile_m`).
+
+    A group's tiles are laid from its first row rounded down to `ROW_ALIGN`, every `tile_m` rows,
+    so each read starts on the 8-row tiling TMA needs here; a group costs at most one tile more
+    than `ceil(size / tile_m)`. Tiles past the list have `lo == hi == M`.
+    """
+    num_groups = group_sizes.shape[0]
+    offsets = clamp_group_sizes(group_sizes, num_rows)
+    starts_G = offsets
+    ends_G = jnp.concatenate([offsets[1:], jnp.array([num_rows], jnp.int32)])
+    bases_G = starts_G // ROW_ALIGN * ROW_ALIGN
+    tiles_G = jnp.where(ends_G > starts_G, (ends_G - bases_G + tile_m - 1) // tile_m, 0)
+    tile_ends_G = jnp.cumsum(tiles_G).astype(jnp.int32)
+    w = num_work_tiles(num_rows, num_groups, tile_m)
+    t_W = jnp.arange(w, dtype=jnp.int32)
+    g_W = jnp.minimum(jnp.sum(tile_ends_G[None, :] <= t_W[:, None], axis=1, dtype=jnp.int32), num_groups)
+    j_W = t_W - (tile_ends_G[g_W] - tiles_G[g_W])
+    first_W = bases_G[g_W] + j_W * tile_m
+    in_use = t_W < tile_ends_G[-1]
+    lo_W = jnp.where(in_use, jnp.maximum(starts_G[g_W], first_W), num_rows)
+    hi_W = jnp.where(in_use, jnp.minimum(ends_G[g_W], first_W + tile_m), num_rows)
+    read_W = jnp.minimum(first_W, num_rows - tile_m)
+    return jnp.stack([jnp.where(in_use, g_W, num_groups), lo_W, hi_W, read_W]).astype(jnp.int32)
+
+
+def num_work_tiles(num_rows: int, num_groups: int, tile_m: int) -> int:
+    """Static bound on `aligned_tiles`' list: `sum_g ceil((size_g + ROW_ALIGN - 1) / tile_m)` over the
+    E + 1 groups, which is at most `(M + (E + 1) (ROW_ALIGN + tile_m - 2)) / tile_m`."""
+    return (num_rows + (num_groups + 1) * (ROW_ALIGN + tile_m - 2)) // tile_m
+
+
+def _num_sms(interpret: bool) -> int:
+    if interpret:
+        return 2
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    if device is not None and getattr(device, "num_cores", None):
+        return device.num_cores
+    return getattr(jax.devices()[0], "core_count", H200_SMS)
+
+
+def _body(meta_ref, a_ref, b_ref, out_ref, *, config: MosaicConfig, m: int, n: int, k: int, num_groups: int,
+          num_tiles: int, transpose_rhs: bool):
+    tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
+    cta_n = 2 * tile_n
+    n_iters, k_iters = n // cta_n, k // tile_k
+    dtype = a_ref.dtype
+    swizzle = plgpu.find_swizzle(tile_k * jnp.dtype(dtype).itemsize * 8)
+    swizzle_elems = swizzle // jnp.dtype(dtype).itemsize
+    transforms = (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
+    if transpose_rhs:
+        b_spec = plgpu.BlockSpec((cta_n, tile_k), lambda kk: (0, kk), transforms=transforms, memory_space=plgpu.SMEM)
+    else:
+        b_spec = plgpu.BlockSpec((tile_k, cta_n), lambda kk: (kk, 0), transforms=transforms, memory_space=plgpu.SMEM)
+    a_spec = plgpu.BlockSpec((tile_m, tile_k), lambda kk: (0, kk), transforms=transforms, memory_space=plgpu.SMEM)
+
+    def pipeline(body, compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body, grid=(k_iters,), memory_registers=40, in_specs=[a_spec, b_spec], wg_axis="wg", num_compute_wgs=2,
+            max_concurrent_steps=config.max_concurrent_steps, compute_context=compute_context,
+        )
+
+    ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the bodies)
+    b_block = b_ref.at[0, pl.ds(0, cta_n), :] if transpose_rhs else b_ref.at[0, :, pl.ds(0, cta_n)]
+
+    @functools.partial(
+        pl.run_scoped,
+        allocations=pipeline(ignore, ignore).get_allocations(a_ref.at[pl.ds(0, tile_m), :], b_block),
+        out_smem=plgpu.SMEM((2, tile_m, tile_n), out_ref.dtype),
+        collective_axes="wg",
+    )
+    def scope(allocations, out_smem):
+        wg = lax.axis_index("wg")
+
+        @plgpu.nd_loop((num_tiles * n_iters,), collective_axes="sm")
+        def work(info):
+            (item,) = info.index
+            tile, n_blk = item // n_iters, item % n_iters
+            group, start, end = meta_ref[0, tile], meta_ref[1, tile], meta_ref[2, tile]
+            a_start = pl.multiple_of(meta_ref[3, tile], ROW_ALIGN)
+            is_group = group < num_groups
+
+            def compute_context(run_pipeline):
+                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
+                def _(acc_ref):
+                    run_pipeline(acc_ref)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores read out_smem
+                    out_smem[wg] = acc_ref[...].astype(out_smem.dtype)
+                    plgpu.commit_smem()
+                    count = end - start
+                    src = start - a_start
+                    dst = start
+                    cols = pl.ds(n_blk * cta_n + wg * tile_n, tile_n)
+                    height = tile_m
+                    while height >= 1:
+                        part = count & height
+
+                        @pl.when(part != 0)
+                        def _(src=src, dst=dst, height=height):
+                            plgpu.copy_smem_to_gmem(out_smem.at[wg, pl.ds(src, height)],
+                                                    out_ref.at[pl.ds(dst, height), cols])
+
+                        src, dst = src + part, dst + part
+                        height //= 2
+
+            def mma(_, a_smem, b_smem, acc_ref):
+                half = pl.ds(wg * tile_n, tile_n)
+                b = b_smem.at[half].T if transpose_rhs else b_smem.at[:, half]
+
+                # Zero-fill tiles (rows past the last group) keep the zero accumulator, whatever
+                # lhs holds there.
+                @pl.when(is_group)
+                def _():
+                    plgpu.wgmma(acc_ref, a_smem, b)
+                    plgpu.wgmma_wait(0)
+
+                return acc_ref
+
+            g = jnp.minimum(group, num_groups - 1)
+            cols = pl.ds(n_blk * cta_n, cta_n)
+            b_group = b_ref.at[g, cols, :] if transpose_rhs else b_ref.at[g, :, cols]
+
+            @pl.when(start < end)  # tiles past the schedule: nothing to do
+            def _():
+                pipeline(mma, compute_context)(a_ref.at[pl.ds(a_start, tile_m), :], b_group, allocations=allocations)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def gmm_mosaic(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool, out_dtype,
+               config: MosaicConfig = MosaicConfig(), interpret: bool = False) -> jax.Array:
+    """Launch the Mosaic GPU grouped GEMM on `group_sizes` `[E]` (clamped as
+    `schedule.clamp_group_sizes` does). Expects validated shapes that `mosaic_supports`."""
+    m, k = lhs.shape
+    num_groups = rhs.shape[0]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    if not mosaic_supports(m, n, k, lhs.dtype, config, out_dtype):
+        raise ValueError(
+            f"backend='mosaic_gpu' takes bf16/fp16 with N % {2 * config.tile_n} == 0, K % {config.tile_k} == 0, "
+            f"M >= {config.tile_m}, M % {ROW_ALIGN} == 0 and tiles within {SMEM_BYTES} bytes of shared memory; got M={m}, N={n}, K={k}, "
+            f"{jnp.dtype(lhs.dtype).name} -> {jnp.dtype(out_dtype).name} ({smem_bytes(config, lhs.dtype, out_dtype)} "
+            "bytes). Use backend='auto', which runs such shapes on another backend, or smaller tiles."
+        )
+    meta_4W = aligned_tiles(group_sizes, num_rows=m, tile_m=config.tile_m)
+    body = functools.partial(_body, config=config, m=m, n=n, k=k, num_groups=num_groups,
+                             num_tiles=meta_4W.shape[1], transpose_rhs=transpose_rhs)
+    call = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((m, n), out_dtype), grid=(_num_sms(interpret),), grid_names=("sm",),
+        num_threads=3, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+    return call(meta_4W, lhs, rhs)

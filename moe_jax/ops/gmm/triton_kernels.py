@@ -1,0 +1,147 @@
+"""The `triton` backend's kernels: official Triton (`triton.jit`), called from JAX through
+`jax_triton.triton_call` (`triton_launch`), and from torch CPU tensors under Triton's interpreter
+in the tests.
+
+Legend: M packed rows, K reduction width, N output width, E groups, T rows of a gathered operand.
+
+Both kernels keep the contracts of the `pallas_triton` kernels (`row_tile`, `wgrad`):
+- `gmm_kernel`: `c[M, N]`, rows of group e are `a_e @ b[e]^T` (or `a_e @ b[e]`), one program per
+  (row tile, column block), the tile schedule computed in the program from the raw sizes; tiles of
+  the zero-fill pseudo-group store zeros for the rows past the last group, so `c` needs no memset.
+  With `GATHER`, packed row r is read from `a[rows[r]]` (`a` is `[T, K]`): the row gather of the
+  layer's packing happens in the A-operand load instead of a separate pass through memory.
+- `tgmm_kernel`: `o[E, N, K]`, `o[e] = d_e^T @ a_e`, one program per (group, N block, K block);
+  an empty group stores exact zeros; one writer per element (no atomics), so repeated runs give
+  the same bits.
+Products accumulate in fp32; `PRECISION` is `tl.dot`'s `input_precision` ("ieee" for fp32 inputs
+at `Precision.HIGHEST`, else "tf32"; bf16/fp16 ignore it).
+
+`INTERPRET` selects the forms Triton 3.6's interpreter needs and leaves the compiled kernel
+unchanged: its `tl.dot` reads bf16 operands as raw bits (so tiles are widened to fp32 first, which
+is exact for bf16 x bf16 products), and under NumPy >= 2.5 it cannot take a loaded value as a
+`range` bound (so the weight gradient walks rows in a `while` loop; compiled, a `for` loop lets
+the software pipeliner overlap loads with the tensor-core work).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["gmm_kernel", "tgmm_kernel"]
+
+
+@triton.jit
+def gmm_kernel(
+    sizes_ptr, rows_ptr, a_ptr, b_ptr, c_ptr,
+    M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, E: tl.constexpr, E_LANES: tl.constexpr,
+    NUM_TILES: tl.constexpr,
+    stride_am: tl.constexpr, stride_be: tl.constexpr, stride_bk: tl.constexpr, stride_bn: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    GATHER: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """One (row tile, column block) of `c = a_g @ b[g]` with `b[g]` addressed as `[K, N]` through
+    its strides (the NT layout `[E, N, K]` has `stride_bk == 1`). `sizes_ptr`: int32 `[E_LANES]`
+    sizes, lanes past E ignored. `rows_ptr`: int32 `[M]` source rows (read only with `GATHER`)."""
+    pid = tl.program_id(0)
+    # Row-tile-major swizzle: GROUP_M row tiles (usually one group's rows) sweep the column
+    # blocks together, so their weight block and rows stay in L2.
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_sweep = GROUP_M * num_n
+    first = (pid // per_sweep) * GROUP_M
+    height = tl.minimum(NUM_TILES - first, GROUP_M)
+    local = pid % per_sweep
+    tile = first + local % height
+    n_blk = local // height
+
+    # The schedule (`schedule.make_group_metadata`'s tiles) from the sizes vector: sizes clipped
+    # to [0, M], the running total saturating at M (E * M < 2**31, the launcher's contract).
+    lanes = tl.arange(0, E_LANES)
+    sizes = tl.load(sizes_ptr + lanes, mask=lanes < E, other=0)
+    sizes = tl.minimum(tl.maximum(sizes, 0), M)
+    inclusive = tl.cumsum(sizes, 0)
+    ends = tl.minimum(inclusive, M)
+    starts = tl.minimum(inclusive - sizes, M)
+    tiles_e = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    tile_ends = tl.cumsum(tiles_e, 0)
+    group_tiles = tl.sum(tiles_e, 0)
+    group = tl.sum((tile_ends <= tile).to(tl.int32), 0)
+    is_group = tile < group_tiles
+    here = lanes == group
+    g_start = tl.sum(tl.where(here, starts, 0), 0) + (tile - tl.sum(tl.where(here, tile_ends - tiles_e, 0), 0)) * BLOCK_M
+    g_end = tl.minimum(g_start + BLOCK_M, tl.sum(tl.where(here, ends, 0), 0))
+    f_start = tl.minimum(tl.max(ends, 0) + (tile - group_tiles) * BLOCK_M, M)
+    f_end = tl.minimum(f_start + BLOCK_M, M)
+    start = tl.where(is_group, g_start, f_start)
+    end = tl.where(is_group, g_end, f_end)
+    if start >= end:  # a tile past the schedule: nothing to read or write
+        return
+
+    rows = start + tl.arange(0, BLOCK_M)
+    row_ok = rows < end
+    if GATHER:
+        src = tl.load(rows_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    else:
+        src = rows.to(tl.int64)
+    cols = n_blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    b_group = b_ptr + tl.minimum(group, E - 1).to(tl.int64) * stride_be
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if is_group:
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            a = tl.load(a_ptr + src[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_group + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
+                        mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if INTERPRET:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    tl.store(c_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def tgmm_kernel(
+    offsets_ptr, a_ptr, d_ptr, o_ptr,
+    N: tl.constexpr, K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """One `[BLOCK_N, BLOCK_K]` block of `o[g] = d_g^T @ a_g`. `offsets_ptr`: int32 `[E + 1]`
+    clamped offsets (`schedule.clamp_group_sizes`)."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    num_k = tl.cdiv(K, BLOCK_K)
+    group = pid // (num_n * num_k)
+    rest = pid % (num_n * num_k)
+    ns = (rest // num_k) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = (rest % num_k) * BLOCK_K + tl.arange(0, BLOCK_K)
+    n_ok = ns < N
+    k_ok = ks < K
+    start = tl.load(offsets_ptr + group)
+    end = tl.load(offsets_ptr + group + 1)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if INTERPRET:
+        r0 = start
+        while r0 < end:
+            rows = r0 + tl.arange(0, BLOCK_M)
+            row_ok = rows < end
+            d = tl.load(d_ptr + rows.to(tl.int64)[:, None] * N + ns[None, :], mask=row_ok[:, None] & n_ok[None, :],
+                        other=0.0).to(tl.float32)
+            a = tl.load(a_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                        other=0.0).to(tl.float32)
+            acc = tl.dot(tl.trans(d), a, acc, input_precision=PRECISION)
+            r0 += BLOCK_M
+    else:
+        for r0 in range(start, end, BLOCK_M):
+            rows = r0 + tl.arange(0, BLOCK_M)
+            row_ok = rows < end
+            d = tl.load(d_ptr + rows.to(tl.int64)[:, None] * N + ns[None, :], mask=row_ok[:, None] & n_ok[None, :],
+                        other=0.0)
+            a = tl.load(a_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                        other=0.0)
+            acc = tl.dot(tl.trans(d), a, acc, input_precision=PRECISION)
+    out = o_ptr + group.to(tl.int64) * N * K
+    tl.store(out + ns[:, None] * K + ks[None, :], acc.to(o_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])

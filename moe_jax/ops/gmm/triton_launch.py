@@ -1,0 +1,190 @@
+"""Launchers of the `triton` backend's kernels (`triton_kernels`): grids and arguments built once,
+run from JAX through `jax_triton.triton_call` (GPU), or from torch tensors (a CUDA GPU, or
+Triton's interpreter on CPU tensors, which is how the kernels are checked off GPU: jax_triton
+needs a CUDA jaxlib to import).
+
+Legend: M packed rows, K reduction width, N output width, E groups, T rows of a gathered operand.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moe_jax.ops.gmm.config import TileConfig
+from moe_jax.ops.gmm.schedule import clamp_group_sizes, max_tiles
+from moe_jax.ops.gmm.tile import lane_sizes
+from moe_jax.ops.pallas_triton import cdiv, next_pow2
+from moe_jax.ops.sharding import varying_like
+
+__all__ = ["GmmLaunch", "TgmmLaunch", "gmm_launch", "gmm_triton", "gmm_torch", "tgmm_launch", "tgmm_triton",
+           "tgmm_torch"]
+
+
+def _precision(dtype, precision) -> str:
+    """`tl.dot`'s input precision: IEEE fp32 products for fp32 at `Precision.HIGHEST`."""
+    full = precision in (jax.lax.Precision.HIGHEST, "highest", "HIGHEST")
+    return "ieee" if np.dtype(dtype) == np.float32 and full else "tf32"
+
+
+class GmmLaunch(NamedTuple):
+    """Grid, launch parameters and constexpr arguments of one `gmm_kernel` launch."""
+
+    grid: tuple[int]
+    num_warps: int
+    num_stages: int
+    constants: dict
+
+
+class TgmmLaunch(NamedTuple):
+    """Grid, launch parameters and constexpr arguments of one `tgmm_kernel` launch."""
+
+    grid: tuple[int]
+    num_warps: int
+    num_stages: int
+    constants: dict
+
+
+def gmm_launch(*, m: int, n: int, k: int, num_groups: int, transpose_rhs: bool, gather: bool, tiles: TileConfig,
+               dtype, precision, interpret: bool) -> GmmLaunch:
+    """The launch of `gmm_kernel` for `M = m` packed rows against `rhs` `[E, N, K]`
+    (`transpose_rhs`) or `[E, K, N]`; `lhs` is `[M, K]`, or `[T, K]` read through `[M]` row ids
+    when `gather`. Needs `M, N, K > 0` and `E * M < 2**31`."""
+    if num_groups * m >= 2**31:
+        raise ValueError(f"gmm (triton backend): E * M = {num_groups} * {m} must stay below 2**31.")
+    num_tiles = max_tiles(m, num_groups, tiles.block_m)
+    strides = dict(stride_be=n * k, stride_bk=1, stride_bn=k) if transpose_rhs else \
+        dict(stride_be=k * n, stride_bk=n, stride_bn=1)
+    constants = dict(
+        M=m, N=n, K=k, E=num_groups, E_LANES=max(16, next_pow2(num_groups)), NUM_TILES=num_tiles, stride_am=k,
+        **strides, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
+        GATHER=gather, PRECISION=_precision(dtype, precision), INTERPRET=interpret,
+    )
+    return GmmLaunch((num_tiles * cdiv(n, tiles.block_n),), tiles.num_warps, tiles.num_stages, constants)
+
+
+def tgmm_launch(*, n: int, k: int, num_groups: int, tiles: TileConfig, dtype, precision,
+                interpret: bool) -> TgmmLaunch:
+    """The launch of `tgmm_kernel` for a gradient `[E, N, K]`. Needs `N, K > 0`."""
+    constants = dict(N=n, K=k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+                     PRECISION=_precision(dtype, precision), INTERPRET=interpret)
+    grid = (num_groups * cdiv(n, tiles.block_n) * cdiv(k, tiles.block_k),)
+    return TgmmLaunch(grid, tiles.num_warps, tiles.num_stages, constants)
+
+
+def _triton_call(kernel, inputs, out_shape, launch, name: str):
+    import jax_triton  # noqa: PLC0415  (GPU-only dependency, imported where it is used)
+
+    out_shape, inputs = varying_like(out_shape, inputs)
+    return jax_triton.triton_call(*inputs, kernel=kernel, out_shape=out_shape, grid=launch.grid, name=name,
+                                  num_warps=launch.num_warps, num_stages=launch.num_stages, **launch.constants)
+
+
+def gmm_triton(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool, tiles: TileConfig,
+               out_dtype, precision, row_ids: jax.Array | None = None) -> jax.Array:
+    """`gmm` on the `triton` backend, through `jax_triton` (GPU). With `row_ids` `[M]` (int32 rows
+    of `lhs` `[T, K]`), packed row r is `lhs[row_ids[r]]`; otherwise `lhs` is the packed `[M, K]`.
+    Validated shapes with `M, N, K > 0` expected."""
+    from moe_jax.ops.gmm.triton_kernels import gmm_kernel  # noqa: PLC0415  (triton imported on use)
+
+    m = lhs.shape[0] if row_ids is None else row_ids.shape[0]
+    k = lhs.shape[1]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    launch = gmm_launch(m=m, n=n, k=k, num_groups=rhs.shape[0], transpose_rhs=transpose_rhs,
+                        gather=row_ids is not None, tiles=tiles, dtype=lhs.dtype, precision=precision,
+                        interpret=False)
+    sizes = lane_sizes(group_sizes, m)
+    rows = sizes if row_ids is None else row_ids.astype(jnp.int32)
+    return _triton_call(gmm_kernel, (sizes, rows, lhs, rhs), jax.ShapeDtypeStruct((m, n), out_dtype), launch,
+                        "moe_jax_gmm_triton")
+
+
+def tgmm_triton(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, tiles: TileConfig, out_dtype,
+                precision) -> jax.Array:
+    """`tgmm` on the `triton` backend, through `jax_triton` (GPU): `[E, N, K]`."""
+    from moe_jax.ops.gmm.triton_kernels import tgmm_kernel  # noqa: PLC0415
+
+    m, k = lhs.shape
+    n = dout.shape[1]
+    num_groups = group_sizes.shape[0]
+    launch = tgmm_launch(n=n, k=k, num_groups=num_groups, tiles=tiles, dtype=lhs.dtype, precision=precision,
+                         interpret=False)
+    offsets = clamp_group_sizes(group_sizes, m)
+    return _triton_call(tgmm_kernel, (offsets, lhs, dout), jax.ShapeDtypeStruct((num_groups, n, k), out_dtype),
+                        launch, "moe_jax_tgmm_triton")
+
+
+def _torch_kernel(kernel, interpret: bool):
+    """`kernel` for torch tensors; on CPU tensors it must have been defined interpreted."""
+    from triton.runtime.interpreter import InterpretedFunction  # noqa: PLC0415
+
+    if interpret and not isinstance(kernel, InterpretedFunction):
+        raise ValueError(
+            "moe_jax's Triton kernels run on CPU tensors only under Triton's interpreter: set "
+            "TRITON_INTERPRET=1 before triton is first imported (the repository's conftest.py does)."
+        )
+    return kernel
+
+
+def gmm_torch(lhs, rhs, group_sizes, *, transpose_rhs: bool, tiles: TileConfig, precision=None, row_ids=None,
+              out=None):
+    """`gmm_kernel` on torch tensors: compiled on CUDA tensors, interpreted on CPU tensors.
+    Returns `out` (allocated `[M, N]` of `lhs.dtype` when None; the interpreter stores through an
+    fp32 buffer, rounded by torch to nearest even, because it truncates fp32 to bf16)."""
+    import torch  # noqa: PLC0415
+
+    from moe_jax.ops.gmm.triton_kernels import gmm_kernel  # noqa: PLC0415
+
+    interpret = lhs.device.type == "cpu"
+    m = lhs.shape[0] if row_ids is None else row_ids.shape[0]
+    k = lhs.shape[1]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    launch = gmm_launch(m=m, n=n, k=k, num_groups=rhs.shape[0], transpose_rhs=transpose_rhs,
+                        gather=row_ids is not None, tiles=tiles, dtype=_np_dtype(lhs.dtype), precision=precision,
+                        interpret=interpret)
+    lanes = launch.constants["E_LANES"]
+    sizes = torch.zeros(lanes, dtype=torch.int32, device=lhs.device)
+    sizes[: group_sizes.shape[0]] = group_sizes.to(torch.int32)
+    rows = sizes if row_ids is None else row_ids.to(torch.int32)
+    if out is None:
+        out = torch.empty((m, n), dtype=lhs.dtype, device=lhs.device)
+    target = out.float() if interpret and out.dtype != torch.float32 else out
+    _torch_kernel(gmm_kernel, interpret)[launch.grid](
+        sizes, rows, lhs.contiguous(), rhs.contiguous(), target, num_warps=launch.num_warps,
+        num_stages=launch.num_stages, **launch.constants)
+    if target is not out:
+        out.copy_(target.to(out.dtype))
+    return out
+
+
+def tgmm_torch(lhs, dout, group_sizes, *, tiles: TileConfig, precision=None, out=None):
+    """`tgmm_kernel` on torch tensors (CUDA compiled, CPU interpreted): `[E, N, K]` of `lhs.dtype`."""
+    import torch  # noqa: PLC0415
+
+    from moe_jax.ops.gmm.triton_kernels import tgmm_kernel  # noqa: PLC0415
+
+    interpret = lhs.device.type == "cpu"
+    m, k = lhs.shape
+    n = dout.shape[1]
+    num_groups = group_sizes.shape[0]
+    launch = tgmm_launch(n=n, k=k, num_groups=num_groups, tiles=tiles, dtype=_np_dtype(lhs.dtype),
+                         precision=precision, interpret=interpret)
+    offsets = torch.from_numpy(np.array(clamp_group_sizes(jnp.asarray(group_sizes.cpu().numpy()), m))).to(lhs.device)
+    if out is None:
+        out = torch.empty((num_groups, n, k), dtype=lhs.dtype, device=lhs.device)
+    target = out.float() if interpret and out.dtype != torch.float32 else out
+    _torch_kernel(tgmm_kernel, interpret)[launch.grid](
+        offsets, lhs.contiguous(), dout.contiguous(), target, num_warps=launch.num_warps,
+        num_stages=launch.num_stages, **launch.constants)
+    if target is not out:
+        out.copy_(target.to(out.dtype))
+    return out
+
+
+def _np_dtype(torch_dtype):
+    import torch  # noqa: PLC0415
+
+    return {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: jnp.bfloat16}[torch_dtype]

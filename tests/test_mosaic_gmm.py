@@ -1,0 +1,97 @@
+"""The `mosaic_gpu` backend's grouped GEMM against the fp32 reference: compiled on a GPU, and off
+GPU in Pallas's GPU interpret mode (shared memory, warpgroups, barriers and TMA simulated on the
+CPU; slow, so the CPU cases are few and small)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moe_jax.ops import gmm, gmm_reference, grouped_linear
+from moe_jax.ops.gmm.mosaic import MosaicConfig, mosaic_supports
+from moe_jax.testing import assert_close
+from tests.helpers import ON_GPU, lower_for_gpu
+
+SMALL = MosaicConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2)
+
+
+def _inputs(seed, m, k, n, e, transpose_rhs=True):
+    kx, kw = jax.random.split(jax.random.PRNGKey(seed))
+    x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(kw, (e, n, k) if transpose_rhs else (e, k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+    return x, w
+
+
+@pytest.mark.parametrize("transpose_rhs,sizes,m", [
+    (True, (70, 0, 33, 80), 200),   # ragged groups, an empty one, rows past the sum (NaN in lhs)
+    (False, (0, 136, 0), 136),      # one hot group over all rows, the input-gradient layout
+    (True, (0, 0), 64),             # no rows in any group: all zeros
+], ids=["ragged-nt", "one-hot-nn", "all-empty"])
+def test_mosaic_gmm_matches_reference(transpose_rhs, sizes, m):
+    k, n = 128, 128 if transpose_rhs else 256
+    x, w = _inputs(0, m, k, n, len(sizes), transpose_rhs)
+    total = sum(sizes)
+    x = x.at[total:].set(jnp.nan)  # never read into a stored row, and the rows there come out zero
+    gs = jnp.asarray(sizes, jnp.int32)
+    out = jax.jit(lambda x, w, gs: gmm(x, w, gs, transpose_rhs=transpose_rhs, backend="mosaic_gpu", config=SMALL,
+                                       preferred_element_type=jnp.float32))(x, w, gs)
+    assert np.isfinite(np.asarray(out)).all()
+    assert (np.asarray(out[total:]) == 0).all()
+    assert_close(out[:total], gmm_reference(x[:total], w, gs, transpose_rhs=transpose_rhs), jnp.float32, "mosaic gmm")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="a larger shape, compiled: the interpreted cases above cover the CPU")
+def test_mosaic_gmm_default_tiles_and_gradients_on_gpu():
+    m, k, n, e = 4096, 1024, 768 * 2, 16
+    x, w = _inputs(1, m, k, n, e)
+    gs = jnp.asarray(np.random.default_rng(0).multinomial(m - 100, np.ones(e) / e), jnp.int32)
+    out = gmm(x, w, gs, backend="mosaic_gpu")
+    assert_close(out, gmm_reference(x, w, gs), jnp.bfloat16, "forward")
+    dy = jax.random.normal(jax.random.PRNGKey(2), (m, n), jnp.bfloat16)
+    _, vjp = jax.vjp(lambda x, w: grouped_linear(x, w, gs, backend="mosaic_gpu"), x, w)
+    _, vjp_ref = jax.vjp(lambda x, w: grouped_linear(x, w, gs, backend="pallas_triton"), x, w)
+    for got, want, name in zip(vjp(dy), vjp_ref(dy), ("dx", "dw")):
+        assert_close(got, want, jnp.bfloat16, name)
+
+
+@pytest.mark.parametrize("transpose_rhs", [True, False], ids=["nt", "nn"])
+def test_mosaic_gmm_lowers_for_h200(transpose_rhs):
+    """The default tiles at a Qwen3-30B-A3B-like shape go through Mosaic GPU's lowering, layout
+    inference and shared-memory budget for an H200, from this host."""
+    m, k, n, e = 4096, 2048, 1536, 128
+    rhs = (e, n, k) if transpose_rhs else (e, k, n)
+    text = lower_for_gpu(lambda x, w, gs: gmm(x, w, gs, transpose_rhs=transpose_rhs, backend="mosaic_gpu"),
+                         jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct(rhs, jnp.bfloat16),
+                         jax.ShapeDtypeStruct((e,), jnp.int32))
+    assert "mosaic_gpu" in text
+
+
+def test_aligned_tiles_cover_every_row_once():
+    from moe_jax.ops.gmm.mosaic import ROW_ALIGN, aligned_tiles
+
+    rng = np.random.default_rng(3)
+    for m, tile_m in ((200, 64), (1024, 128), (64, 64)):
+        for _ in range(20):
+            e = int(rng.integers(1, 9))
+            sizes = rng.multinomial(int(rng.integers(0, m + 1)), np.ones(e) / e)
+            group, lo, hi, read = np.asarray(aligned_tiles(jnp.asarray(sizes, jnp.int32), num_rows=m, tile_m=tile_m))
+            covered = np.zeros(m, int)
+            offsets = np.concatenate([[0], np.cumsum(sizes)])
+            for g, a, b, r in zip(group, lo, hi, read):
+                if a == b:
+                    continue
+                assert r % ROW_ALIGN == 0 and 0 <= r <= m - tile_m and r <= a < b <= r + tile_m
+                assert (offsets[g] <= a and b <= offsets[g + 1]) if g < e else a >= offsets[-1]
+                covered[a:b] += 1
+            assert (covered == 1).all()
+
+
+def test_mosaic_shape_support_and_clear_errors():
+    assert mosaic_supports(4096, 1536, 2048, jnp.bfloat16)
+    assert not mosaic_supports(4096, 1536, 2048, jnp.float32)
+    assert not mosaic_supports(4096, 1000, 2048, jnp.bfloat16)
+    with pytest.raises(ValueError, match="backend='mosaic_gpu' takes bf16/fp16 with N % 256"):
+        gmm(jnp.ones((128, 64), jnp.bfloat16), jnp.ones((2, 100, 64), jnp.bfloat16), jnp.array([64, 64]),
+            backend="mosaic_gpu")
+    with pytest.raises(ValueError, match="power of two >= 64"):
+        MosaicConfig(tile_m=48)

@@ -1,0 +1,124 @@
+"""The `triton` backend's kernels against the fp32 references, on torch tensors.
+
+Off GPU jax_triton cannot import (it needs a CUDA jaxlib), so the kernels themselves are checked
+here: interpreted by Triton on CPU tensors (the repository's conftest sets `TRITON_INTERPRET`), and
+compiled on CUDA tensors on a GPU. The same launch parameters (`gmm_launch`, `tgmm_launch`) feed the
+jax_triton path, which `tests/test_ops.py` runs on a GPU through `gmm(backend="triton")`.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from moe_jax.ops import TileConfig, gmm_reference, tgmm_reference
+from moe_jax.ops.gmm.triton_launch import gmm_launch, gmm_torch, tgmm_torch
+from moe_jax.testing import assert_close
+from tests.helpers import ON_GPU
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+HI = jax.lax.Precision.HIGHEST
+TILES = [
+    TileConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2, group_m=1),
+    TileConfig(block_m=32, block_n=16, block_k=32, num_warps=4, num_stages=2, group_m=3),
+]
+SIZES = [(0, 17, 30, 0, 13), (60, 0, 0, 0, 0), (0, 0, 0, 0, 0), (12, 12, 12, 12, 12), (1, 0, 1, 0, 1)]
+
+
+def _t(a, dtype=None):
+    t = torch.from_numpy(np.array(jnp.asarray(a, jnp.float32))).to(DEVICE)
+    return t if dtype is None else t.to(dtype)
+
+
+def _inputs(seed, m, k, n, e, transpose_rhs=True):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = (rng.standard_normal((e, n, k) if transpose_rhs else (e, k, n)) / np.sqrt(k)).astype(np.float32)
+    return x, w
+
+
+@pytest.mark.parametrize("tiles", TILES, ids=["tiles16", "tiles32-swizzle3"])
+@pytest.mark.parametrize("sizes", SIZES, ids=["ragged", "one-hot", "all-empty", "even", "singletons"])
+@pytest.mark.parametrize("transpose_rhs", [True, False], ids=["nt", "nn"])
+def test_gmm_kernel_matches_reference_and_writes_every_row(tiles, sizes, transpose_rhs):
+    """fp32 (IEEE products): every row written (NaN-poisoned output), rows past the groups zero;
+    K, N and the groups not multiples of the tiles."""
+    m, k, n = 70, 40, 24
+    x, w = _inputs(0, m, k, n, len(sizes), transpose_rhs)
+    gs = np.asarray(sizes, np.int32)
+    out = torch.full((m, n), float("nan"), device=DEVICE)
+    y = gmm_torch(_t(x), _t(w), torch.from_numpy(gs).to(DEVICE), transpose_rhs=transpose_rhs, tiles=tiles,
+                  precision=HI, out=out)
+    want = gmm_reference(jnp.asarray(x), jnp.asarray(w), jnp.asarray(gs), transpose_rhs=transpose_rhs)
+    assert_close(y.cpu().numpy(), want, jnp.float32, "gmm_kernel")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gmm_kernel_gathers_rows(dtype):
+    """With row ids, packed row r is `x[ids[r]]` (repeats and unused rows allowed): equal to the
+    kernel on the gathered rows, bit for bit, and to the reference."""
+    t, m, k, n, tiles = 33, 64, 48, 40, TILES[1]
+    x, w = _inputs(1, t, k, n, 5)
+    ids = np.random.default_rng(2).integers(0, t, m).astype(np.int32)
+    gs = torch.tensor([9, 0, 30, 20, 0], dtype=torch.int32, device=DEVICE)
+    xt, wt = _t(x, dtype), _t(w, dtype)
+    fused = gmm_torch(xt, wt, gs, transpose_rhs=True, tiles=tiles, precision=HI,
+                      row_ids=torch.from_numpy(ids).to(DEVICE))
+    packed = gmm_torch(xt[torch.from_numpy(ids).long().to(DEVICE)], wt, gs, transpose_rhs=True, tiles=tiles,
+                       precision=HI)
+    assert torch.equal(fused, packed)
+    want = gmm_reference(jnp.asarray(xt.float().cpu().numpy())[ids], jnp.asarray(wt.float().cpu().numpy()),
+                         jnp.asarray(gs.cpu().numpy()))
+    assert_close(fused.float().cpu().numpy(), want, jnp.bfloat16 if dtype == torch.bfloat16 else jnp.float32,
+                 "gathered gmm_kernel")
+
+
+def test_gmm_kernel_bf16_rounds_like_the_reference():
+    m, k, n = 50, 64, 32
+    x, w = _inputs(3, m, k, n, 3)
+    gs = torch.tensor([20, 0, 25], dtype=torch.int32, device=DEVICE)
+    y = gmm_torch(_t(x, torch.bfloat16), _t(w, torch.bfloat16), gs, transpose_rhs=True, tiles=TILES[0])
+    xb = jnp.asarray(x).astype(jnp.bfloat16)
+    wb = jnp.asarray(w).astype(jnp.bfloat16)
+    assert y.dtype == torch.bfloat16
+    assert_close(y.float().cpu().numpy(), gmm_reference(xb, wb, jnp.asarray([20, 0, 25])), jnp.bfloat16, "bf16")
+
+
+@pytest.mark.parametrize("sizes", SIZES[:4], ids=["ragged", "one-hot", "all-empty", "even"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_tgmm_kernel_matches_reference(sizes, dtype):
+    """Weight gradient: every element written (NaN-poisoned output), empty groups exactly zero, the
+    rows past the groups (NaN here) never read, and two runs equal bit for bit."""
+    m, k, n = 70, 40, 24
+    x, _ = _inputs(4, m, k, n, 1)
+    d = np.random.default_rng(5).standard_normal((m, n)).astype(np.float32)
+    total = sum(sizes)
+    x[total:] = np.nan
+    d[total:] = np.nan
+    gs = torch.tensor(sizes, dtype=torch.int32, device=DEVICE)
+    out = torch.full((len(sizes), n, k), float("nan"), device=DEVICE, dtype=dtype)
+    dw = tgmm_torch(_t(x, dtype), _t(d, dtype), gs, tiles=TILES[1], precision=HI, out=out)
+    again = tgmm_torch(_t(x, dtype), _t(d, dtype), gs, tiles=TILES[1], precision=HI)
+    assert torch.equal(dw, again)
+    xq = jnp.asarray(_t(x, dtype).float().cpu().numpy())
+    dq = jnp.asarray(_t(d, dtype).float().cpu().numpy())
+    want = tgmm_reference(jnp.nan_to_num(xq), jnp.nan_to_num(dq), jnp.asarray(sizes))
+    got = dw.float().cpu().numpy()
+    assert np.isfinite(got).all()
+    for e, s in enumerate(sizes):
+        if s == 0:
+            assert (got[e] == 0).all()
+    assert_close(got, want, jnp.bfloat16 if dtype == torch.bfloat16 else jnp.float32, "tgmm_kernel")
+
+
+def test_gmm_launch_refuses_int32_overflow_and_sizes_the_grid():
+    tiles = TILES[0]
+    launch = gmm_launch(m=70, n=24, k=40, num_groups=5, transpose_rhs=True, gather=False, tiles=tiles,
+                        dtype=np.float32, precision=HI, interpret=True)
+    # max_tiles(70, 5, 16) = 6 + 64 // 16 = 10 row tiles, times 2 column blocks.
+    assert launch.grid == (20,)
+    assert launch.constants["E_LANES"] == 16 and launch.constants["PRECISION"] == "ieee"
+    with pytest.raises(ValueError, match="2\\*\\*31"):
+        gmm_launch(m=2**28, n=8, k=8, num_groups=8, transpose_rhs=True, gather=False, tiles=tiles,
+                   dtype=np.float32, precision=HI, interpret=True)
