@@ -60,8 +60,7 @@ def _jobs(shape, x, w, dy, gs, backends, kinds, variants):
     for b in backends:
         jobs[f"fwd {b}"] = (lambda x, w, gs, b=b: gmm(x, w, gs, backend=b), (x, w, gs), reps)
         jobs[f"dgrad {b}"] = (lambda d, w, gs, b=b: gmm(d, w, gs, transpose_rhs=False, backend=b), (dy, w, gs), reps)
-        if b != "mosaic_gpu":  # no Mosaic GPU weight-gradient kernel
-            jobs[f"wgrad {b}"] = (lambda x, d, gs, b=b: tgmm(x, d, gs, backend=b), (x, dy, gs), wreps)
+        jobs[f"wgrad {b}"] = (lambda x, d, gs, b=b: tgmm(x, d, gs, backend=b), (x, dy, gs), wreps)
         jobs[f"fb {b}"] = (fb(b), (x, w, gs, dy), max(2, wreps // 2))
     if "triton" in backends:
         for t in TRITON_FWD:

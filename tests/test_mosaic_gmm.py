@@ -1,4 +1,4 @@
-"""The `mosaic_gpu` backend's grouped GEMM against the fp32 reference: compiled on a GPU, and off
+"""The `mosaic_gpu` backend's grouped GEMMs against the fp32 references: compiled on a GPU, and off
 GPU in Pallas's GPU interpret mode (shared memory, warpgroups, barriers and TMA simulated on the
 CPU; slow, so the CPU cases are few and small)."""
 
@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_jax.ops import gmm, gmm_reference, grouped_linear
-from moe_jax.ops.gmm.mosaic import MosaicConfig, mosaic_supports
+from moe_jax.ops import gmm, gmm_reference, grouped_linear, tgmm, tgmm_reference
+from moe_jax.ops.gmm.mosaic import MosaicConfig, MosaicWgradConfig, mosaic_supports, mosaic_wgrad_supports
 from moe_jax.testing import assert_close
 from tests.helpers import ON_GPU, lower_for_gpu
 
@@ -40,6 +40,26 @@ def test_mosaic_gmm_matches_reference(transpose_rhs, sizes, m):
     assert_close(out[:total], gmm_reference(x[:total], w, gs, transpose_rhs=transpose_rhs), jnp.float32, "mosaic gmm")
 
 
+@pytest.mark.parametrize("sizes", [(70, 0, 33, 80), (0, 0, 0, 0), (256, 0, 0, 0)], ids=["ragged", "all-empty", "one-hot"])
+def test_mosaic_tgmm_matches_reference(sizes):
+    """Weight gradient: rows of other groups and rows past the last group (NaN here) never enter
+    a group's gradient, empty groups are exact zeros, and two runs give the same bits."""
+    m, k, n = 256, 128, 64
+    x, _ = _inputs(2, m, k, 8, 1)
+    dy = jax.random.normal(jax.random.PRNGKey(3), (m, n), jnp.float32).astype(jnp.bfloat16)
+    total = sum(sizes)
+    x, dy = x.at[total:].set(jnp.nan), dy.at[total:].set(jnp.nan)
+    gs = jnp.asarray(sizes, jnp.int32)
+    run = jax.jit(lambda x, dy, gs: tgmm(x, dy, gs, backend="mosaic_gpu", config=MosaicWgradConfig(64, 64, 64, 2),
+                                         preferred_element_type=jnp.float32))
+    dw = run(x, dy, gs)
+    np.testing.assert_array_equal(dw, run(x, dy, gs))
+    for e, s in enumerate(sizes):
+        if s == 0:
+            assert (np.asarray(dw[e]) == 0).all()
+    assert_close(dw, tgmm_reference(jnp.nan_to_num(x), jnp.nan_to_num(dy), gs), jnp.float32, "mosaic tgmm")
+
+
 @pytest.mark.skipif(not ON_GPU, reason="a larger shape, compiled: the interpreted cases above cover the CPU")
 def test_mosaic_gmm_default_tiles_and_gradients_on_gpu():
     m, k, n, e = 4096, 1024, 768 * 2, 16
@@ -62,6 +82,14 @@ def test_mosaic_gmm_lowers_for_h200(transpose_rhs):
     rhs = (e, n, k) if transpose_rhs else (e, k, n)
     text = lower_for_gpu(lambda x, w, gs: gmm(x, w, gs, transpose_rhs=transpose_rhs, backend="mosaic_gpu"),
                          jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct(rhs, jnp.bfloat16),
+                         jax.ShapeDtypeStruct((e,), jnp.int32))
+    assert "mosaic_gpu" in text
+
+
+def test_mosaic_tgmm_lowers_for_h200():
+    m, k, n, e = 4096, 2048, 1536, 128
+    text = lower_for_gpu(lambda x, dy, gs: tgmm(x, dy, gs, backend="mosaic_gpu"),
+                         jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
                          jax.ShapeDtypeStruct((e,), jnp.int32))
     assert "mosaic_gpu" in text
 
@@ -95,3 +123,8 @@ def test_mosaic_shape_support_and_clear_errors():
             backend="mosaic_gpu")
     with pytest.raises(ValueError, match="power of two >= 64"):
         MosaicConfig(tile_m=48)
+    assert mosaic_wgrad_supports(4096, 1536, 2048, jnp.bfloat16)
+    assert not mosaic_wgrad_supports(4100, 1536, 2048, jnp.bfloat16)
+    with pytest.raises(ValueError, match="weight gradients of bf16/fp16 with M % 64 == 0"):
+        tgmm(jnp.ones((100, 128), jnp.bfloat16), jnp.ones((100, 128), jnp.bfloat16), jnp.array([50, 50]),
+             backend="mosaic_gpu")

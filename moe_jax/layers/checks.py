@@ -64,11 +64,11 @@ def check_layer_mesh(mesh, rules: AxisRules, num_experts: int, backend: str) -> 
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh={mesh!r}: must be a jax.sharding.Mesh (e.g. from moe_jax.parallel.make_mesh).")
     ep = rules.check(mesh, num_experts)
-    if backend == "pallas_triton" and mesh.devices.flat[0].platform != "gpu":
-        # JAX's Pallas interpreter pads with mesh-invariant constants, which shard_map's
+    if backend in ("pallas_triton", "mosaic_gpu") and mesh.devices.flat[0].platform != "gpu":
+        # JAX's Pallas interpreters pad with mesh-invariant constants, which shard_map's
         # varying-axis check rejects; compiled GPU kernels are fine.
         raise ValueError(
-            "backend='pallas_triton' on a mesh of CPU devices would run the kernels in interpret "
+            f"backend={backend!r} on a mesh of CPU devices would run the kernels in interpret "
             "mode inside shard_map, which JAX cannot do; use backend='auto' or 'xla' on CPU meshes."
         )
     return ep

@@ -87,8 +87,11 @@ class MoE(nnx.Module):
       fused_gate_up: store gate and up as one `w_gate_up [E, 2F, Din]` (gate rows first).
       dtype: compute dtype of every GEMM except the router (default: the input's dtype).
       param_dtype: parameter dtype.
-      backend: grouped-GEMM backend (`"auto"`, `"pallas_triton"`, `"xla"`); the row gathers and
-        EP's send plan use it too.
+      backend: grouped-GEMM backend: `"auto"` (on GPU per kernel from `moe_jax.ops.H200_BACKENDS`;
+        XLA elsewhere), `"pallas_triton"`, `"triton"` (official Triton through jax_triton, GPU
+        only), `"mosaic_gpu"` (Pallas Mosaic GPU grouped GEMMs) or `"xla"`; the row
+        gathers and EP's send plan use it too (on `pallas_triton` where the backend has no kernel
+        of its own).
       gemm_kernel: how the Pallas backend picks each grouped GEMM's kernel: `"auto"` (default),
         the per-device tuned selector (`moe_jax.ops.gmm.selector`: from the packed rows and, where
         the table says it pays, the routing histogram, on device); `"static"`, the shape table

@@ -9,9 +9,9 @@ with `implementation(op, backend)`. Backend names:
 - `triton`: official Triton kernels (`triton.jit`) called through `jax_triton.triton_call`; GPU
   only (jax_triton imports only with a CUDA jaxlib). Implemented for `gmm` and `tgmm`; ops without
   a Triton kernel (`gather_rows`, `plan_sends`) run their `pallas_triton` implementation there.
-- `mosaic_gpu`: Pallas Mosaic GPU kernels (TMA, wgmma, warp specialization) for `gmm`; compiled
-  on GPU, run in Pallas's GPU interpret mode elsewhere. Ops without a Mosaic GPU kernel (`tgmm`,
-  `gather_rows`, `plan_sends`) run their `pallas_triton` implementation there.
+- `mosaic_gpu`: Pallas Mosaic GPU kernels (TMA, wgmma, warp specialization) for `gmm` and `tgmm`;
+  compiled on GPU, run in Pallas's GPU interpret mode elsewhere. Ops without a Mosaic GPU kernel
+  (`gather_rows`, `plan_sends`) run their `pallas_triton` implementation there.
 - `xla`: plain XLA (`jax.lax.ragged_dot_general`, `jnp` indexing).
 - `auto`: `pallas_triton` when compiling for a GPU, else `xla`; logged once per platform.
 

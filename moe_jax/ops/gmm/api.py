@@ -32,7 +32,7 @@ import numpy as np
 from moe_jax.ops.gmm import backends  # noqa: F401  (registers the three backends)
 from moe_jax.ops.gmm.backend_table import gemm_backend
 from moe_jax.ops.gmm.config import GmmConfig, TileConfig
-from moe_jax.ops.gmm.mosaic import MosaicConfig
+from moe_jax.ops.gmm.mosaic import MosaicConfig, MosaicWgradConfig
 from moe_jax.ops.gmm.selector import SelectorTable, selector_table
 from moe_jax.ops.platform import BackendName, implementation, resolve_backend
 from moe_jax.ops.sharding import replicate_explicit
@@ -216,7 +216,7 @@ def tgmm(
     _check_group_sizes(group_sizes, num_groups, m, "group_sizes")
     if num_groups == 0:
         raise ValueError("group_sizes is empty (E=0); a grouped GEMM needs at least one group.")
-    _check_config("config", config, (TileConfig,))
+    _check_config("config", config, (TileConfig, MosaicWgradConfig))
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     if m == 0 or n == 0 or k == 0:
         return jnp.zeros((num_groups, n, k), out_dtype)

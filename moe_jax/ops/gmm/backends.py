@@ -7,8 +7,8 @@
 - `triton`: official Triton kernels through `jax_triton` (`triton_kernels`, `triton_launch`), the
   row-tile family only: a row-tile candidate runs with its tiles; a group-major or split-K choice,
   `"auto"` or a `SelectorTable` runs `triton_candidate`.
-- `mosaic_gpu`: `gmm` on the Mosaic GPU kernel (`mosaic`), with a `MosaicConfig` or its default
-  tiles; `tgmm` has no Mosaic GPU kernel and runs on `pallas_triton`.
+- `mosaic_gpu`: `gmm` and `tgmm` on the Mosaic GPU kernels (`mosaic`), with a `MosaicConfig` /
+  `MosaicWgradConfig` or their default tiles.
 - `xla`: `jax.lax.ragged_dot_general`, XLA's grouped dot; tile configs are ignored (XLA picks its
   own tiling).
 
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from moe_jax.ops.gmm.config import CANDIDATES, GmmConfig, TileConfig, gmm_config, tgmm_config, triton_candidate
 from moe_jax.ops.gmm.group_major import gmm_group_major_pallas
-from moe_jax.ops.gmm.mosaic import MosaicConfig, gmm_mosaic
+from moe_jax.ops.gmm.mosaic import MosaicConfig, MosaicWgradConfig, gmm_mosaic, tgmm_mosaic
 from moe_jax.ops.gmm.row_tile import gmm_row_tile_pallas
 from moe_jax.ops.gmm.schedule import clamp_group_sizes
 from moe_jax.ops.gmm.selector import SelectorTable, select
@@ -72,7 +72,7 @@ def pallas_gmm(lhs, rhs, group_sizes, *, transpose_rhs, config, out_dtype, preci
 @register("tgmm", "pallas_triton")
 def pallas_tgmm(lhs, dout, group_sizes, *, config, out_dtype, precision):
     m, k = lhs.shape
-    tiles = config or tgmm_config(m, dout.shape[1], k, group_sizes.shape[0])
+    tiles = config if isinstance(config, TileConfig) else tgmm_config(m, dout.shape[1], k, group_sizes.shape[0])
     return tgmm_pallas(lhs, dout, clamp_group_sizes(group_sizes, m), tiles=tiles, out_dtype=out_dtype,
                        precision=precision, interpret=interpret())
 
@@ -99,7 +99,7 @@ def triton_gmm(lhs, rhs, group_sizes, *, transpose_rhs, config, out_dtype, preci
 @register("tgmm", "triton")
 def triton_tgmm(lhs, dout, group_sizes, *, config, out_dtype, precision):
     m, k = lhs.shape
-    tiles = config or tgmm_config(m, dout.shape[1], k, group_sizes.shape[0])
+    tiles = config if isinstance(config, TileConfig) else tgmm_config(m, dout.shape[1], k, group_sizes.shape[0])
     return tgmm_triton(lhs, dout, group_sizes, tiles=tiles, out_dtype=out_dtype, precision=precision)
 
 
@@ -108,6 +108,14 @@ def mosaic_gmm(lhs, rhs, group_sizes, *, transpose_rhs, config, out_dtype, preci
     del precision  # bf16/fp16 only: wgmma accumulates in fp32
     return gmm_mosaic(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
                       config=config if isinstance(config, MosaicConfig) else MosaicConfig(), interpret=interpret())
+
+
+@register("tgmm", "mosaic_gpu")
+def mosaic_tgmm(lhs, dout, group_sizes, *, config, out_dtype, precision):
+    del precision
+    return tgmm_mosaic(lhs, dout, group_sizes, out_dtype=out_dtype,
+                       config=config if isinstance(config, MosaicWgradConfig) else MosaicWgradConfig(),
+                       interpret=interpret())
 
 
 def _clamped_sizes(group_sizes, num_rows):

@@ -1,5 +1,6 @@
-"""The `mosaic_gpu` backend's grouped GEMM: Pallas Mosaic GPU (TMA, wgmma, warp specialization,
-a persistent tile loop), for the forward and the input gradient.
+"""The `mosaic_gpu` backend's grouped GEMMs: Pallas Mosaic GPU (TMA, wgmma, warp specialization,
+a persistent tile loop), for the forward and the input gradient (`gmm_mosaic`), and the weight
+gradient (`tgmm_mosaic`).
 
 Legend: M packed rows, K reduction width, N output width, E groups, W worst-case row tiles.
 
@@ -18,7 +19,15 @@ row reads the `tile_m` rows ending at M instead, so no read leaves `lhs`; the ti
 predicated TMA copies of power-of-two heights (TMA boxes are static), rows of neighbouring groups
 that the tile also computed are never stored.
 
-Off GPU the same kernel runs in Pallas's GPU interpret mode (`plgpu.InterpretGPUParams`: shared
+The weight gradient `out[E, N, K]`, `out[e] = dout_e^T @ lhs_e`: one work item per (group,
+`tile_n x tile_k` block), persistent over the SMs; one warpgroup walks the group's rows in blocks
+of `tile_r` laid on the global `tile_r` grid (a TMA pipeline of `max_concurrent_steps` stages,
+wgmma with the dout block read transposed from shared memory). The first and last blocks of a group
+also hold other rows: they are zeroed in shared memory, in both operands (rows past the last group
+may hold anything, NaN included), before their MMA. An empty group's block is stored as zeros.
+One writer per element, no atomics: the same bits on every run.
+
+Off GPU the same kernels run in Pallas's GPU interpret mode (`plgpu.InterpretGPUParams`: shared
 memory, warpgroups, barriers and TMA simulated on the CPU), which is how the tests check it there.
 """
 
@@ -35,8 +44,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from moe_jax.ops.gmm.schedule import clamp_group_sizes
 
-__all__ = ["MosaicConfig", "ROW_ALIGN", "SMEM_BYTES", "aligned_tiles", "gmm_mosaic", "mosaic_supports", "num_work_tiles",
-           "smem_bytes"]
+__all__ = ["MosaicConfig", "MosaicWgradConfig", "ROW_ALIGN", "SMEM_BYTES", "aligned_tiles", "gmm_mosaic", "mosaic_supports",
+           "mosaic_wgrad_supports", "num_work_tiles", "smem_bytes", "tgmm_mosaic"]
 
 H200_SMS = 132
 ROW_ALIGN = 8  # TMA boxes into the swizzled tiles start on a multiple of the 8-row tiling
@@ -235,3 +244,119 @@ def gmm_mosaic(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transp
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
     return call(meta_4W, lhs, rhs)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicWgradConfig:
+    """Tiles of the Mosaic GPU weight-gradient kernel: a `tile_n x tile_k` block of one group's
+    gradient per work item, the group's rows walked `tile_r` at a time, `max_concurrent_steps`
+    TMA stages."""
+
+    tile_n: int = 128
+    tile_k: int = 128
+    tile_r: int = 64
+    max_concurrent_steps: int = 4
+
+    def __post_init__(self):
+        for name in ("tile_n", "tile_k", "tile_r"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 64 or v & (v - 1):
+                raise ValueError(f"MosaicWgradConfig.{name}={v!r}: must be a power of two >= 64 (wgmma tiles).")
+        if not isinstance(self.max_concurrent_steps, int) or not 2 <= self.max_concurrent_steps <= 8:
+            raise ValueError(f"MosaicWgradConfig.max_concurrent_steps={self.max_concurrent_steps!r}: must be in [2, 8].")
+
+
+def mosaic_wgrad_supports(m: int, n: int, k: int, dtype, config: MosaicWgradConfig = MosaicWgradConfig()) -> bool:
+    """Whether the weight-gradient kernel takes `lhs [M, K]`, `dout [M, N]`: bf16/fp16, M a
+    multiple of `tile_r`, N of `tile_n`, K of `tile_k`."""
+    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and m % config.tile_r == 0
+            and n % config.tile_n == 0 and k % config.tile_k == 0 and m > 0)
+
+
+def _wgrad_body(groups_ref, lhs_ref, dout_ref, out_ref, *, config: MosaicWgradConfig, n: int, k: int,
+                num_groups: int):
+    tile_n, tile_k, tile_r = config.tile_n, config.tile_k, config.tile_r
+    n_iters, k_iters = n // tile_n, k // tile_k
+    dtype = lhs_ref.dtype
+    swizzle = plgpu.find_swizzle(min(tile_n, tile_k) * jnp.dtype(dtype).itemsize * 8)
+    swizzle_elems = swizzle // jnp.dtype(dtype).itemsize
+    transforms = (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
+    out_itemsize = jnp.dtype(out_ref.dtype).itemsize
+    out_swizzle = plgpu.find_swizzle(tile_k * out_itemsize * 8)
+    out_transforms = (plgpu.TilingTransform((8, out_swizzle // out_itemsize)), plgpu.SwizzleTransform(out_swizzle))
+    m = lhs_ref.shape[0]
+
+    @plgpu.nd_loop((num_groups, n_iters * k_iters), collective_axes="sm")
+    def work(info):
+        g, rest = info.index
+        n_blk, k_blk = rest // k_iters, rest % k_iters
+        start, end, first = groups_ref[0, g], groups_ref[1, g], groups_ref[2, g]
+        num_blocks = groups_ref[3, g]
+        first = pl.multiple_of(first, tile_r)
+
+        def acc_scope(acc_ref):
+            def step(idx, d_smem, a_smem):
+                (r,) = idx
+
+                # The first and last blocks hold rows of the neighbouring groups (or rows past the
+                # last group, which may hold anything): zero them in both operands.
+                @pl.when((r == 0) | (r == num_blocks - 1))
+                def _():
+                    row0 = first + r * tile_r
+                    for smem, width in ((d_smem, tile_n), (a_smem, tile_k)):
+                        rows = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, (tile_r, width), 0), plgpu.Layout.WGMMA)
+                        rows = rows + row0
+                        smem[...] = jnp.where((rows >= start) & (rows < end), smem[...], jnp.zeros_like(smem[...]))
+                    plgpu.commit_smem()
+
+                plgpu.wgmma(acc_ref, d_smem.transpose((1, 0)), a_smem)
+
+            @pl.when(num_blocks > 0)
+            def _():
+                plgpu.emit_pipeline(
+                    step, grid=(num_blocks,),
+                    in_specs=[
+                        plgpu.BlockSpec((tile_r, tile_n), lambda r: (r, n_blk), delay_release=1, transforms=transforms),
+                        plgpu.BlockSpec((tile_r, tile_k), lambda r: (r, k_blk), delay_release=1, transforms=transforms),
+                    ],
+                    max_concurrent_steps=config.max_concurrent_steps,
+                )(dout_ref.at[pl.ds(first, m), :], lhs_ref.at[pl.ds(first, m), :])
+
+            return acc_ref[...]
+
+        acc = pl.run_scoped(acc_scope, plgpu.ACC((tile_n, tile_k), jnp.float32))
+
+        @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((tile_n, tile_k), out_ref.dtype, transforms=out_transforms))
+        def _(o_smem):
+            o_smem[...] = acc.astype(o_smem.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, out_ref.at[g, pl.ds(n_blk * tile_n, tile_n), pl.ds(k_blk * tile_k, tile_k)])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def tgmm_mosaic(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, out_dtype,
+                config: MosaicWgradConfig = MosaicWgradConfig(), interpret: bool = False) -> jax.Array:
+    """`out[E, N, K]`, `out[e] = dout_e^T @ lhs_e`, on the Mosaic GPU weight-gradient kernel
+    (sizes clamped as `schedule.clamp_group_sizes` does). Expects validated shapes that
+    `mosaic_wgrad_supports`."""
+    m, k = lhs.shape
+    n = dout.shape[1]
+    num_groups = group_sizes.shape[0]
+    if not mosaic_wgrad_supports(m, n, k, lhs.dtype, config):
+        raise ValueError(
+            f"backend='mosaic_gpu' computes weight gradients of bf16/fp16 with M % {config.tile_r} == 0, "
+            f"N % {config.tile_n} == 0 and K % {config.tile_k} == 0; got M={m}, N={n}, K={k}, "
+            f"{jnp.dtype(lhs.dtype).name}. Use backend='auto' or 'pallas_triton'."
+        )
+    offsets = clamp_group_sizes(group_sizes, m)
+    starts, ends = offsets[:-1], offsets[1:]
+    firsts = starts // config.tile_r * config.tile_r
+    blocks = jnp.where(ends > starts, (ends - firsts + config.tile_r - 1) // config.tile_r, 0)
+    groups_4E = jnp.stack([starts, ends, firsts, blocks]).astype(jnp.int32)
+    body = functools.partial(_wgrad_body, config=config, n=n, k=k, num_groups=num_groups)
+    call = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((num_groups, n, k), out_dtype), grid=(_num_sms(interpret),),
+        grid_names=("sm",), compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )
+    return call(groups_4E, lhs, dout)
