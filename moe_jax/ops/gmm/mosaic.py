@@ -51,6 +51,17 @@ H200_SMS = 132
 ROW_ALIGN = 8  # TMA boxes into the swizzled tiles start on a multiple of the 8-row tiling
 
 
+def _check_tiles(config, names: tuple[str, ...], *, min_steps: int) -> None:
+    kind = type(config).__name__
+    for name in names:
+        v = getattr(config, name)
+        if not isinstance(v, int) or v < 64 or v & (v - 1):
+            raise ValueError(f"{kind}.{name}={v!r}: must be a power of two >= 64 (wgmma tiles).")
+    steps = config.max_concurrent_steps
+    if not isinstance(steps, int) or not min_steps <= steps <= 8:
+        raise ValueError(f"{kind}.max_concurrent_steps={steps!r}: must be in [{min_steps}, 8].")
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicConfig:
     """Tiles of the Mosaic GPU kernel: `tile_m` rows x `2 * tile_n` columns per CTA (one
@@ -62,12 +73,7 @@ class MosaicConfig:
     max_concurrent_steps: int = 3
 
     def __post_init__(self):
-        for name in ("tile_m", "tile_n", "tile_k"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 64 or v & (v - 1):
-                raise ValueError(f"MosaicConfig.{name}={v!r}: must be a power of two >= 64 (wgmma tiles).")
-        if not isinstance(self.max_concurrent_steps, int) or not 1 <= self.max_concurrent_steps <= 8:
-            raise ValueError(f"MosaicConfig.max_concurrent_steps={self.max_concurrent_steps!r}: must be in [1, 8].")
+        _check_tiles(self, ("tile_m", "tile_n", "tile_k"), min_steps=1)
 
 
 SMEM_BYTES = 227 * 1024  # shared memory per block on sm_90 (opt-in maximum)
@@ -258,12 +264,9 @@ class MosaicWgradConfig:
     max_concurrent_steps: int = 4
 
     def __post_init__(self):
-        for name in ("tile_n", "tile_k", "tile_r"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 64 or v & (v - 1):
-                raise ValueError(f"MosaicWgradConfig.{name}={v!r}: must be a power of two >= 64 (wgmma tiles).")
-        if not isinstance(self.max_concurrent_steps, int) or not 2 <= self.max_concurrent_steps <= 8:
-            raise ValueError(f"MosaicWgradConfig.max_concurrent_steps={self.max_concurrent_steps!r}: must be in [2, 8].")
+        # Two stages at least: each block is released one step late (`delay_release=1`), while
+        # its wgmma may still read it.
+        _check_tiles(self, ("tile_n", "tile_k", "tile_r"), min_steps=2)
 
 
 def mosaic_wgrad_supports(m: int, n: int, k: int, dtype, config: MosaicWgradConfig = MosaicWgradConfig()) -> bool:

@@ -20,7 +20,7 @@ from moe_jax.ops.gmm.tile import lane_sizes
 from moe_jax.ops.pallas_triton import cdiv, next_pow2
 from moe_jax.ops.sharding import varying_like
 
-__all__ = ["GmmLaunch", "TgmmLaunch", "gmm_launch", "gmm_triton", "gmm_torch", "tgmm_launch", "tgmm_triton",
+__all__ = ["Launch", "gmm_launch", "gmm_triton", "gmm_torch", "tgmm_launch", "tgmm_triton",
            "tgmm_torch"]
 
 
@@ -30,17 +30,8 @@ def _precision(dtype, precision) -> str:
     return "ieee" if np.dtype(dtype) == np.float32 and full else "tf32"
 
 
-class GmmLaunch(NamedTuple):
-    """Grid, launch parameters and constexpr arguments of one `gmm_kernel` launch."""
-
-    grid: tuple[int]
-    num_warps: int
-    num_stages: int
-    constants: dict
-
-
-class TgmmLaunch(NamedTuple):
-    """Grid, launch parameters and constexpr arguments of one `tgmm_kernel` launch."""
+class Launch(NamedTuple):
+    """Grid, launch parameters and constexpr arguments of one kernel launch."""
 
     grid: tuple[int]
     num_warps: int
@@ -49,7 +40,7 @@ class TgmmLaunch(NamedTuple):
 
 
 def gmm_launch(*, m: int, n: int, k: int, num_groups: int, transpose_rhs: bool, gather: bool, tiles: TileConfig,
-               dtype, precision, interpret: bool) -> GmmLaunch:
+               dtype, precision, interpret: bool) -> Launch:
     """The launch of `gmm_kernel` for `M = m` packed rows against `rhs` `[E, N, K]`
     (`transpose_rhs`) or `[E, K, N]`; `lhs` is `[M, K]`, or `[T, K]` read through `[M]` row ids
     when `gather`. Needs `M, N, K > 0` and `E * M < 2**31`."""
@@ -63,16 +54,16 @@ def gmm_launch(*, m: int, n: int, k: int, num_groups: int, transpose_rhs: bool, 
         **strides, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
         GATHER=gather, PRECISION=_precision(dtype, precision), INTERPRET=interpret,
     )
-    return GmmLaunch((num_tiles * cdiv(n, tiles.block_n),), tiles.num_warps, tiles.num_stages, constants)
+    return Launch((num_tiles * cdiv(n, tiles.block_n),), tiles.num_warps, tiles.num_stages, constants)
 
 
 def tgmm_launch(*, n: int, k: int, num_groups: int, tiles: TileConfig, dtype, precision,
-                interpret: bool) -> TgmmLaunch:
+                interpret: bool) -> Launch:
     """The launch of `tgmm_kernel` for a gradient `[E, N, K]`. Needs `N, K > 0`."""
     constants = dict(N=n, K=k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
                      PRECISION=_precision(dtype, precision), INTERPRET=interpret)
     grid = (num_groups * cdiv(n, tiles.block_n) * cdiv(k, tiles.block_k),)
-    return TgmmLaunch(grid, tiles.num_warps, tiles.num_stages, constants)
+    return Launch(grid, tiles.num_warps, tiles.num_stages, constants)
 
 
 def _triton_call(kernel, inputs, out_shape, launch, name: str):
