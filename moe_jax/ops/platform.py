@@ -13,7 +13,8 @@ with `implementation(op, backend)`. Backend names:
   compiled on GPU, run in Pallas's GPU interpret mode elsewhere. Ops without a Mosaic GPU kernel
   (`gather_rows`, `plan_sends`) run their `pallas_triton` implementation there.
 - `xla`: plain XLA (`jax.lax.ragged_dot_general`, `jnp` indexing).
-- `auto`: `pallas_triton` when compiling for a GPU, else `xla`; logged once per platform.
+- `auto`: `pallas_triton` when compiling for a GPU, else `xla`; logged once per platform. The
+  grouped GEMMs refine it per kernel on a GPU (`moe_jax.ops.gmm.backend_table`).
 
 The platform is the one being compiled for (`compile_platform`): the abstract mesh's device when
 one is set (inside `shard_map`, or lowering ahead of time for a GPU from a CPU host), else JAX's
