@@ -491,7 +491,7 @@ def test_config_table_and_validation():
     with pytest.raises(ValueError, match="the split_k family takes splits >= 2, the others splits=1"):
         GmmConfig("row_tile", splits=2)
     assert GmmConfig("split_k", splits=4).name.startswith("split_k4 ")
-    with pytest.raises(TypeError, match="config must be a GmmConfig or TileConfig or SelectorTable, 'auto'"):
+    with pytest.raises(TypeError, match="config must be a GmmConfig or TileConfig or SelectorTable or MosaicConfig, 'auto'"):
         gmm(jnp.ones((4, 8)), jnp.ones((2, 4, 8)), _sizes(2, 2), config="row_tile")
     with pytest.raises(TypeError, match="config must be a TileConfig"):
         tgmm(jnp.ones((4, 8)), jnp.ones((4, 4)), _sizes(2, 2), config=GmmConfig())
