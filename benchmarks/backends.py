@@ -29,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import shapes as S
-from benchmarks.gmm import attempt, compile_all, encode_config, make_inputs, reps_for, to_torch, torch_offsets
+from benchmarks.gmm import (attempt, compile_all, encode_config, make_inputs, reps_for, to_torch,
+                            torch_forward_backward, torch_offsets)
 from benchmarks.timing import compile_jax, run_meta, time_compiled, time_torch
 from moe_jax.ops import TileConfig, gmm, gmm_config, grouped_linear, tgmm, tgmm_config
 from moe_jax.ops.gmm.mosaic import MosaicConfig, mosaic_supports
@@ -120,14 +121,8 @@ def _torch_times(shape, x, w, dy, counts, reps):
     t["dgrad torch"] = time_torch(lambda: torch._grouped_mm(tdy, tw, offs=offs), [()], reps=reps)
     t["wgrad torch"] = attempt(time_torch, lambda: torch._grouped_mm(tdy.t(), tx, offs=offs), [()],
                             reps=max(2, reps // 2))
-    txg = tx.detach().clone().requires_grad_(True)
-    twg = tw.detach().clone().requires_grad_(True)
-
-    def torch_fb():
-        out = torch._grouped_mm(txg, twg.transpose(-2, -1), offs=offs)
-        return torch.autograd.grad(out, (txg, twg), tdy)
-
-    t["fb torch"] = attempt(time_torch, torch_fb, [()], reps=max(2, reps // 3), graph=False)
+    t["fb torch"] = attempt(time_torch, torch_forward_backward(tx, tw, tdy, offs), [()], reps=max(2, reps // 3),
+                            graph=False)
     return t
 
 

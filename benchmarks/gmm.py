@@ -194,6 +194,19 @@ def torch_offsets(counts: np.ndarray):
     return torch.as_tensor(np.cumsum(counts), dtype=torch.int32, device="cuda")
 
 
+def torch_forward_backward(tx, tw, tdy, offs):
+    """A call of `torch._grouped_mm`'s forward and autograd backward (dx, dw) on copies of `tx`, `tw`."""
+    torch = _torch()
+    txg = tx.detach().clone().requires_grad_(True)
+    twg = tw.detach().clone().requires_grad_(True)
+
+    def run():
+        out = torch._grouped_mm(txg, twg.transpose(-2, -1), offs=offs)
+        return torch.autograd.grad(out, (txg, twg), tdy)
+
+    return run
+
+
 def _err_vs_torch(case: Case, w, tx, tw, offs) -> float:
     """Relative error of our forward (`case`'s fwd config) against `torch._grouped_mm` on `w`."""
     ty = _torch()._grouped_mm(tx, tw.transpose(-2, -1), offs=offs)
@@ -210,14 +223,8 @@ def _torch_prefill(case: Case, quick: bool):
     case.rec["rel_err_vs_torch"] = _err_vs_torch(case, case.inputs["w"], tx, tw, offs)
     t = case.times
     t["torch"] = time_torch(lambda: torch._grouped_mm(tx, tw.transpose(-2, -1), offs=offs), [()], reps=reps)
-    txg = tx.detach().clone().requires_grad_(True)
-    twg = tw.detach().clone().requires_grad_(True)
-
-    def torch_fb():
-        out = torch._grouped_mm(txg, twg.transpose(-2, -1), offs=offs)
-        return torch.autograd.grad(out, (txg, twg), tdy)
-
-    t["torch_fb"] = attempt(time_torch, torch_fb, [()], reps=max(2, reps // 3), graph=False)
+    t["torch_fb"] = attempt(time_torch, torch_forward_backward(tx, tw, tdy, offs), [()], reps=max(2, reps // 3),
+                            graph=False)
     if not quick:
         from parity.reference import grouped_gemm
 

@@ -26,8 +26,7 @@ __all__ = ["Launch", "gmm_launch", "gmm_triton", "gmm_torch", "tgmm_launch", "tg
 
 def _precision(dtype, precision) -> str:
     """`tl.dot`'s input precision: IEEE fp32 products for fp32 at `Precision.HIGHEST`."""
-    full = precision in (jax.lax.Precision.HIGHEST, "highest", "HIGHEST")
-    return "ieee" if np.dtype(dtype) == np.float32 and full else "tf32"
+    return "ieee" if np.dtype(dtype) == np.float32 and precision == jax.lax.Precision.HIGHEST else "tf32"
 
 
 class Launch(NamedTuple):
@@ -75,21 +74,19 @@ def _triton_call(kernel, inputs, out_shape, launch, name: str):
 
 
 def gmm_triton(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool, tiles: TileConfig,
-               out_dtype, precision, row_ids: jax.Array | None = None) -> jax.Array:
-    """`gmm` on the `triton` backend, through `jax_triton` (GPU). With `row_ids` `[M]` (int32 rows
-    of `lhs` `[T, K]`), packed row r is `lhs[row_ids[r]]`; otherwise `lhs` is the packed `[M, K]`.
-    Validated shapes with `M, N, K > 0` expected."""
+               out_dtype, precision) -> jax.Array:
+    """`gmm` on the `triton` backend, through `jax_triton` (GPU), on the packed `lhs` `[M, K]`
+    (the kernel's row-gather path is not wired to JAX yet). Validated shapes with `M, N, K > 0`
+    expected."""
     from moe_jax.ops.gmm.triton_kernels import gmm_kernel  # noqa: PLC0415  (triton imported on use)
 
-    m = lhs.shape[0] if row_ids is None else row_ids.shape[0]
-    k = lhs.shape[1]
+    m, k = lhs.shape
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    launch = gmm_launch(m=m, n=n, k=k, num_groups=rhs.shape[0], transpose_rhs=transpose_rhs,
-                        gather=row_ids is not None, tiles=tiles, dtype=lhs.dtype, precision=precision,
-                        interpret=False)
+    launch = gmm_launch(m=m, n=n, k=k, num_groups=rhs.shape[0], transpose_rhs=transpose_rhs, gather=False,
+                        tiles=tiles, dtype=lhs.dtype, precision=precision, interpret=False)
     sizes = lane_sizes(group_sizes, m)
-    rows = sizes if row_ids is None else row_ids.astype(jnp.int32)
-    return _triton_call(gmm_kernel, (sizes, rows, lhs, rhs), jax.ShapeDtypeStruct((m, n), out_dtype), launch,
+    # The kernel's row-id pointer is never read without GATHER; the sizes stand in for it.
+    return _triton_call(gmm_kernel, (sizes, sizes, lhs, rhs), jax.ShapeDtypeStruct((m, n), out_dtype), launch,
                         "moe_jax_gmm_triton")
 
 
