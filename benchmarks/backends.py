@@ -129,6 +129,7 @@ def _torch_times(shape, x, w, dy, counts, reps):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="the first prefill shape only")
+    p.add_argument("--shapes", default=None, help="comma-separated indices into the prefill shapes (default all)")
     p.add_argument("--backends", default="pallas_triton,triton,mosaic_gpu",
                    help="comma-separated backends to time (each with its tile variants)")
     p.add_argument("--kernels", default="fwd,dgrad,wgrad,fb", help="comma-separated subset of fwd,dgrad,wgrad,fb")
@@ -141,7 +142,8 @@ def main(argv=None):
     import torch
 
     cases = []
-    for shape in (S.PREFILL[:1] if args.quick else S.PREFILL):
+    picked = S.PREFILL if args.shapes is None else [S.PREFILL[int(i)] for i in args.shapes.split(",")]
+    for shape in (S.PREFILL[:1] if args.quick else picked):
         x, (w,), dy, _ = make_inputs(shape, S.balanced_counts(shape.m, shape.e))
         for skew in ("balanced", "zipf"):
             counts = S.balanced_counts(shape.m, shape.e) if skew == "balanced" else S.zipf_counts(
