@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moe_jax.ops import gmm_reference, grouped_linear
+from moe_jax.ops import RowGather, gmm_reference, grouped_linear
 from moe_jax.ops.platform import BackendName
 
 __all__ = [
@@ -90,12 +90,15 @@ def swiglu_experts(
     backend: BackendName = "auto",
     precision: jax.lax.Precision | None = None,
     kernel: str | None = None,
+    rows: RowGather | None = None,
 ) -> jax.Array:
     """SwiGLU experts with separate gate and up weights: `y_MD` `[M, D]` in `x_MD.dtype`.
 
     All arrays must share one float dtype (cast weights to the compute dtype first). `backend`,
     `precision` and `kernel` (the forward and input-gradient GEMMs' `config`: `"auto"` for the
     tuned on-device selector, None for the static shape table) go to every `grouped_linear`.
+    `rows` (a `moe_jax.ops.RowGather`): `x_MD` is then the `[T, D]` source and the gate and up
+    GEMMs read the packed rows `x_MD[rows.ids_M]` through the ids (M = `rows.ids_M.shape[0]`).
     """
     _check_gate_up(x_MD, w_gate_EFD, "w_gate_EFD")
     if w_up_EFD.shape != w_gate_EFD.shape:
@@ -105,8 +108,8 @@ def swiglu_experts(
     num_experts, hidden, _ = w_gate_EFD.shape
     _check_down(x_MD, w_down_EDF, num_experts, hidden)
     opts = dict(backend=backend, precision=precision, fwd_config=kernel, dgrad_config=kernel)
-    gate_MF = grouped_linear(x_MD, w_gate_EFD, group_sizes_E, **opts)
-    up_MF = grouped_linear(x_MD, w_up_EFD, group_sizes_E, **opts)
+    gate_MF = grouped_linear(x_MD, w_gate_EFD, group_sizes_E, rows=rows, **opts)
+    up_MF = grouped_linear(x_MD, w_up_EFD, group_sizes_E, rows=rows, **opts)
     h_MF = _swiglu(gate_MF, up_MF)
     return grouped_linear(h_MF, w_down_EDF, group_sizes_E, **opts)
 
@@ -120,17 +123,19 @@ def swiglu_experts_fused(
     backend: BackendName = "auto",
     precision: jax.lax.Precision | None = None,
     kernel: str | None = None,
+    rows: RowGather | None = None,
 ) -> jax.Array:
     """SwiGLU experts with fused gate/up weights `[E, 2F, D]` (`[:F]` gate, `[F:]` up).
 
     One grouped GEMM computes gate and up together (`x_MD` is read once); equal to
-    `swiglu_experts` on `split_gate_up(w_gate_up_E2FD)`. `kernel`: as for `swiglu_experts`.
+    `swiglu_experts` on `split_gate_up(w_gate_up_E2FD)`. `kernel`, `rows`: as for
+    `swiglu_experts`.
     """
     _check_gate_up(x_MD, w_gate_up_E2FD, "w_gate_up_E2FD")
     hidden = _fused_hidden(w_gate_up_E2FD)
     _check_down(x_MD, w_down_EDF, w_gate_up_E2FD.shape[0], hidden)
     opts = dict(backend=backend, precision=precision, fwd_config=kernel, dgrad_config=kernel)
-    gate_up_M2F = grouped_linear(x_MD, w_gate_up_E2FD, group_sizes_E, **opts)
+    gate_up_M2F = grouped_linear(x_MD, w_gate_up_E2FD, group_sizes_E, rows=rows, **opts)
     h_MF = _swiglu(gate_up_M2F[:, :hidden], gate_up_M2F[:, hidden:])
     return grouped_linear(h_MF, w_down_EDF, group_sizes_E, **opts)
 

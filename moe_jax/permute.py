@@ -31,7 +31,7 @@ from moe_jax import ops
 from moe_jax.ops.platform import BackendName
 from moe_jax.validation import check_int
 
-__all__ = ["Packing", "pack", "pack_rows", "gather_rows", "combine", "stable_rank", "exclusive_cumsum", "check_mask"]
+__all__ = ["Packing", "pack", "pack_rows", "packed_row_source", "gather_rows", "combine", "stable_rank", "exclusive_cumsum", "check_mask"]
 
 _RANK_BLOCK = 256
 
@@ -142,12 +142,11 @@ def _packed_rows(packing: Packing) -> jax.Array:
     return jnp.arange(num_routes, dtype=jnp.int32) < jnp.sum(packing.group_sizes_E)
 
 
-def pack_rows(x_TD: jax.Array, packing: Packing, *, backend: BackendName = "auto") -> jax.Array:
-    """Packed rows `x_RD[i] = x_TD[token_R[i]]`; rows past `sum(group_sizes_E)` are zero.
-
-    `moe_jax.ops.gather_rows` (`backend` as there) never reads the rows it zeroes, so whatever
-    masked tokens hold (even NaN) never reaches the packed rows, and their gradient is exactly zero.
-    """
+def packed_row_source(x_TD: jax.Array, packing: Packing) -> ops.RowGather:
+    """Where each packed row reads `x_TD` `[T, D]`: `ids_M[i] = token_R[i]`, -1 past
+    `sum(group_sizes_E)`; `readers_TK[t]` = token t's packed rows (-1 for routes left out), the
+    inverse that makes the backward a fixed-order fp32 sum. For `pack_rows`, and for grouped GEMMs
+    that read the rows through the ids themselves (`moe_jax.ops.grouped_linear(rows=...)`)."""
     if x_TD.ndim != 2:
         raise ValueError(f"pack_rows: x_TD must be 2-D [T, D]; got shape {tuple(x_TD.shape)}.")
     num_tokens, num_routes = x_TD.shape[0], packing.token_R.shape[0]
@@ -157,10 +156,19 @@ def pack_rows(x_TD: jax.Array, packing: Packing, *, backend: BackendName = "auto
             f"pack_rows: x_TD has {num_tokens} tokens but the packing has {num_routes} routes; "
             "pack the same tokens' expert_idx_TK."
         )
-    # The backward sums each token's K packed rows (its routes' inverse), in float32, without atomics.
     readers_TK = jnp.where(_packed_routes(packing), packing.inverse_R, -1).reshape(num_tokens, num_routes // max(num_tokens, 1))
-    return ops.gather_rows(x_TD, jnp.where(_packed_rows(packing), packing.token_R, -1), inverse_N=readers_TK,
-                             backend=backend)
+    return ops.RowGather(jnp.where(_packed_rows(packing), packing.token_R, -1), readers_TK)
+
+
+def pack_rows(x_TD: jax.Array, packing: Packing, *, backend: BackendName = "auto") -> jax.Array:
+    """Packed rows `x_RD[i] = x_TD[token_R[i]]`; rows past `sum(group_sizes_E)` are zero.
+
+    `moe_jax.ops.gather_rows` (`backend` as there) never reads the rows it zeroes, so whatever
+    masked tokens hold (even NaN) never reaches the packed rows, and their gradient is exactly zero.
+    """
+    rows = packed_row_source(x_TD, packing)
+    # The backward sums each token's K packed rows (its routes' inverse), in float32, without atomics.
+    return ops.gather_rows(x_TD, rows.ids_M, inverse_N=rows.readers_TK, backend=backend)
 
 
 # The name this function had before `moe_jax.ops.gather_rows` existed; kept for callers of that name.

@@ -56,19 +56,22 @@ def test_gmm_kernel_matches_reference_and_writes_every_row(tiles, sizes, transpo
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_gmm_kernel_gathers_rows(dtype):
-    """With row ids, packed row r is `x[ids[r]]` (repeats and unused rows allowed): equal to the
-    kernel on the gathered rows, bit for bit, and to the reference."""
+    """With row ids, packed row r is `x[ids[r]]` (repeats and unused rows allowed; ids outside
+    `[0, T)` read zeros): equal to the kernel on the gathered rows, bit for bit, and to the
+    reference."""
     t, m, k, n, tiles = 33, 64, 48, 40, TILES[1]
     x, w = _inputs(1, t, k, n, 5)
     ids = np.random.default_rng(2).integers(0, t, m).astype(np.int32)
+    ids[[3, 40]], ids[17] = -1, t + 5
     gs = torch.tensor([9, 0, 30, 20, 0], dtype=torch.int32, device=DEVICE)
     xt, wt = _t(x, dtype), _t(w, dtype)
     fused = gmm_torch(xt, wt, gs, transpose_rhs=True, tiles=tiles, precision=HI,
                       row_ids=torch.from_numpy(ids).to(DEVICE))
-    packed = gmm_torch(xt[torch.from_numpy(ids).long().to(DEVICE)], wt, gs, transpose_rhs=True, tiles=tiles,
-                       precision=HI)
+    valid = torch.from_numpy((ids >= 0) & (ids < t)).to(DEVICE)[:, None]
+    rows = torch.where(valid, xt[torch.from_numpy(np.clip(ids, 0, t - 1)).long().to(DEVICE)], 0)
+    packed = gmm_torch(rows, wt, gs, transpose_rhs=True, tiles=tiles, precision=HI)
     assert torch.equal(fused, packed)
-    want = gmm_reference(jnp.asarray(xt.float().cpu().numpy())[ids], jnp.asarray(wt.float().cpu().numpy()),
+    want = gmm_reference(jnp.asarray(rows.float().cpu().numpy()), jnp.asarray(wt.float().cpu().numpy()),
                          jnp.asarray(gs.cpu().numpy()))
     assert_close(fused.float().cpu().numpy(), want, jnp.bfloat16 if dtype == torch.bfloat16 else jnp.float32,
                  "gathered gmm_kernel")
@@ -114,11 +117,11 @@ def test_tgmm_kernel_matches_reference(sizes, dtype):
 
 def test_gmm_launch_refuses_int32_overflow_and_sizes_the_grid():
     tiles = TILES[0]
-    launch = gmm_launch(m=70, n=24, k=40, num_groups=5, transpose_rhs=True, gather=False, tiles=tiles,
+    launch = gmm_launch(m=70, n=24, k=40, num_groups=5, transpose_rhs=True, source_rows=None, tiles=tiles,
                         dtype=np.float32, precision=HI, interpret=True)
     # max_tiles(70, 5, 16) = 6 + 64 // 16 = 10 row tiles, times 2 column blocks.
     assert launch.grid == (20,)
     assert launch.constants["E_LANES"] == 16 and launch.constants["PRECISION"] == "ieee"
     with pytest.raises(ValueError, match="2\\*\\*31"):
-        gmm_launch(m=2**28, n=8, k=8, num_groups=8, transpose_rhs=True, gather=False, tiles=tiles,
+        gmm_launch(m=2**28, n=8, k=8, num_groups=8, transpose_rhs=True, source_rows=None, tiles=tiles,
                    dtype=np.float32, precision=HI, interpret=True)

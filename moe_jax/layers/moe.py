@@ -47,9 +47,10 @@ from moe_jax.parallel import AxisRules, EPOptions
 from moe_jax.parallel.transports import check_strategy
 from moe_jax.validation import check_bool, check_int
 
-__all__ = ["GEMM_KERNELS", "MoE", "SelectionBias"]
+__all__ = ["GEMM_KERNELS", "MoE", "ROW_GATHERS", "SelectionBias"]
 
 GEMM_KERNELS = ("auto", "static")
+ROW_GATHERS = ("auto", "fused", "separate")
 
 _HI = lax.Precision.HIGHEST
 
@@ -97,6 +98,12 @@ class MoE(nnx.Module):
         the table says it pays, the routing histogram, on device); `"static"`, the shape table
         (`moe_jax.ops.gmm_config`; reproducible across histograms). `MoEStats.kernel_counts_C`
         says which ran.
+      row_gather: how the routed rows reach the gate/up GEMM off expert parallelism: `"fused"`,
+        the GEMM reads each token's row through the packing's ids inside its kernel (no packed
+        copy in memory; `moe_jax.ops.grouped_linear(rows=...)`); `"separate"`, a row gather
+        writes the packed rows first; `"auto"` (default), fused where the gate/up backend's kernel
+        gathers (`moe_jax.ops.FUSED_GATHER_BACKENDS`). Equal results; under expert parallelism
+        the rows arrive packed from the exchange.
       precision: dot precision for the expert/shared/latent GEMMs (default: HIGHEST for fp32).
       mesh: a `jax.sharding.Mesh` (Auto or Explicit axes) for data/expert parallelism: the
         parameters are placed on it and the routed stage runs in `jax.shard_map` over it
@@ -138,6 +145,7 @@ class MoE(nnx.Module):
         param_dtype=jnp.float32,
         backend: str = "auto",
         gemm_kernel: str = "auto",
+        row_gather: str = "auto",
         precision: lax.Precision | None = None,
         mesh: Mesh | None = None,
         axis_rules: AxisRules | None = None,
@@ -173,6 +181,10 @@ class MoE(nnx.Module):
             raise ValueError(f"gemm_kernel={gemm_kernel!r}: use one of {GEMM_KERNELS} ('auto': the tuned on-device "
                              "selector picks each GEMM's kernel from the routing histogram; 'static': from the shape).")
         self.gemm_kernel = gemm_kernel
+        if row_gather not in ROW_GATHERS:
+            raise ValueError(f"row_gather={row_gather!r}: use one of {ROW_GATHERS} ('fused': the gate/up GEMM reads "
+                             "token rows through the packing's ids; 'separate': pack the rows first).")
+        self.row_gather = row_gather
         self.precision = precision
         self.axis_rules = check_axis_rules(axis_rules)
         self.ep = check_layer_mesh(mesh, self.rules, e, backend)
@@ -253,7 +265,7 @@ class MoE(nnx.Module):
         if self.latent_dim is not None:
             routed_in_TD = linear(routed_in_TD, self.w_latent_down[...], dtype, self.precision).astype(dtype)
         stage = ExpertStage(self.num_experts, self.latent_dim or self.d_model, self.d_ff, self.fused_gate_up,
-                            self.backend, self.precision, self.gemm_kernel)
+                            self.backend, self.precision, self.gemm_kernel, self.row_gather)
         args = (routed_in_TD, routing.expert_idx_TK, routing.weights_TK, mask_T, self._expert_weights(dtype))
         if placement is None:
             routed = single_device(stage, *args)

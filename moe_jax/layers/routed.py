@@ -29,12 +29,12 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.experts import swiglu_experts, swiglu_experts_fused
-from moe_jax.ops import (CANDIDATES, candidate_index, gemm_backend, gmm_config, select, selector_table,
-                         triton_candidate)
+from moe_jax.ops import (CANDIDATES, FUSED_GATHER_BACKENDS, candidate_index, gemm_backend, gmm_config, select,
+                         selector_table, triton_candidate)
 from moe_jax.ops.gmm import histogram_features
 from moe_jax.ops.sharding import vary_to_union
 from moe_jax.parallel import AxisRules, EPOptions, ep_moe, is_explicit
-from moe_jax.permute import combine, pack, pack_rows
+from moe_jax.permute import combine, pack, pack_rows, packed_row_source
 
 __all__ = ["ExpertStage", "Routed", "routed_on_mesh", "single_device"]
 
@@ -81,11 +81,22 @@ class ExpertStage:
     precision: lax.Precision | None
 
     kernel: str  # "auto" (the tuned on-device selector) or "static" (the shape table)
+    row_gather: str = "auto"  # "fused", "separate" or "auto" (`fuses_gather`)
 
-    def experts(self, x_MD, group_sizes, weights):
+    def experts(self, x_MD, group_sizes, weights, rows=None):
+        """The SwiGLU experts on packed rows `x_MD`, or with `rows` (a `RowGather`) on the
+        token rows `x_MD` `[T, D]` read through `rows.ids_M`."""
         fn = swiglu_experts_fused if self.fused_gate_up else swiglu_experts
         return fn(x_MD, group_sizes, *weights, backend=self.backend, precision=self.precision,
-                  kernel="auto" if self.kernel == "auto" else None)
+                  kernel="auto" if self.kernel == "auto" else None, rows=rows)
+
+    def fuses_gather(self, num_rows: int) -> bool:
+        """Whether the gate/up GEMM reads the token rows through the packing's ids (no packed
+        copy): always with `row_gather="fused"`, never with `"separate"`; with `"auto"` where
+        the gate/up GEMM's backend gathers inside its kernel (`FUSED_GATHER_BACKENDS`)."""
+        if self.row_gather != "auto":
+            return self.row_gather == "fused"
+        return gemm_backend("gmm_nt", self.backend, num_rows, self.num_experts) in FUSED_GATHER_BACKENDS
 
     def telemetry(self, group_sizes, num_rows: int) -> GemmTelemetry:
         """One device's gate/up GEMM: on the Pallas backend the candidate that runs (the selector's
@@ -116,7 +127,10 @@ class ExpertStage:
 def _local(stage: ExpertStage, x_TD, idx_TK, w_TK, mask_T, weights):
     """Pack, grouped SwiGLU and combine on one device's tokens with all E experts."""
     packing = pack(idx_TK, stage.num_experts, mask_T=mask_T)
-    y_RD = stage.experts(pack_rows(x_TD, packing, backend=stage.backend), packing.group_sizes_E, weights)
+    if stage.fuses_gather(idx_TK.size):
+        y_RD = stage.experts(x_TD, packing.group_sizes_E, weights, rows=packed_row_source(x_TD, packing))
+    else:
+        y_RD = stage.experts(pack_rows(x_TD, packing, backend=stage.backend), packing.group_sizes_E, weights)
     y_TD = combine(y_RD, w_TK, packing)  # pack(mask_T=...) already left masked routes out
     return y_TD, stage.telemetry(packing.group_sizes_E, idx_TK.size)
 

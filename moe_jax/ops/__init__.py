@@ -5,8 +5,10 @@ and the row gather (`ops.gather`), each with its kernels, backends and fp32 refe
 from moe_jax.ops.gather import gather_rows, gather_rows_reference
 from moe_jax.ops.gmm import (
     CANDIDATES,
+    FUSED_GATHER_BACKENDS,
     H200_BACKENDS,
     KERNELS,
+    RowGather,
     gemm_backend,
     SelectorTable,
     candidate_index,
@@ -33,8 +35,10 @@ from moe_jax.ops.platform import BACKENDS, BackendName, resolve_backend
 
 __all__ = [
     "CANDIDATES",
+    "FUSED_GATHER_BACKENDS",
     "H200_BACKENDS",
     "KERNELS",
+    "RowGather",
     "gemm_backend",
     "SelectorTable",
     "candidate_index",

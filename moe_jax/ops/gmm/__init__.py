@@ -5,8 +5,8 @@ the shared in-kernel body in `tile`), the three backends (`backends`; `auto`'s p
 `triton_launch`) and the
 fp32 references (`reference`)."""
 
-from moe_jax.ops.gmm.api import SUPPORTED_DTYPES, gmm, grouped_linear, tgmm
-from moe_jax.ops.gmm.backend_table import H200_BACKENDS, KERNELS, gemm_backend
+from moe_jax.ops.gmm.api import SUPPORTED_DTYPES, RowGather, gmm, grouped_linear, tgmm
+from moe_jax.ops.gmm.backend_table import FUSED_GATHER_BACKENDS, H200_BACKENDS, KERNELS, gemm_backend
 from moe_jax.ops.gmm.config import (CANDIDATES, FAMILIES, GmmConfig, TileConfig, candidate_index, gmm_config, tgmm_config,
                                     triton_candidate)
 from moe_jax.ops.gmm.reference import gmm_reference, tgmm_reference
@@ -15,8 +15,10 @@ from moe_jax.ops.gmm.selector import Features, Selection, SelectorTable, histogr
 
 __all__ = [
     "CANDIDATES",
+    "FUSED_GATHER_BACKENDS",
     "H200_BACKENDS",
     "KERNELS",
+    "RowGather",
     "gemm_backend",
     "Features",
     "Selection",

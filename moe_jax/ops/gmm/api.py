@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_jax.ops.gmm import backends  # noqa: F401  (registers the three backends)
+from moe_jax.ops.gather import gather_rows
+from moe_jax.ops.gmm import backends  # noqa: F401  (registers the backends)
 from moe_jax.ops.gmm.backend_table import gemm_backend
 from moe_jax.ops.gmm.config import GmmConfig, TileConfig
 from moe_jax.ops.gmm.mosaic import MosaicConfig, MosaicWgradConfig
@@ -71,6 +73,12 @@ def _check_group_sizes(group_sizes, num_groups: int, num_rows: int, expert_arg: 
             f"group_sizes sum to {int(sizes.sum())} but lhs has only {num_rows} rows; "
             "the groups must fit in the packed rows."
         )
+
+
+def _check_row_ids(name: str, ids) -> None:
+    _check_array(name, ids, 1, "[M] of int source-row ids")
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise TypeError(f"{name} must be an integer array [M] of source-row ids; got dtype {ids.dtype}.")
 
 
 def _check_config(name: str, config, allowed: tuple) -> None:
@@ -135,11 +143,12 @@ def gmm(
     backend: BackendName = "auto",
     preferred_element_type=None,
     precision: jax.lax.Precision | None = None,
+    row_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Grouped GEMM: `out[M,N]`, rows of group e are `lhs_e @ rhs[e]^T`.
 
     Args:
-      lhs: `[M, K]` rows grouped contiguously by group.
+      lhs: `[M, K]` rows grouped contiguously by group; with `row_ids`, `[T, K]` source rows.
       rhs: `[E, N, K]` (default, the linear-layer "NT" layout) or, with `transpose_rhs=False`,
         `[E, K, N]` (rows of group e are `lhs_e @ rhs[e]`).
       group_sizes: `[E]` integer rows per group.
@@ -152,8 +161,11 @@ def gmm(
         `triton` (GPU only) or `xla`.
       preferred_element_type: output dtype (default: `lhs.dtype`).
       precision: dot precision for fp32 inputs (default HIGHEST).
+      row_ids: optional int `[M]`: packed row i is `lhs[row_ids[i]]` (zeros for ids outside
+        `[0, T)`), i.e. `gmm(gather_rows(lhs, row_ids), ...)` with the gather fused into the
+        GEMM's operand loads where the backend's kernel can (`backends`).
     """
-    _check_array("lhs", lhs, 2, "[M, K]")
+    _check_array("lhs", lhs, 2, "[T, K]" if row_ids is not None else "[M, K]")
     _check_array("rhs", rhs, 3, "[E, N, K]" if transpose_rhs else "[E, K, N]")
     _check_float("lhs", lhs)
     _check_float("rhs", rhs)
@@ -162,6 +174,9 @@ def gmm(
             f"lhs.dtype={lhs.dtype} and rhs.dtype={rhs.dtype} differ; cast one, e.g. rhs.astype(lhs.dtype)."
         )
     m, k = lhs.shape
+    if row_ids is not None:
+        _check_row_ids("row_ids", row_ids)
+        m = row_ids.shape[0]
     num_groups = rhs.shape[0]
     rhs_k, n = (rhs.shape[2], rhs.shape[1]) if transpose_rhs else (rhs.shape[1], rhs.shape[2])
     if rhs_k != k:
@@ -174,13 +189,15 @@ def gmm(
     _check_group_sizes(group_sizes, num_groups, m, "rhs")
     config = _gmm_choice(config, n, k, num_groups)
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
-    if m == 0 or n == 0 or k == 0:
+    if m == 0 or n == 0 or k == 0 or lhs.shape[0] == 0:  # no rows, or no source rows to read
         return jnp.zeros((m, n), out_dtype)
-    lhs, rhs, group_sizes = replicate_explicit(lhs, rhs, group_sizes)
     backend = gemm_backend("gmm_nt" if transpose_rhs else "gmm_nn", backend, m, num_groups)
     impl = functools.partial(implementation("gmm", backend), transpose_rhs=transpose_rhs, config=config,
                              out_dtype=out_dtype, precision=_default_precision(lhs.dtype, precision))
-    return _primitive("gmm", impl, lhs, rhs, group_sizes)
+    if row_ids is None:
+        return _primitive("gmm", impl, *replicate_explicit(lhs, rhs, group_sizes))
+    return _primitive("gmm", lambda lhs, rhs, sizes, ids: impl(lhs, rhs, sizes, row_ids=ids),
+                      *replicate_explicit(lhs, rhs, group_sizes, row_ids.astype(jnp.int32)))
 
 
 def tgmm(
@@ -259,6 +276,40 @@ def _grouped_linear_bwd(opts, res, dy):
 _grouped_linear.defvjp(_grouped_linear_fwd, _grouped_linear_bwd)
 
 
+class RowGather(NamedTuple):
+    """Rows of `grouped_linear` read from a source `x` `[T, K]`: packed row i is `x[ids_M[i]]`
+    (zeros for ids outside `[0, T)`). `readers_TK[t]` lists the packed rows that read source row
+    t (-1 in unused entries), as `moe_jax.ops.gather_rows`'s `inverse_N`: the input gradient sums
+    them in fp32, in a fixed order (no atomics). Not checked: a wrong inverse gives wrong
+    gradients."""
+
+    ids_M: jax.Array  # int [M]
+    readers_TK: jax.Array  # int [T, K]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _gathered_linear(opts: _LinearOptions, x, w, group_sizes, rows):
+    return gmm(x, w, group_sizes, config=opts.fwd_config, backend=opts.backend, precision=opts.precision,
+               row_ids=rows.ids_M)
+
+
+def _gathered_linear_fwd(opts, x, w, group_sizes, rows):
+    return _gathered_linear(opts, x, w, group_sizes, rows), (x, w, group_sizes, rows)
+
+
+def _gathered_linear_bwd(opts, res, dy):
+    x, w, group_sizes, rows = res
+    # The packed rows are gathered again here rather than kept from the forward: the forward
+    # never wrote them, and the weight gradient is their only reader.
+    x_M, gather_vjp = jax.vjp(lambda x: gather_rows(x, rows.ids_M, inverse_N=rows.readers_TK), x)
+    dx_M, dw, _ = _grouped_linear_bwd(opts, (x_M, w, group_sizes), dy)
+    (dx,) = gather_vjp(dx_M)
+    return dx, dw, None, None
+
+
+_gathered_linear.defvjp(_gathered_linear_fwd, _gathered_linear_bwd)
+
+
 def grouped_linear(
     x: jax.Array,
     w: jax.Array,
@@ -269,6 +320,7 @@ def grouped_linear(
     fwd_config: GmmConfig | TileConfig | SelectorTable | str | None = None,
     dgrad_config: GmmConfig | TileConfig | SelectorTable | str | None = None,
     wgrad_config: TileConfig | None = None,
+    rows: RowGather | None = None,
 ) -> jax.Array:
     """Differentiable grouped linear layer: `y[M,N]`, rows of group e are `x_e @ w[e]^T`.
 
@@ -276,7 +328,20 @@ def grouped_linear(
     `[E]` integers (not differentiated). Backward: `dx = gmm(dy, w)` with `w` read as `[E, K, N]`,
     `dw = tgmm(x, dy)`; the gradient of an empty group's weight is exactly zero. Rows past
     `sum(group_sizes)` get zero output and zero gradient.
+
+    `rows` (a `RowGather`): `x` is `[T, K]` and the grouped rows are `x[rows.ids_M]`, read by
+    `gmm(..., row_ids=)` without writing them out; the backward gathers them again for `tgmm` and
+    sums each source row's readers' input gradients (deterministic). Equal to `grouped_linear` on
+    `gather_rows(x, rows.ids_M, inverse_N=rows.readers_TK)`.
     """
     resolve_backend(backend)  # ValueError naming the choices; `auto` is resolved per kernel
     opts = _LinearOptions(backend, precision, fwd_config, dgrad_config, wgrad_config)
-    return _grouped_linear(opts, *replicate_explicit(x, w, group_sizes))
+    if rows is None:
+        return _grouped_linear(opts, *replicate_explicit(x, w, group_sizes))
+    if not isinstance(rows, RowGather):
+        raise TypeError(f"rows must be a moe_jax.ops.RowGather(ids_M, readers_TK) or None; got {type(rows).__name__}.")
+    _check_row_ids("rows.ids_M", rows.ids_M)
+    if rows.readers_TK.ndim != 2 or rows.readers_TK.shape[0] != x.shape[0]:
+        raise ValueError(f"rows.readers_TK must be [T, K] with T = x.shape[0] = {x.shape[0]}; got shape "
+                         f"{tuple(rows.readers_TK.shape)}.")
+    return _gathered_linear(opts, *replicate_explicit(x, w, group_sizes), rows)

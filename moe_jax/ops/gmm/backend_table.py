@@ -22,9 +22,12 @@ import types
 
 from moe_jax.ops.platform import on_gpu, resolve_backend
 
-__all__ = ["H200_BACKENDS", "KERNELS", "gemm_backend", "have_jax_triton", "shape_class"]
+__all__ = ["FUSED_GATHER_BACKENDS", "H200_BACKENDS", "KERNELS", "gemm_backend", "have_jax_triton", "shape_class"]
 
 KERNELS = ("gmm_nt", "gmm_nn", "tgmm")
+# The backends whose forward kernels read `gmm(row_ids=...)`'s rows inside their operand loads
+# (the others gather the rows first, `backends.gathered`).
+FUSED_GATHER_BACKENDS = ("pallas_triton", "triton")
 DECODE_ROWS_PER_GROUP = 64
 
 H200_BACKENDS: types.MappingProxyType[tuple[str, str], str] = types.MappingProxyType({

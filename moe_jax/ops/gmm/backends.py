@@ -12,8 +12,11 @@
 - `xla`: `jax.lax.ragged_dot_general`, XLA's grouped dot; tile configs are ignored (XLA picks its
   own tiling).
 
-Both receive validated arguments (see `api`) with `M, N, K > 0`, and clamp group sizes the same
-way (`schedule.clamp_group_sizes`), so they agree on unchecked, traced sizes.
+All receive validated arguments (see `api`) with `M, N, K > 0`, and clamp group sizes the same
+way (`schedule.clamp_group_sizes`), so they agree on unchecked, traced sizes. With `row_ids`,
+`gmm`'s `lhs` is `[T, K]` read through them: the Pallas row-tile and the Triton kernels gather
+inside their A-operand loads; the group-major and split-K families, `mosaic_gpu` and `xla` gather
+the rows first (`gathered`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from moe_jax.ops.gather import gather_rows
 from moe_jax.ops.gmm.config import CANDIDATES, GmmConfig, TileConfig, gmm_config, tgmm_config, triton_candidate
 from moe_jax.ops.gmm.group_major import gmm_group_major_pallas
 from moe_jax.ops.gmm.mosaic import MosaicConfig, MosaicWgradConfig, gmm_mosaic, tgmm_mosaic
@@ -43,29 +47,37 @@ def _candidate(config: GmmConfig | TileConfig | None, m: int, n: int, k: int, nu
     return config
 
 
-def _run(config: GmmConfig, lhs, rhs, group_sizes, **common):
+def gathered(lhs, row_ids, backend: str = "auto"):
+    """`lhs` `[M, K]` for a kernel without a fused row gather: `lhs[row_ids]` (zeros for ids
+    outside `[0, T)`) through `moe_jax.ops.gather_rows`, or `lhs` itself without row ids."""
+    return lhs if row_ids is None else gather_rows(lhs, row_ids, backend=backend)
+
+
+def _run(config: GmmConfig, lhs, rhs, group_sizes, row_ids, **common):
     if config.family in ("group_major", "split_k"):
-        return gmm_group_major_pallas(lhs, rhs, group_sizes, splits=config.splits, tiles=config.tiles, **common)
-    return gmm_row_tile_pallas(lhs, rhs, group_sizes, tiles=config.tiles, **common)
+        return gmm_group_major_pallas(gathered(lhs, row_ids), rhs, group_sizes, splits=config.splits,
+                                      tiles=config.tiles, **common)
+    return gmm_row_tile_pallas(lhs, rhs, group_sizes, tiles=config.tiles, row_ids=row_ids, **common)
 
 
 @register("gmm", "pallas_triton")
-def pallas_gmm(lhs, rhs, group_sizes, *, transpose_rhs, config, out_dtype, precision):
-    m, k = lhs.shape
+def pallas_gmm(lhs, rhs, group_sizes, *, transpose_rhs, config, out_dtype, precision, row_ids=None):
+    k = lhs.shape[1]
+    m = lhs.shape[0] if row_ids is None else row_ids.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     common = dict(transpose_rhs=transpose_rhs, out_dtype=out_dtype, precision=precision, interpret=interpret())
     if not isinstance(config, SelectorTable):
-        return _run(_candidate(config, m, n, k, rhs.shape[0]), lhs, rhs, group_sizes, **common)
+        return _run(_candidate(config, m, n, k, rhs.shape[0]), lhs, rhs, group_sizes, row_ids, **common)
     names = config.candidates_for(m)
     if len(names) == 1:
-        return _run(CANDIDATES[names[0]], lhs, rhs, group_sizes, **common)
+        return _run(CANDIDATES[names[0]], lhs, rhs, group_sizes, row_ids, **common)
     # One gated launch per candidate of this row, chained through one output buffer: the chosen
     # launch writes every element, the others return at once (no XLA conditional, which on GPU
     # copies its predicate to the host and waits for it).
     choice_1 = select(group_sizes, m, config).branch.reshape(1)
     out = None
     for i, name in enumerate(names):
-        out = _run(CANDIDATES[name], lhs, rhs, group_sizes, gate=Gate(choice_1, i), out_init=out, **common)
+        out = _run(CANDIDATES[name], lhs, rhs, group_sizes, row_ids, gate=Gate(choice_1, i), out_init=out, **common)
     return out
 
 
@@ -89,11 +101,13 @@ def triton_tiles(config, m: int, n: int, k: int, num_groups: int) -> TileConfig:
 
 
 @register("gmm", "triton")
-def triton_gmm(lhs, rhs, group_sizes, *, transpose_rhs, config, out_dtype, precision):
-    m, k = lhs.shape
+def triton_gmm(lhs, rhs, group_sizes, *, transpose_rhs, config, out_dtype, precision, row_ids=None):
+    k = lhs.shape[1]
+    m = lhs.shape[0] if row_ids is None else row_ids.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     return gmm_triton(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs,
-                      tiles=triton_tiles(config, m, n, k, rhs.shape[0]), out_dtype=out_dtype, precision=precision)
+                      tiles=triton_tiles(config, m, n, k, rhs.shape[0]), out_dtype=out_dtype, precision=precision,
+                      row_ids=row_ids)
 
 
 @register("tgmm", "triton")
@@ -104,9 +118,10 @@ def triton_tgmm(lhs, dout, group_sizes, *, config, out_dtype, precision):
 
 
 @register("gmm", "mosaic_gpu")
-def mosaic_gmm(lhs, rhs, group_sizes, *, transpose_rhs, config, out_dtype, precision):
+def mosaic_gmm(lhs, rhs, group_sizes, *, transpose_rhs, config, out_dtype, precision, row_ids=None):
     del precision  # bf16/fp16 only: wgmma accumulates in fp32
-    return gmm_mosaic(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
+    # TMA copies boxes: Hopper's has no row gather, so the rows are gathered first.
+    return gmm_mosaic(gathered(lhs, row_ids), rhs, group_sizes, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
                       config=config if isinstance(config, MosaicConfig) else MosaicConfig(), interpret=interpret())
 
 
@@ -124,8 +139,9 @@ def _clamped_sizes(group_sizes, num_rows):
 
 
 @register("gmm", "xla")
-def xla_gmm(lhs, rhs, group_sizes, *, transpose_rhs, config, out_dtype, precision):
+def xla_gmm(lhs, rhs, group_sizes, *, transpose_rhs, config, out_dtype, precision, row_ids=None):
     del config
+    lhs = gathered(lhs, row_ids, backend="xla")
     dims = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(([1], [2 if transpose_rhs else 1]), ([], [])),
         lhs_ragged_dimensions=[0],

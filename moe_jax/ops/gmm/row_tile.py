@@ -71,8 +71,9 @@ def _tile_rows(sizes_ref, tile, *, m: int, bm: int, num_groups: int):
     return jnp.minimum(group, num_groups - 1), start, end, is_group
 
 
-def _body(pid, sizes_ref, lhs_ref, rhs_ref, out_ref, *, num_groups: int, m: int, n: int, k: int, num_tiles: int,
-          tiles: TileConfig, transpose_rhs: bool, precision):
+def _body(pid, sizes_ref, *refs, num_groups: int, m: int, n: int, k: int, num_tiles: int, tiles: TileConfig,
+          transpose_rhs: bool, precision, gather: bool):
+    row_ids_ref, lhs_ref, rhs_ref, out_ref = refs if gather else (None, *refs)
     num_n = cdiv(n, tiles.block_n)
     tile, n_blk = _swizzle(pid, num_tiles, num_n, tiles.group_m)
     group, start, end, is_group = _tile_rows(sizes_ref, tile, m=m, bm=tiles.block_m, num_groups=num_groups)
@@ -82,29 +83,33 @@ def _body(pid, sizes_ref, lhs_ref, rhs_ref, out_ref, *, num_groups: int, m: int,
         lhs_ref, rhs_ref, out_ref, group=group, start=start, end=end,
         n0=pl.multiple_of(n_blk * tiles.block_n, tiles.block_n),
         k_steps=is_group.astype(jnp.int32) * cdiv(k, tiles.block_k),
-        n=n, k=k, tiles=tiles, transpose_rhs=transpose_rhs, precision=precision,
+        n=n, k=k, tiles=tiles, transpose_rhs=transpose_rhs, precision=precision, row_ids_ref=row_ids_ref,
     )
 
 
 def gmm_row_tile_pallas(
     lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool, tiles: TileConfig, out_dtype,
     precision, interpret: bool, out_init: jax.Array | None = None, gate: Gate | None = None,
+    row_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Launch the row-tile kernel on `group_sizes` `[E]` (unchecked sizes are clamped as
     `schedule.clamp_group_sizes` does).
 
     Expects validated shapes with `M, N, K > 0`. `out_init`: see `pallas_triton.launch`. `gate`:
     run only when the device-side choice equals its index (`tile.Gate`); then `out_init` is the
-    previous launch of the chain.
+    previous launch of the chain. `row_ids`: int32 `[M]`; `lhs` is then `[T, K]` and packed row r
+    is read from `lhs[row_ids[r]]` inside the kernel (`tile.row_block`).
     """
-    m, k = lhs.shape
+    k = lhs.shape[1]
+    m = lhs.shape[0] if row_ids is None else row_ids.shape[0]
     num_groups = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     num_tiles = max_tiles(m, num_groups, tiles.block_m)
     body = functools.partial(_body, num_groups=num_groups, m=m, n=n, k=k, num_tiles=num_tiles, tiles=tiles,
-                             transpose_rhs=transpose_rhs, precision=precision)
+                             transpose_rhs=transpose_rhs, precision=precision, gather=row_ids is not None)
+    ids = () if row_ids is None else (row_ids.astype(jnp.int32),)
     return launch(
-        gated_kernel(body, gate), (lane_sizes(group_sizes, m), *gate_inputs(gate), lhs, rhs),
+        gated_kernel(body, gate), (lane_sizes(group_sizes, m), *gate_inputs(gate), *ids, lhs, rhs),
         out_shape=jax.ShapeDtypeStruct((m, n), out_dtype), grid=(num_tiles * cdiv(n, tiles.block_n),),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, interpret=interpret, name="moe_jax_gmm",
         out_init=out_init,

@@ -67,21 +67,33 @@ def lane_sizes(group_sizes: jax.Array, num_rows: int) -> jax.Array:
 
 
 def row_block(lhs_ref, rhs_ref, out_ref, *, group, start, end, n0, k_steps, n: int, k: int,
-              tiles: TileConfig, transpose_rhs: bool, precision, k_first=0, plane=None):
+              tiles: TileConfig, transpose_rhs: bool, precision, k_first=0, plane=None, row_ids_ref=None):
     """`out[start:end, n0:n0+bn] = lhs[start:end] @ rhs[group]^T` (or `rhs[group]`) over `k_steps`
     K blocks from block `k_first` on, accumulated in fp32; with `k_steps == 0` the rows are
     written as zeros. `end - start <= block_m`; rows at and past `end` are neither read nor
-    written. With `plane`, `out_ref` is `[planes, M, N]` and the block goes to `out[plane]`."""
+    written. With `plane`, `out_ref` is `[planes, M, N]` and the block goes to `out[plane]`.
+    With `row_ids_ref` (int32 `[M]`), row r of the block is read from `lhs[row_ids[r]]` (`lhs` is
+    `[T, K]`, ids outside `[0, T)` read zeros): the row gather fused into the A-operand loads."""
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     rows_ok = (start + jnp.arange(bm, dtype=jnp.int32)) < end
     cols_ok = (n0 + jnp.arange(bn, dtype=jnp.int32)) < n
+    reads_ok = rows_ok  # rows stored, and rows read (less those whose id is out of range)
+    if row_ids_ref is not None:
+        ids = masked_load(row_ids_ref.at[pl.ds(start, bm)], rows_ok)
+        reads_ok = rows_ok & (ids >= 0) & (ids < lhs_ref.shape[0])
+        src_rows = jnp.where(reads_ok, ids, 0)
 
     def k_step(i, acc):
         k0 = pl.multiple_of((k_first + i) * bk, bk)
         # Edge masks only where the shape leaves a partial block: a mask-free load vectorizes.
         k_ok = ((k0 + jnp.arange(bk, dtype=jnp.int32)) < k) if k % bk else None
         n_ok = cols_ok if n % bn else None
-        a = masked_load(lhs_ref.at[pl.ds(start, bm), pl.ds(k0, bk)], outer_and(rows_ok, k_ok, (bm, bk)))
+        if row_ids_ref is None:
+            a = masked_load(lhs_ref.at[pl.ds(start, bm), pl.ds(k0, bk)], outer_and(rows_ok, k_ok, (bm, bk)))
+        else:
+            # Both indices as arrays: Pallas's interpreter gathers only with no slice among them.
+            cols = jnp.minimum(k0 + jnp.arange(bk, dtype=jnp.int32), k - 1)
+            a = masked_load(lhs_ref.at[src_rows[:, None], cols[None, :]], outer_and(reads_ok, k_ok, (bm, bk)))
         if transpose_rhs:
             b = masked_load(rhs_ref.at[group, pl.ds(n0, bn), pl.ds(k0, bk)], outer_and(n_ok, k_ok, (bn, bk)))
             return acc + plgpu.dot(a, b, trans_b=True, precision=precision)

@@ -35,14 +35,15 @@ __all__ = ["gmm_kernel", "tgmm_kernel"]
 def gmm_kernel(
     sizes_ptr, rows_ptr, a_ptr, b_ptr, c_ptr,
     M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, E: tl.constexpr, E_LANES: tl.constexpr,
-    NUM_TILES: tl.constexpr,
+    NUM_TILES: tl.constexpr, T: tl.constexpr,
     stride_am: tl.constexpr, stride_be: tl.constexpr, stride_bk: tl.constexpr, stride_bn: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     GATHER: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """One (row tile, column block) of `c = a_g @ b[g]` with `b[g]` addressed as `[K, N]` through
     its strides (the NT layout `[E, N, K]` has `stride_bk == 1`). `sizes_ptr`: int32 `[E_LANES]`
-    sizes, lanes past E ignored. `rows_ptr`: int32 `[M]` source rows (read only with `GATHER`)."""
+    sizes, lanes past E ignored. `rows_ptr`: int32 `[M]` source rows of `a` `[T, K]` (read only
+    with `GATHER`; ids outside `[0, T)` read zeros)."""
     pid = tl.program_id(0)
     # Row-tile-major swizzle: GROUP_M row tiles (usually one group's rows) sweep the column
     # blocks together, so their weight block and rows stay in L2.
@@ -78,10 +79,13 @@ def gmm_kernel(
         return
 
     rows = start + tl.arange(0, BLOCK_M)
-    row_ok = rows < end
+    row_ok = rows < end  # rows stored
     if GATHER:
-        src = tl.load(rows_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+        src = tl.load(rows_ptr + rows, mask=row_ok, other=0)
+        read_ok = row_ok & (src >= 0) & (src < T)
+        src = tl.where(read_ok, src, 0).to(tl.int64)
     else:
+        read_ok = row_ok
         src = rows.to(tl.int64)
     cols = n_blk * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
@@ -91,7 +95,8 @@ def gmm_kernel(
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
-            a = tl.load(a_ptr + src[:, None] * stride_am + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            a = tl.load(a_ptr + src[:, None] * stride_am + ks[None, :], mask=read_ok[:, None] & k_ok[None, :],
+                        other=0.0)
             b = tl.load(b_group + ks[:, None] * stride_bk + cols[None, :] * stride_bn,
                         mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             if INTERPRET:

@@ -38,20 +38,21 @@ class Launch(NamedTuple):
     constants: dict
 
 
-def gmm_launch(*, m: int, n: int, k: int, num_groups: int, transpose_rhs: bool, gather: bool, tiles: TileConfig,
-               dtype, precision, interpret: bool) -> Launch:
+def gmm_launch(*, m: int, n: int, k: int, num_groups: int, transpose_rhs: bool, source_rows: int | None,
+               tiles: TileConfig, dtype, precision, interpret: bool) -> Launch:
     """The launch of `gmm_kernel` for `M = m` packed rows against `rhs` `[E, N, K]`
-    (`transpose_rhs`) or `[E, K, N]`; `lhs` is `[M, K]`, or `[T, K]` read through `[M]` row ids
-    when `gather`. Needs `M, N, K > 0` and `E * M < 2**31`."""
+    (`transpose_rhs`) or `[E, K, N]`; `lhs` is `[M, K]`, or with `source_rows = T` the `[T, K]`
+    rows read through `[M]` row ids. Needs `M, N, K > 0` and `E * M < 2**31`."""
     if num_groups * m >= 2**31:
         raise ValueError(f"gmm (triton backend): E * M = {num_groups} * {m} must stay below 2**31.")
     num_tiles = max_tiles(m, num_groups, tiles.block_m)
     strides = dict(stride_be=n * k, stride_bk=1, stride_bn=k) if transpose_rhs else \
         dict(stride_be=k * n, stride_bk=n, stride_bn=1)
     constants = dict(
-        M=m, N=n, K=k, E=num_groups, E_LANES=max(16, next_pow2(num_groups)), NUM_TILES=num_tiles, stride_am=k,
+        M=m, N=n, K=k, E=num_groups, E_LANES=max(16, next_pow2(num_groups)), NUM_TILES=num_tiles,
+        T=m if source_rows is None else source_rows, stride_am=k,
         **strides, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
-        GATHER=gather, PRECISION=_precision(dtype, precision), INTERPRET=interpret,
+        GATHER=source_rows is not None, PRECISION=_precision(dtype, precision), INTERPRET=interpret,
     )
     return Launch((num_tiles * cdiv(n, tiles.block_n),), tiles.num_warps, tiles.num_stages, constants)
 
@@ -74,19 +75,22 @@ def _triton_call(kernel, inputs, out_shape, launch, name: str):
 
 
 def gmm_triton(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool, tiles: TileConfig,
-               out_dtype, precision) -> jax.Array:
-    """`gmm` on the `triton` backend, through `jax_triton` (GPU), on the packed `lhs` `[M, K]`
-    (the kernel's row-gather path is not wired to JAX yet). Validated shapes with `M, N, K > 0`
-    expected."""
+               out_dtype, precision, row_ids: jax.Array | None = None) -> jax.Array:
+    """`gmm` on the `triton` backend, through `jax_triton` (GPU): on the packed `lhs` `[M, K]`, or
+    with `row_ids` (int `[M]`) on `lhs` `[T, K]` read through them inside the kernel. Validated
+    shapes with `M, N, K > 0` expected."""
     from moe_jax.ops.gmm.triton_kernels import gmm_kernel  # noqa: PLC0415  (triton imported on use)
 
-    m, k = lhs.shape
+    k = lhs.shape[1]
+    m = lhs.shape[0] if row_ids is None else row_ids.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    launch = gmm_launch(m=m, n=n, k=k, num_groups=rhs.shape[0], transpose_rhs=transpose_rhs, gather=False,
-                        tiles=tiles, dtype=lhs.dtype, precision=precision, interpret=False)
+    launch = gmm_launch(m=m, n=n, k=k, num_groups=rhs.shape[0], transpose_rhs=transpose_rhs,
+                        source_rows=None if row_ids is None else lhs.shape[0], tiles=tiles, dtype=lhs.dtype,
+                        precision=precision, interpret=False)
     sizes = lane_sizes(group_sizes, m)
-    # The kernel's row-id pointer is never read without GATHER; the sizes stand in for it.
-    return _triton_call(gmm_kernel, (sizes, sizes, lhs, rhs), jax.ShapeDtypeStruct((m, n), out_dtype), launch,
+    # Without row ids the kernel never reads its row-id pointer; the sizes stand in for it.
+    rows = sizes if row_ids is None else row_ids.astype(jnp.int32)
+    return _triton_call(gmm_kernel, (sizes, rows, lhs, rhs), jax.ShapeDtypeStruct((m, n), out_dtype), launch,
                         "moe_jax_gmm_triton")
 
 
@@ -131,8 +135,8 @@ def gmm_torch(lhs, rhs, group_sizes, *, transpose_rhs: bool, tiles: TileConfig, 
     k = lhs.shape[1]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     launch = gmm_launch(m=m, n=n, k=k, num_groups=rhs.shape[0], transpose_rhs=transpose_rhs,
-                        gather=row_ids is not None, tiles=tiles, dtype=_np_dtype(lhs.dtype), precision=precision,
-                        interpret=interpret)
+                        source_rows=None if row_ids is None else lhs.shape[0], tiles=tiles,
+                        dtype=_np_dtype(lhs.dtype), precision=precision, interpret=interpret)
     lanes = launch.constants["E_LANES"]
     sizes = torch.zeros(lanes, dtype=torch.int32, device=lhs.device)
     sizes[: group_sizes.shape[0]] = group_sizes.to(torch.int32)
