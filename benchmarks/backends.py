@@ -85,7 +85,8 @@ def _jobs(shape, x, w, dy, gs, backends, kinds, variants):
 
 
 def _mname(c: MosaicConfig) -> str:
-    return f"{c.tile_m}x{2 * c.tile_n}x{c.tile_k}s{c.max_concurrent_steps}"
+    options = (f"f{c.mma_in_flight}" if c.mma_in_flight else "") + (f"e{c.epilogue_tile_m}" if c.epilogue_tile_m else "")
+    return f"{c.tile_m}x{2 * c.tile_n}x{c.tile_k}s{c.max_concurrent_steps}{options}"
 
 
 def _name(t: TileConfig) -> str:

@@ -13,6 +13,9 @@ from moe_jax.testing import assert_close
 from tests.helpers import ON_GPU, lower_for_gpu
 
 SMALL = MosaicConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2)
+# The forward kernel's tuning options, alone and together (64-row sub-tiles: the smallest).
+OPTIONS = {"plain": {}, "in-flight": dict(mma_in_flight=1), "epilogue": dict(epilogue_tile_m=64),
+           "both": dict(mma_in_flight=1, epilogue_tile_m=64)}
 
 
 def _inputs(seed, m, k, n, e, transpose_rhs=True):
@@ -22,18 +25,25 @@ def _inputs(seed, m, k, n, e, transpose_rhs=True):
     return x, w
 
 
-@pytest.mark.parametrize("transpose_rhs,sizes,m", [
-    (True, (70, 0, 33, 80), 200),   # ragged groups, an empty one, rows past the sum (NaN in lhs)
-    (False, (0, 136, 0), 136),      # one hot group over all rows, the input-gradient layout
-    (True, (0, 0), 64),             # no rows in any group: all zeros
-], ids=["ragged-nt", "one-hot-nn", "all-empty"])
-def test_mosaic_gmm_matches_reference(transpose_rhs, sizes, m):
-    k, n = 128, 128 if transpose_rhs else 256
+@pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
+@pytest.mark.parametrize("transpose_rhs,sizes,m,k,tile_m", [
+    # ragged groups, an empty one, rows past the sum (NaN in lhs); one full tile, at row 0
+    (True, (70, 0, 33, 80), 200, 128, 64),
+    # one hot group over all rows, the input-gradient layout; two full tiles, then a partial one
+    (False, (0, 136, 0), 136, 128, 64),
+    # no rows in any group: all zeros, from one full zero-fill tile
+    (True, (0, 0), 64, 128, 64),
+    # a group of two full tiles of two sub-tiles each, more K steps than stages
+    (True, (256, 0, 40), 320, 192, 128),
+], ids=["ragged-nt", "one-hot-nn", "all-empty", "full-tiles"])
+def test_mosaic_gmm_matches_reference(transpose_rhs, sizes, m, k, tile_m, options):
+    n = 128 if transpose_rhs else 256
+    config = MosaicConfig(tile_m, SMALL.tile_n, SMALL.tile_k, SMALL.max_concurrent_steps, **options)
     x, w = _inputs(0, m, k, n, len(sizes), transpose_rhs)
     total = sum(sizes)
     x = x.at[total:].set(jnp.nan)  # never read into a stored row, and the rows there come out zero
     gs = jnp.asarray(sizes, jnp.int32)
-    out = jax.jit(lambda x, w, gs: gmm(x, w, gs, transpose_rhs=transpose_rhs, backend="mosaic_gpu", config=SMALL,
+    out = jax.jit(lambda x, w, gs: gmm(x, w, gs, transpose_rhs=transpose_rhs, backend="mosaic_gpu", config=config,
                                        preferred_element_type=jnp.float32))(x, w, gs)
     assert np.isfinite(np.asarray(out)).all()
     assert (np.asarray(out[total:]) == 0).all()
@@ -74,13 +84,27 @@ def test_mosaic_gmm_default_tiles_and_gradients_on_gpu():
         assert_close(got, want, jnp.bfloat16, name)
 
 
+H200_CONFIGS = {
+    "default": MosaicConfig(),
+    "in-flight": MosaicConfig(128, 128, 64, 3, mma_in_flight=1),
+    "epilogue": MosaicConfig(128, 128, 64, 3, epilogue_tile_m=64),
+    "both": MosaicConfig(128, 128, 64, 3, mma_in_flight=1, epilogue_tile_m=64),
+    "both-one-subtile": MosaicConfig(128, 128, 64, 3, mma_in_flight=1, epilogue_tile_m=128),
+    "both-128x64-4": MosaicConfig(128, 64, 64, 4, mma_in_flight=1, epilogue_tile_m=64),
+    "both-64x128-4": MosaicConfig(64, 128, 64, 4, mma_in_flight=1, epilogue_tile_m=64),
+}
+
+
+@pytest.mark.parametrize("config", H200_CONFIGS.values(), ids=H200_CONFIGS.keys())
 @pytest.mark.parametrize("transpose_rhs", [True, False], ids=["nt", "nn"])
-def test_mosaic_gmm_lowers_for_h200(transpose_rhs):
-    """The default tiles at a Qwen3-30B-A3B-like shape go through Mosaic GPU's lowering, layout
-    inference and shared-memory budget for an H200, from this host."""
+def test_mosaic_gmm_lowers_for_h200(transpose_rhs, config):
+    """The default tiles and the tuning options at a Qwen3-30B-A3B-like shape go through Mosaic
+    GPU's lowering, layout inference and shared-memory budget for an H200, from this host."""
     m, k, n, e = 4096, 2048, 1536, 128
+    assert mosaic_supports(m, n, k, jnp.bfloat16, config)
     rhs = (e, n, k) if transpose_rhs else (e, k, n)
-    text = lower_for_gpu(lambda x, w, gs: gmm(x, w, gs, transpose_rhs=transpose_rhs, backend="mosaic_gpu"),
+    text = lower_for_gpu(lambda x, w, gs: gmm(x, w, gs, transpose_rhs=transpose_rhs, backend="mosaic_gpu",
+                                              config=config),
                          jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct(rhs, jnp.bfloat16),
                          jax.ShapeDtypeStruct((e,), jnp.int32))
     assert "mosaic_gpu" in text
@@ -92,6 +116,18 @@ def test_mosaic_tgmm_lowers_for_h200():
                          jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
                          jax.ShapeDtypeStruct((e,), jnp.int32))
     assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(mma_in_flight=2), r"MosaicConfig.mma_in_flight=2: must be 0 .* or 1"),
+    (dict(mma_in_flight=1, max_concurrent_steps=1), r"mma_in_flight=1 .* needs max_concurrent_steps >= 2"),
+    (dict(epilogue_tile_m=32), r"MosaicConfig.epilogue_tile_m=32: must be None .* or a power of two in \[64, tile_m"),
+    (dict(epilogue_tile_m=96), r"MosaicConfig.epilogue_tile_m=96: must be None"),
+    (dict(tile_m=64, epilogue_tile_m=128), r"MosaicConfig.epilogue_tile_m=128: .* in \[64, tile_m=64\]"),
+], ids=["in-flight-2", "in-flight-one-stage", "epilogue-32", "epilogue-96", "epilogue-over-tile"])
+def test_mosaic_config_rejects_bad_options(fields, message):
+    with pytest.raises(ValueError, match=message):
+        MosaicConfig(**fields)
 
 
 def test_aligned_tiles_cover_every_row_once():
@@ -123,6 +159,8 @@ def test_mosaic_shape_support_and_clear_errors():
             backend="mosaic_gpu")
     with pytest.raises(ValueError, match="power of two >= 64"):
         MosaicConfig(tile_m=48)
+    # Four stages of 128 x (2 x 128) x 64 leave too little for the two warpgroups' output tiles.
+    assert not mosaic_supports(4096, 1536, 2048, jnp.bfloat16, MosaicConfig(128, 128, 64, 4, 1, 64))
     assert mosaic_wgrad_supports(4096, 1536, 2048, jnp.bfloat16)
     assert not mosaic_wgrad_supports(4100, 1536, 2048, jnp.bfloat16)
     with pytest.raises(ValueError, match="weight gradients of bf16/fp16 with M % 64 == 0"):

@@ -19,6 +19,13 @@ row reads the `tile_m` rows ending at M instead, so no read leaves `lhs`; the ti
 predicated TMA copies of power-of-two heights (TMA boxes are static), rows of neighbouring groups
 that the tile also computed are never stored.
 
+Two `MosaicConfig` options, off by default: `mma_in_flight=1` keeps one wgmma running while the
+next K step's is issued (the pipeline releases each stage one step late, `delay_release`), instead
+of waiting for each; `epilogue_tile_m` stores full tiles (whose rows are exactly their 8-row aligned
+read window) through a swizzled, tiled buffer, one TMA copy per sub-tile of `epilogue_tile_m` rows,
+which spares the row-major buffer's shared-memory bank conflicts. Partial tiles keep the ladder,
+whose boxes start on any row; both views share each warpgroup's tile of shared memory.
+
 The weight gradient `out[E, N, K]`, `out[e] = dout_e^T @ lhs_e`: one work item per (group,
 `tile_n x tile_k` block), persistent over the SMs; one warpgroup walks the group's rows in blocks
 of `tile_r` laid on the global `tile_r` grid (a TMA pipeline of `max_concurrent_steps` stages,
@@ -49,6 +56,7 @@ __all__ = ["MosaicConfig", "MosaicWgradConfig", "ROW_ALIGN", "SMEM_BYTES", "alig
 
 H200_SMS = 132
 ROW_ALIGN = 8  # TMA boxes into the swizzled tiles start on a multiple of the 8-row tiling
+EPILOGUE_ROWS = 64  # Mosaic slices the wgmma accumulator's registers in blocks of 64 rows
 
 
 def _check_tiles(config, names: tuple[str, ...], *, min_steps: int) -> None:
@@ -65,15 +73,35 @@ def _check_tiles(config, names: tuple[str, ...], *, min_steps: int) -> None:
 @dataclasses.dataclass(frozen=True)
 class MosaicConfig:
     """Tiles of the Mosaic GPU kernel: `tile_m` rows x `2 * tile_n` columns per CTA (one
-    `tile_n` half per compute warpgroup), K steps of `tile_k`, `max_concurrent_steps` TMA stages."""
+    `tile_n` half per compute warpgroup), K steps of `tile_k`, `max_concurrent_steps` TMA stages.
+
+    `mma_in_flight`: wgmmas left running when the next K step's is issued, 0 or 1 (1 releases each
+    stage one step late, so it needs two stages). `epilogue_tile_m`: None stores every tile through
+    the row ladder; a power of two in `[64, tile_m]` stores full tiles through swizzled sub-tiles of
+    that many rows instead.
+    """
 
     tile_m: int = 128
     tile_n: int = 128
     tile_k: int = 64
     max_concurrent_steps: int = 3
+    mma_in_flight: int = 0
+    epilogue_tile_m: int | None = None
 
     def __post_init__(self):
         _check_tiles(self, ("tile_m", "tile_n", "tile_k"), min_steps=1)
+        if self.mma_in_flight not in (0, 1):
+            raise ValueError(f"MosaicConfig.mma_in_flight={self.mma_in_flight!r}: must be 0 (wait for each wgmma) "
+                             "or 1 (keep one in flight).")
+        if self.mma_in_flight and self.max_concurrent_steps < 2:
+            raise ValueError(
+                f"MosaicConfig.mma_in_flight=1 releases each stage one step late, so it needs max_concurrent_steps "
+                f">= 2; got {self.max_concurrent_steps}. Raise max_concurrent_steps or set mma_in_flight=0.")
+        e = self.epilogue_tile_m
+        if e is not None and (not isinstance(e, int) or e < EPILOGUE_ROWS or e & (e - 1) or e > self.tile_m):
+            raise ValueError(
+                f"MosaicConfig.epilogue_tile_m={e!r}: must be None (the row ladder for every tile) or a power of two "
+                f"in [{EPILOGUE_ROWS}, tile_m={self.tile_m}] (the accumulator splits in {EPILOGUE_ROWS}-row blocks).")
 
 
 SMEM_BYTES = 227 * 1024  # shared memory per block on sm_90 (opt-in maximum)
@@ -81,7 +109,7 @@ SMEM_BYTES = 227 * 1024  # shared memory per block on sm_90 (opt-in maximum)
 
 def smem_bytes(config: MosaicConfig, dtype, out_dtype) -> int:
     """Shared memory the kernel allocates: the pipeline's A and B stages and the two warpgroups'
-    output tiles."""
+    output tiles (which `epilogue_tile_m`'s swizzled sub-tiles alias)."""
     stages = config.max_concurrent_steps * (config.tile_m + 2 * config.tile_n) * config.tile_k
     return stages * jnp.dtype(dtype).itemsize + 2 * config.tile_m * config.tile_n * jnp.dtype(out_dtype).itemsize
 
@@ -146,15 +174,19 @@ def _body(meta_ref, a_ref, b_ref, out_ref, *, config: MosaicConfig, m: int, n: i
     tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
     cta_n = 2 * tile_n
     n_iters, k_iters = n // cta_n, k // tile_k
-    dtype = a_ref.dtype
+    # A single K step has no next wgmma to overlap, and with delay_release the pipeline would never
+    # release its only stage: the memory warpgroup could refill it for the next item while it is read.
+    in_flight = config.mma_in_flight if k_iters > 1 else 0
+    dtype, out_dtype = a_ref.dtype, out_ref.dtype
     swizzle = plgpu.find_swizzle(tile_k * jnp.dtype(dtype).itemsize * 8)
     swizzle_elems = swizzle // jnp.dtype(dtype).itemsize
     transforms = (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
+    spec = functools.partial(plgpu.BlockSpec, transforms=transforms, memory_space=plgpu.SMEM, delay_release=in_flight)
     if transpose_rhs:
-        b_spec = plgpu.BlockSpec((cta_n, tile_k), lambda kk: (0, kk), transforms=transforms, memory_space=plgpu.SMEM)
+        b_spec = spec((cta_n, tile_k), lambda kk: (0, kk))
     else:
-        b_spec = plgpu.BlockSpec((tile_k, cta_n), lambda kk: (kk, 0), transforms=transforms, memory_space=plgpu.SMEM)
-    a_spec = plgpu.BlockSpec((tile_m, tile_k), lambda kk: (0, kk), transforms=transforms, memory_space=plgpu.SMEM)
+        b_spec = spec((tile_k, cta_n), lambda kk: (kk, 0))
+    a_spec = spec((tile_m, tile_k), lambda kk: (0, kk))
 
     def pipeline(body, compute_context):
         return plgpu.emit_pipeline_warp_specialized(
@@ -165,10 +197,25 @@ def _body(meta_ref, a_ref, b_ref, out_ref, *, config: MosaicConfig, m: int, n: i
     ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the bodies)
     b_block = b_ref.at[0, pl.ds(0, cta_n), :] if transpose_rhs else b_ref.at[0, :, pl.ds(0, cta_n)]
 
+    # Each compute warpgroup's `[tile_m, tile_n]` output tile, row-major for the row ladder. With
+    # `epilogue_tile_m` it is a union of that view and the swizzled sub-tiles over the same bytes,
+    # one union per warpgroup: a view's lifetime then ends where the warpgroup's stores from it are
+    # awaited, at the start of its next epilogue.
+    epi_m = config.epilogue_tile_m
+    if epi_m is None:
+        out_alloc = plgpu.SMEM((2, tile_m, tile_n), out_dtype)
+    else:
+        out_itemsize = jnp.dtype(out_dtype).itemsize
+        out_swizzle = plgpu.find_swizzle(tile_n * out_itemsize * 8)
+        out_transforms = (plgpu.TilingTransform((8, out_swizzle // out_itemsize)), plgpu.SwizzleTransform(out_swizzle))
+        out_alloc = [plgpu.RefUnion(plgpu.SMEM((tile_m, tile_n), out_dtype),
+                                    plgpu.SMEM((tile_m // epi_m, epi_m, tile_n), out_dtype, transforms=out_transforms))
+                     for _ in range(2)]
+
     @functools.partial(
         pl.run_scoped,
         allocations=pipeline(ignore, ignore).get_allocations(a_ref.at[pl.ds(0, tile_m), :], b_block),
-        out_smem=plgpu.SMEM((2, tile_m, tile_n), out_ref.dtype),
+        out_smem=out_alloc,
         collective_axes="wg",
     )
     def scope(allocations, out_smem):
@@ -181,31 +228,56 @@ def _body(meta_ref, a_ref, b_ref, out_ref, *, config: MosaicConfig, m: int, n: i
             group, start, end = meta_ref[0, tile], meta_ref[1, tile], meta_ref[2, tile]
             a_start = pl.multiple_of(meta_ref[3, tile], ROW_ALIGN)
             is_group = group < num_groups
+            cols = pl.ds(n_blk * cta_n + wg * tile_n, tile_n)
+
+            def store_rows(out, rows_smem):
+                """Rows `[start, end)` of the warpgroup's `[tile_m, tile_n]` result `out`, through
+                the row-major `rows_smem`."""
+                rows_smem[...] = out
+                plgpu.commit_smem()
+                count = end - start
+                src = start - a_start
+                dst = start
+                height = tile_m
+                while height >= 1:
+                    part = count & height
+
+                    @pl.when(part != 0)
+                    def _(src=src, dst=dst, height=height):
+                        plgpu.copy_smem_to_gmem(rows_smem.at[pl.ds(src, height)], out_ref.at[pl.ds(dst, height), cols])
+
+                    src, dst = src + part, dst + part
+                    height //= 2
+
+            def store_tiles(out, tiles_smem):
+                """All `tile_m` rows of `out`, from `a_start`, through the swizzled
+                `[tile_m // epi_m, epi_m, tile_n]` `tiles_smem`: each sub-tile's copy runs while the
+                next one is written."""
+                for i in range(tile_m // epi_m):
+                    tiles_smem[i] = out[i * epi_m:(i + 1) * epi_m]
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(tiles_smem.at[i], out_ref.at[pl.ds(a_start + i * epi_m, epi_m), cols])
 
             def compute_context(run_pipeline):
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
                 def _(acc_ref):
                     run_pipeline(acc_ref)
+                    out = acc_ref[...].astype(out_dtype)  # waits for every wgmma
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores read out_smem
-                    out_smem[wg] = acc_ref[...].astype(out_smem.dtype)
-                    plgpu.commit_smem()
-                    count = end - start
-                    src = start - a_start
-                    dst = start
-                    cols = pl.ds(n_blk * cta_n + wg * tile_n, tile_n)
-                    height = tile_m
-                    while height >= 1:
-                        part = count & height
+                    if epi_m is None:
+                        store_rows(out, out_smem.at[wg])
+                        return
+                    # A tile whose rows are its whole read window (8-row aligned) fits the swizzled
+                    # sub-tiles; the others start or end at any row.
+                    full = (start == a_start) & (end == a_start + tile_m)
 
-                        @pl.when(part != 0)
-                        def _(src=src, dst=dst, height=height):
-                            plgpu.copy_smem_to_gmem(out_smem.at[wg, pl.ds(src, height)],
-                                                    out_ref.at[pl.ds(dst, height), cols])
+                    def store(views):
+                        rows_smem, tiles_smem = views
+                        lax.cond(full, lambda: store_tiles(out, tiles_smem), lambda: store_rows(out, rows_smem))
 
-                        src, dst = src + part, dst + part
-                        height //= 2
+                    lax.cond(wg == 0, lambda: store(out_smem[0]), lambda: store(out_smem[1]))
 
-            def mma(_, a_smem, b_smem, acc_ref):
+            def mma(idx, a_smem, b_smem, acc_ref):
                 half = pl.ds(wg * tile_n, tile_n)
                 b = b_smem.at[half].T if transpose_rhs else b_smem.at[:, half]
 
@@ -214,13 +286,20 @@ def _body(meta_ref, a_ref, b_ref, out_ref, *, config: MosaicConfig, m: int, n: i
                 @pl.when(is_group)
                 def _():
                     plgpu.wgmma(acc_ref, a_smem, b)
-                    plgpu.wgmma_wait(0)
+                    plgpu.wgmma_wait(in_flight)
+                    if in_flight:
+                        # The pipeline never releases the last step's stage (delay_release): the
+                        # memory warpgroup refills it for the next item once the step before is
+                        # released, right after this body, so the last wgmma must be done here.
+                        @pl.when(idx[0] == k_iters - 1)
+                        def _():
+                            plgpu.wgmma_wait(0)
 
                 return acc_ref
 
             g = jnp.minimum(group, num_groups - 1)
-            cols = pl.ds(n_blk * cta_n, cta_n)
-            b_group = b_ref.at[g, cols, :] if transpose_rhs else b_ref.at[g, :, cols]
+            b_cols = pl.ds(n_blk * cta_n, cta_n)
+            b_group = b_ref.at[g, b_cols, :] if transpose_rhs else b_ref.at[g, :, b_cols]
 
             @pl.when(start < end)  # tiles past the schedule: nothing to do
             def _():
