@@ -40,8 +40,9 @@ TRITON_FWD = [
     TileConfig(128, 128, 64, 8, 4, 8),
 ]
 TRITON_WGRAD = [TileConfig(64, 128, 128, 8, 4, 1), TileConfig(64, 256, 128, 8, 3, 1), TileConfig(128, 128, 64, 8, 3, 1)]
-MOSAIC = [MosaicConfig(128, 128, 64, 2), MosaicConfig(128, 64, 64, 4), MosaicConfig(64, 128, 64, 4),
-          MosaicConfig(64, 128, 128, 2)]
+MOSAIC = [MosaicConfig(128, 128, 64, 3, mma_in_flight=1), MosaicConfig(128, 128, 64, 3, epilogue_tile_m=64),
+          MosaicConfig(128, 128, 64, 3, mma_in_flight=1, epilogue_tile_m=64),
+          MosaicConfig(128, 64, 64, 4, mma_in_flight=1, epilogue_tile_m=64)]
 
 
 def _jobs(shape, x, w, dy, gs, backends, kinds, variants):

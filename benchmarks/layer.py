@@ -8,7 +8,8 @@ top-2 of 8), DeepSeek-V3 (T=4096, D=7168, F=2048, top-8 of 256).
 
 Ours: `moe_jax.layers.MoE` (one variant per `--variants` entry: `auto` the default layer, whose
 `backend="auto"` picks per kernel (`moe_jax.ops.gmm.backend_table`); `pallas` all on
-`pallas_triton`; `static` that with `gemm_kernel="static"`; `triton` all GEMMs on `triton`), the gradient of
+`pallas_triton`; `static` that with `gemm_kernel="static"`; `triton` all GEMMs on `triton`; `mosaic` all on
+`mosaic_gpu`; `fused` / `separate` the default with `row_gather` forced either way), the gradient of
 `sum(y**2)` with respect to the input and every parameter, jitted; device memory is the compiled
 step's footprint (`memory_analysis`: arguments + outputs + temporaries - aliased).
 Torch: the same weights and tokens through router (fp32 logits, softmax, top-k, renormalise), a
@@ -60,7 +61,8 @@ SHAPES = (
     LayerShape("deepseek-v3", 4096, 7168, 2048, 256, 8),
 )
 VARIANTS = {"auto": dict(), "pallas": dict(backend="pallas_triton"), "static": dict(backend="pallas_triton", gemm_kernel="static"),
-            "triton": dict(backend="triton")}
+            "triton": dict(backend="triton"), "separate": dict(row_gather="separate"),
+            "fused": dict(row_gather="fused"), "mosaic": dict(backend="mosaic_gpu")}
 
 
 def _layer(shape: LayerShape, **kw) -> MoE:
