@@ -513,8 +513,9 @@ def test_triton_backend_needs_a_gpu():
 
 
 def test_auto_backend_per_kernel_table():
-    """`auto` resolves per kernel: xla off GPU; compiling for an H200, the table's choice for the
-    kernel and shape class, with triton replaced by pallas_triton where jax_triton is missing."""
+    """`auto` resolves per kernel: xla off GPU; compiling for an H200, the first of the table's
+    choices for the kernel and shape class that runs there: triton only with jax_triton,
+    mosaic_gpu only for operands it takes (bf16, N % 256, K % 64, ...), else the next one."""
     from moe_jax.ops import H200_BACKENDS, KERNELS, gemm_backend
 
     if not ON_GPU:
@@ -522,13 +523,21 @@ def test_auto_backend_per_kernel_table():
     assert gemm_backend("tgmm", "xla", 32768, 128) == "xla"
     with pytest.raises(ValueError, match="kernel='gmm'"):
         gemm_backend("gmm", "auto", 8, 8)
+    bf16, fp32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
     with jax.sharding.use_abstract_mesh(h200_mesh((1,), ("ep",))):
-        for (kernel, cls), want in H200_BACKENDS.items():
-            rows = 64 * 128 if cls == "decode" else 64 * 128 + 1
-            assert gemm_backend(kernel, "auto", rows, 128, triton_available=True) == want
-            assert gemm_backend(kernel, "auto", rows, 128, triton_available=False) == (
-                "pallas_triton" if want == "triton" else want)
-    assert H200_BACKENDS[("gmm_nn", "prefill")] == "triton" and H200_BACKENDS[("gmm_nt", "prefill")] == "pallas_triton"
+        for (kernel, cls), choices in H200_BACKENDS.items():
+            rows = 64 * 128 if cls == "decode" else 64 * 128 + 8
+            assert choices[-1] == "pallas_triton"
+            picked = gemm_backend(kernel, "auto", rows, 128, operands=(2048, 1536, bf16, bf16), triton_available=True)
+            assert picked == choices[0]
+            without_triton = [c for c in choices if c != "triton"][0]
+            assert gemm_backend(kernel, "auto", rows, 128, operands=(2048, 1536, bf16, bf16),
+                                triton_available=False) == without_triton
+        # The input gradient at prefill: Mosaic where it takes the operands, else the next choice.
+        assert gemm_backend("gmm_nn", "auto", 32768, 128, operands=(2048, 1536, bf16, bf16)) == "mosaic_gpu"
+        for operands in [(2048, 1536, fp32, fp32), (2000, 1536, bf16, bf16), None]:
+            assert gemm_backend("gmm_nn", "auto", 32768, 128, operands=operands, triton_available=True) == "triton"
+    assert H200_BACKENDS[("gmm_nt", "prefill")] == ("pallas_triton",)
 
 
 def test_auto_backend_follows_the_mesh_platform(monkeypatch):

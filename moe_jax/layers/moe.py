@@ -101,9 +101,9 @@ class MoE(nnx.Module):
       row_gather: how the routed rows reach the gate/up GEMM off expert parallelism: `"fused"`,
         the GEMM reads each token's row through the packing's ids inside its kernel (no packed
         copy in memory; `moe_jax.ops.grouped_linear(rows=...)`); `"separate"`, a row gather
-        writes the packed rows first; `"auto"` (default), fused where the gate/up backend's kernel
-        gathers (`moe_jax.ops.FUSED_GATHER_BACKENDS`). Equal results; under expert parallelism
-        the rows arrive packed from the exchange.
+        writes the packed rows first; `"auto"` (default), fused on the backends where that
+        measured faster (`moe_jax.ops.AUTO_FUSED_GATHER`, none on the H200 yet). Equal results;
+        under expert parallelism the rows arrive packed from the exchange.
       precision: dot precision for the expert/shared/latent GEMMs (default: HIGHEST for fp32).
       mesh: a `jax.sharding.Mesh` (Auto or Explicit axes) for data/expert parallelism: the
         parameters are placed on it and the routed stage runs in `jax.shard_map` over it

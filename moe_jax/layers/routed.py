@@ -29,7 +29,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from moe_jax.experts import swiglu_experts, swiglu_experts_fused
-from moe_jax.ops import (CANDIDATES, FUSED_GATHER_BACKENDS, candidate_index, gemm_backend, gmm_config, select,
+from moe_jax.ops import (AUTO_FUSED_GATHER, CANDIDATES, candidate_index, gemm_backend, gmm_config, select,
                          selector_table, triton_candidate)
 from moe_jax.ops.gmm import histogram_features
 from moe_jax.ops.sharding import vary_to_union
@@ -93,10 +93,10 @@ class ExpertStage:
     def fuses_gather(self, num_rows: int) -> bool:
         """Whether the gate/up GEMM reads the token rows through the packing's ids (no packed
         copy): always with `row_gather="fused"`, never with `"separate"`; with `"auto"` where
-        the gate/up GEMM's backend gathers inside its kernel (`FUSED_GATHER_BACKENDS`)."""
+        the gate/up GEMM's backend is one of `AUTO_FUSED_GATHER` (measured faster fused)."""
         if self.row_gather != "auto":
             return self.row_gather == "fused"
-        return gemm_backend("gmm_nt", self.backend, num_rows, self.num_experts) in FUSED_GATHER_BACKENDS
+        return gemm_backend("gmm_nt", self.backend, num_rows, self.num_experts) in AUTO_FUSED_GATHER
 
     def telemetry(self, group_sizes, num_rows: int) -> GemmTelemetry:
         """One device's gate/up GEMM: on the Pallas backend the candidate that runs (the selector's

@@ -4,6 +4,7 @@ and the row gather (`ops.gather`), each with its kernels, backends and fp32 refe
 
 from moe_jax.ops.gather import gather_rows, gather_rows_reference
 from moe_jax.ops.gmm import (
+    AUTO_FUSED_GATHER,
     CANDIDATES,
     FUSED_GATHER_BACKENDS,
     H200_BACKENDS,
@@ -34,6 +35,7 @@ from moe_jax.ops.gmm import (
 from moe_jax.ops.platform import BACKENDS, BackendName, resolve_backend
 
 __all__ = [
+    "AUTO_FUSED_GATHER",
     "CANDIDATES",
     "FUSED_GATHER_BACKENDS",
     "H200_BACKENDS",

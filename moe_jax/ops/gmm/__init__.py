@@ -6,7 +6,7 @@ the shared in-kernel body in `tile`), the three backends (`backends`; `auto`'s p
 fp32 references (`reference`)."""
 
 from moe_jax.ops.gmm.api import SUPPORTED_DTYPES, RowGather, gmm, grouped_linear, tgmm
-from moe_jax.ops.gmm.backend_table import FUSED_GATHER_BACKENDS, H200_BACKENDS, KERNELS, gemm_backend
+from moe_jax.ops.gmm.backend_table import AUTO_FUSED_GATHER, FUSED_GATHER_BACKENDS, H200_BACKENDS, KERNELS, gemm_backend
 from moe_jax.ops.gmm.config import (CANDIDATES, FAMILIES, GmmConfig, TileConfig, candidate_index, gmm_config, tgmm_config,
                                     triton_candidate)
 from moe_jax.ops.gmm.reference import gmm_reference, tgmm_reference
@@ -15,6 +15,7 @@ from moe_jax.ops.gmm.selector import Features, Selection, SelectorTable, histogr
 
 __all__ = [
     "CANDIDATES",
+    "AUTO_FUSED_GATHER",
     "FUSED_GATHER_BACKENDS",
     "H200_BACKENDS",
     "KERNELS",

@@ -191,7 +191,8 @@ def gmm(
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     if m == 0 or n == 0 or k == 0 or lhs.shape[0] == 0:  # no rows, or no source rows to read
         return jnp.zeros((m, n), out_dtype)
-    backend = gemm_backend("gmm_nt" if transpose_rhs else "gmm_nn", backend, m, num_groups)
+    backend = gemm_backend("gmm_nt" if transpose_rhs else "gmm_nn", backend, m, num_groups,
+                           operands=(n, k, lhs.dtype, out_dtype))
     impl = functools.partial(implementation("gmm", backend), transpose_rhs=transpose_rhs, config=config,
                              out_dtype=out_dtype, precision=_default_precision(lhs.dtype, precision))
     if row_ids is None:

@@ -20,9 +20,10 @@ import importlib
 import logging
 import types
 
+from moe_jax.ops.gmm.mosaic import mosaic_supports
 from moe_jax.ops.platform import on_gpu, resolve_backend
 
-__all__ = ["FUSED_GATHER_BACKENDS", "H200_BACKENDS", "KERNELS", "gemm_backend", "have_jax_triton", "shape_class"]
+__all__ = ["AUTO_FUSED_GATHER", "FUSED_GATHER_BACKENDS", "H200_BACKENDS", "KERNELS", "gemm_backend", "have_jax_triton", "shape_class"]
 
 KERNELS = ("gmm_nt", "gmm_nn", "tgmm")
 # The backends whose forward kernels read `gmm(row_ids=...)`'s rows inside their operand loads
@@ -30,14 +31,17 @@ KERNELS = ("gmm_nt", "gmm_nn", "tgmm")
 FUSED_GATHER_BACKENDS = ("pallas_triton", "triton")
 DECODE_ROWS_PER_GROUP = 64
 
-H200_BACKENDS: types.MappingProxyType[tuple[str, str], str] = types.MappingProxyType({
-    ("gmm_nt", "decode"): "pallas_triton",
-    ("gmm_nt", "prefill"): "pallas_triton",
-    ("gmm_nn", "decode"): "pallas_triton",
-    ("gmm_nn", "prefill"): "triton",
-    ("tgmm", "decode"): "pallas_triton",
-    ("tgmm", "prefill"): "triton",
+H200_BACKENDS: types.MappingProxyType[tuple[str, str], tuple[str, ...]] = types.MappingProxyType({
+    ("gmm_nt", "decode"): ("pallas_triton",),
+    ("gmm_nt", "prefill"): ("pallas_triton",),
+    ("gmm_nn", "decode"): ("pallas_triton",),
+    ("gmm_nn", "prefill"): ("mosaic_gpu", "triton", "pallas_triton"),
+    ("tgmm", "decode"): ("pallas_triton",),
+    ("tgmm", "prefill"): ("triton", "pallas_triton"),
 })
+# Backends on which `MoE(row_gather="auto")` fuses the row gather into the gate/up GEMM: where it
+# measured faster than gathering first. None on the H200 (docs/backends.md, "Fused row gather").
+AUTO_FUSED_GATHER: tuple[str, ...] = ()
 
 _log = logging.getLogger("moe_jax")
 _announced: set = set()
@@ -58,20 +62,23 @@ def shape_class(num_rows: int, num_groups: int) -> str:
     return "decode" if num_rows <= DECODE_ROWS_PER_GROUP * max(num_groups, 1) else "prefill"
 
 
-def gemm_backend(kernel: str, backend: str, num_rows: int, num_groups: int, *,
+def gemm_backend(kernel: str, backend: str, num_rows: int, num_groups: int, *, operands=None,
                  table=H200_BACKENDS, triton_available: bool | None = None) -> str:
     """The backend that runs `kernel` (one of `KERNELS`) for `backend`: an explicit name as
-    `platform.resolve_backend` checks it; `auto` off GPU is `xla`, on GPU `table`'s choice for the
-    shape class (`triton` only where jax_triton imports, or `triton_available` says so), logged
-    once per choice on the `moe_jax` logger (INFO)."""
+    `platform.resolve_backend` checks it; `auto` off GPU is `xla`, on GPU the first of `table`'s
+    choices for the shape class that runs here: `triton` only where jax_triton imports (or
+    `triton_available` says so), `mosaic_gpu` only for `operands = (N, K, dtype, out_dtype)` that
+    `mosaic.mosaic_supports` (never without them); `pallas_triton` runs everything. Logged once
+    per choice on the `moe_jax` logger (INFO)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}: use one of {KERNELS}.")
     if backend != "auto" or not on_gpu():
         return resolve_backend(backend)
     cls = shape_class(num_rows, num_groups)
-    picked = table[(kernel, cls)]
-    if picked == "triton" and not (have_jax_triton() if triton_available is None else triton_available):
-        picked = "pallas_triton"
+    triton_ok = have_jax_triton() if triton_available is None else triton_available
+    mosaic_ok = operands is not None and mosaic_supports(num_rows, *operands[:3], out_dtype=operands[3])
+    runs = {"triton": triton_ok, "mosaic_gpu": mosaic_ok}
+    picked = next((b for b in table[(kernel, cls)] if runs.get(b, True)), "pallas_triton")
     if (kernel, cls, picked) not in _announced:
         _announced.add((kernel, cls, picked))
         _log.info("moe_jax: backend='auto' runs %s (%s) on %r", kernel, cls, picked)

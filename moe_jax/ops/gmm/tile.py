@@ -92,7 +92,9 @@ def row_block(lhs_ref, rhs_ref, out_ref, *, group, start, end, n0, k_steps, n: i
             a = masked_load(lhs_ref.at[pl.ds(start, bm), pl.ds(k0, bk)], outer_and(rows_ok, k_ok, (bm, bk)))
         else:
             # Both indices as arrays: Pallas's interpreter gathers only with no slice among them.
-            cols = jnp.minimum(k0 + jnp.arange(bk, dtype=jnp.int32), k - 1)
+            # The columns stay a plain `k0 + arange` (masked, never clamped), so Triton still sees
+            # each row's block as contiguous and vectorizes its loads.
+            cols = k0 + jnp.arange(bk, dtype=jnp.int32)
             a = masked_load(lhs_ref.at[src_rows[:, None], cols[None, :]], outer_and(reads_ok, k_ok, (bm, bk)))
         if transpose_rhs:
             b = masked_load(rhs_ref.at[group, pl.ds(n0, bn), pl.ds(k0, bk)], outer_and(n_ok, k_ok, (bn, bk)))
