@@ -18,7 +18,6 @@
 #   devices), then its ragged cases once more under XLA's ragged_all_to_all decomposer flag.
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}  # the image's default cache dir is not writable
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 L=${LANE:+$LANE-}
 for phase in "$@"; do

@@ -533,11 +533,15 @@ def test_auto_backend_per_kernel_table():
             without_triton = [c for c in choices if c != "triton"][0]
             assert gemm_backend(kernel, "auto", rows, 128, operands=(2048, 1536, bf16, bf16),
                                 triton_available=False) == without_triton
-        # The input gradient at prefill: Mosaic where it takes the operands, else the next choice.
-        assert gemm_backend("gmm_nn", "auto", 32768, 128, operands=(2048, 1536, bf16, bf16)) == "mosaic_gpu"
+        # A table preferring Mosaic: it runs where it takes the operands, else the next choice does.
+        table = {("gmm_nn", "prefill"): ("mosaic_gpu", "triton", "pallas_triton")}
+        picked = gemm_backend("gmm_nn", "auto", 32768, 128, operands=(2048, 1536, bf16, bf16), table=table)
+        assert picked == "mosaic_gpu"
         for operands in [(2048, 1536, fp32, fp32), (2000, 1536, bf16, bf16), None]:
-            assert gemm_backend("gmm_nn", "auto", 32768, 128, operands=operands, triton_available=True) == "triton"
+            picked = gemm_backend("gmm_nn", "auto", 32768, 128, operands=operands, table=table, triton_available=True)
+            assert picked == "triton"
     assert H200_BACKENDS[("gmm_nt", "prefill")] == ("pallas_triton",)
+    assert H200_BACKENDS[("gmm_nn", "prefill")] == ("triton", "pallas_triton")
 
 
 def test_auto_backend_follows_the_mesh_platform(monkeypatch):

@@ -6,6 +6,9 @@ compiled on CUDA tensors on a GPU. The same launch parameters (`gmm_launch`, `tg
 jax_triton path, which `tests/test_ops.py` runs on a GPU through `gmm(backend="triton")`.
 """
 
+import os
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -125,3 +128,28 @@ def test_gmm_launch_refuses_int32_overflow_and_sizes_the_grid():
     with pytest.raises(ValueError, match="2\\*\\*31"):
         gmm_launch(m=2**28, n=8, k=8, num_groups=8, transpose_rhs=True, source_rows=None, tiles=tiles,
                    dtype=np.float32, precision=HI, interpret=True)
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["imports", "import-error"])
+def test_importing_jax_triton_keeps_the_triton_cache_dir(tmp_path, monkeypatch, fails):
+    """jax_triton 0.3.1 blanks TRITON_CACHE_DIR when imported, which breaks every later Triton
+    launch in the process; the backend's import puts the variable back, whether the import
+    succeeds or (off GPU) raises. A stand-in module with jax_triton's import-time behaviour."""
+    from moe_jax.ops.gmm.triton_launch import import_jax_triton
+
+    (tmp_path / "jax_triton.py").write_text(
+        "import os\nos.environ['TRITON_CACHE_DIR'] = ''\n" + ("raise ImportError('needs a CUDA jaxlib')\n" if fails else ""))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    real = sys.modules.pop("jax_triton", None)  # the real module, where this process has it
+    try:
+        if fails:
+            with pytest.raises(ImportError, match="CUDA jaxlib"):
+                import_jax_triton()
+        else:
+            assert import_jax_triton().__file__ == str(tmp_path / "jax_triton.py")
+        assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "cache")
+    finally:
+        sys.modules.pop("jax_triton", None)
+        if real is not None:
+            sys.modules["jax_triton"] = real

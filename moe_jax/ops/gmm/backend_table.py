@@ -8,19 +8,22 @@ on average, where the Pallas group-major and split-K kernels live) and `prefill`
 `benchmarks/results/2026-12-01-h200-backends.md`): on the prefill rows the official Triton kernels
 (`triton`) beat the Pallas Triton ones on the input gradient (geomean 0.93x vs 0.91x
 `torch._grouped_mm`) and the weight gradient (0.84x vs 0.81x); the forward stays on Pallas, where
-the on-device selector chooses among its candidates (0.95x vs 0.90x). It is applied on every GPU:
-it is the only one measured. Where jax_triton is not installed, `triton` choices run on
-`pallas_triton`. Off GPU, `auto` is `xla` for every kernel.
+the on-device selector chooses among its candidates (0.95x vs 0.90x). Each entry lists backends
+in order of preference; `auto` runs the first that runs the call (`gemm_backend`). `mosaic_gpu`
+is in no entry: its input gradient beats `triton` on the Qwen3-30B-A3B and Mixtral rows but loses
+on DeepSeek-V3's, and the whole layer with it was no faster (the results file's "Mosaic in auto").
+It is applied on every GPU: it is the only one measured. Where jax_triton is not installed,
+`triton` choices run on `pallas_triton`. Off GPU, `auto` is `xla` for every kernel.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
 import types
 
 from moe_jax.ops.gmm.mosaic import mosaic_supports
+from moe_jax.ops.gmm.triton_launch import import_jax_triton
 from moe_jax.ops.platform import on_gpu, resolve_backend
 
 __all__ = ["AUTO_FUSED_GATHER", "FUSED_GATHER_BACKENDS", "H200_BACKENDS", "KERNELS", "gemm_backend", "have_jax_triton", "shape_class"]
@@ -35,7 +38,7 @@ H200_BACKENDS: types.MappingProxyType[tuple[str, str], tuple[str, ...]] = types.
     ("gmm_nt", "decode"): ("pallas_triton",),
     ("gmm_nt", "prefill"): ("pallas_triton",),
     ("gmm_nn", "decode"): ("pallas_triton",),
-    ("gmm_nn", "prefill"): ("mosaic_gpu", "triton", "pallas_triton"),
+    ("gmm_nn", "prefill"): ("triton", "pallas_triton"),
     ("tgmm", "decode"): ("pallas_triton",),
     ("tgmm", "prefill"): ("triton", "pallas_triton"),
 })
@@ -51,7 +54,7 @@ _announced: set = set()
 def have_jax_triton() -> bool:
     """Whether jax_triton imports here (it needs a CUDA jaxlib)."""
     try:
-        importlib.import_module("jax_triton")
+        import_jax_triton()
     except ImportError:
         return False
     return True

@@ -8,6 +8,8 @@ Legend: M packed rows, K reduction width, N output width, E groups, T rows of a 
 
 from __future__ import annotations
 
+import importlib
+import os
 from typing import NamedTuple
 
 import jax
@@ -20,7 +22,7 @@ from moe_jax.ops.gmm.tile import lane_sizes
 from moe_jax.ops.pallas_triton import cdiv, next_pow2
 from moe_jax.ops.sharding import varying_like
 
-__all__ = ["Launch", "gmm_launch", "gmm_triton", "gmm_torch", "tgmm_launch", "tgmm_triton",
+__all__ = ["Launch", "gmm_launch", "import_jax_triton", "gmm_triton", "gmm_torch", "tgmm_launch", "tgmm_triton",
            "tgmm_torch"]
 
 
@@ -66,9 +68,24 @@ def tgmm_launch(*, n: int, k: int, num_groups: int, tiles: TileConfig, dtype, pr
     return Launch(grid, tiles.num_warps, tiles.num_stages, constants)
 
 
-def _triton_call(kernel, inputs, out_shape, launch, name: str):
-    import jax_triton  # noqa: PLC0415  (GPU-only dependency, imported where it is used)
+def import_jax_triton():
+    """`jax_triton`, imported with the process's `TRITON_CACHE_DIR` left as it was: jax_triton
+    0.3.1 blanks the variable at import (its own compile path keeps no file cache), after which
+    every other `triton.jit` launch in the process (torch's, `parity`'s reference kernels) fails
+    with "Could not create or locate cache dir". Raises ImportError where jax_triton does not
+    import (it needs a CUDA jaxlib)."""
+    saved = os.environ.get("TRITON_CACHE_DIR")
+    try:
+        return importlib.import_module("jax_triton")
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_CACHE_DIR", None)
+        else:
+            os.environ["TRITON_CACHE_DIR"] = saved
 
+
+def _triton_call(kernel, inputs, out_shape, launch, name: str):
+    jax_triton = import_jax_triton()  # GPU-only dependency, imported where it is used
     out_shape, inputs = varying_like(out_shape, inputs)
     return jax_triton.triton_call(*inputs, kernel=kernel, out_shape=out_shape, grid=launch.grid, name=name,
                                   num_warps=launch.num_warps, num_stages=launch.num_stages, **launch.constants)
