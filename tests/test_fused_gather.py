@@ -1,6 +1,6 @@
-"""The row gather fused into the grouped GEMM (`gmm(row_ids=)`, `grouped_linear(rows=)`, the
-layer's `row_gather`): equal, bit for bit, to gathering the rows first, on every backend; the
-forward writes no packed copy; bad input names the argument.
+"""The row gather fused into the grouped GEMMs (`gmm(row_ids=)`, `tgmm(row_ids=)`,
+`grouped_linear(rows=)`, the layer's `row_gather`): equal, bit for bit, to gathering the rows
+first, on every backend; no packed copy is written; bad input names the argument.
 
 The same bodies run compiled on a GPU and interpreted on CPU.
 """
@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from moe_jax import MoE
-from moe_jax.ops import AUTO_FUSED_GATHER, RowGather, TileConfig, gather_rows, gmm, gmm_reference, grouped_linear
+from moe_jax.ops import AUTO_FUSED_GATHER, RowGather, TileConfig, gather_rows, gmm, gmm_reference, grouped_linear, tgmm
 from moe_jax.permute import pack, pack_rows, packed_row_source
 from moe_jax.testing import assert_close
 from tests.helpers import ON_GPU, lower_for_gpu
@@ -61,6 +61,23 @@ def test_gmm_row_ids_equal_gmm_on_gathered_rows(backend, dtype, transpose_rhs):
     assert_close(fused[:total], gmm_reference(x_MD[:total], w, gs, transpose_rhs=transpose_rhs), dtype, "fused gmm")
 
 
+@pytest.mark.parametrize("backend,dtype", CASES, ids=[f"{b}-{jnp.dtype(d).name}" for b, d in CASES])
+def test_tgmm_row_ids_equal_tgmm_on_gathered_rows(backend, dtype):
+    """The weight gradient reading rows through ids equals it on the gathered rows, bit for bit;
+    the empty expert's gradient is exactly zero and the NaN tokens never reach it."""
+    k, n = (256, 128) if ON_GPU else (40, 24)
+    x_TD, packing, rows = _routed(8, TOKENS, 2, 4, k, dtype, drop_expert=3)
+    dy = jax.random.normal(jax.random.PRNGKey(9), (rows.ids_M.shape[0], n)).astype(dtype)
+    gs = packing.group_sizes_E
+    config = SMALL if backend == "pallas_triton" else None
+    fused = jax.jit(lambda x, d, gs, ids: tgmm(x, d, gs, backend=backend, config=config, row_ids=ids))(
+        x_TD, dy, gs, rows.ids_M)
+    packed = jax.jit(lambda x, d, gs: tgmm(x, d, gs, backend=backend, config=config))(
+        gather_rows(x_TD, rows.ids_M, backend="xla"), dy, gs)
+    np.testing.assert_array_equal(np.asarray(fused, np.float32), np.asarray(packed, np.float32))
+    assert np.isfinite(np.asarray(fused, np.float32)).all() and (np.asarray(fused[3], np.float32) == 0).all()
+
+
 @pytest.mark.parametrize("backend", BACKENDS[:2])
 def test_gmm_row_ids_at_decode_gathers_first_on_the_group_major_kernel(backend):
     """A decode-sized GEMM runs the group-major family, which reads packed rows: the rows are
@@ -99,9 +116,9 @@ def test_grouped_linear_rows_gradients_equal_the_packed_path(backend):
     assert (np.asarray(dx_f, np.float32)[masked] == 0).all()
 
 
-def test_fused_forward_writes_no_packed_rows_and_lowers_for_h200():
-    """Lowered for an H200: the fused forward runs the GEMM kernel alone (no row-gather kernel,
-    so no packed copy is written); its gradient gathers once, for the weight gradient."""
+def test_fused_path_writes_no_packed_rows_and_lowers_for_h200():
+    """Lowered for an H200: the fused forward and backward run the three GEMM kernels alone, no
+    row-gather kernel: no packed copy is written at any point."""
     t, k, n, e, top_k = 4096, 2048, 1536, 128, 8
     avals = (jax.ShapeDtypeStruct((t, k), jnp.bfloat16), jax.ShapeDtypeStruct((e, n, k), jnp.bfloat16),
              jax.ShapeDtypeStruct((e,), jnp.int32),
@@ -114,7 +131,7 @@ def test_fused_forward_writes_no_packed_rows_and_lowers_for_h200():
         return jax.value_and_grad(loss, (0, 1))(x, w)
 
     names = re.findall(r'name = "(moe_jax_\w+)"', lower_for_gpu(grads, *avals))
-    assert sorted(names) == ["moe_jax_gather_rows", "moe_jax_gmm", "moe_jax_gmm", "moe_jax_tgmm"], names
+    assert sorted(names) == ["moe_jax_gmm", "moe_jax_gmm", "moe_jax_tgmm"], names
 
 
 @pytest.mark.parametrize("fused_gate_up", [True, False], ids=["fused-gate-up", "gate-and-up"])
@@ -161,6 +178,8 @@ def test_bad_row_gather_input_names_the_argument():
         gmm(x, w, gs, row_ids=jnp.zeros((5, 1), jnp.int32))
     with pytest.raises(ValueError, match="group_sizes sum to 5 but lhs has only 4 rows"):
         gmm(x, w, gs, row_ids=jnp.zeros((4,), jnp.int32))
+    with pytest.raises(ValueError, match="row_ids has 4 rows but dout has 5"):
+        tgmm(x, jnp.ones((5, 4), jnp.float32), gs, row_ids=jnp.zeros((4,), jnp.int32))
     with pytest.raises(TypeError, match="rows must be a moe_jax.ops.RowGather"):
         grouped_linear(x, w, gs, rows=(jnp.zeros((5,), jnp.int32), jnp.zeros((6, 1), jnp.int32)))
     with pytest.raises(ValueError, match=r"rows.readers_TK must be \[T, K\] with T = x.shape\[0\] = 6"):

@@ -1,12 +1,15 @@
 """The `triton` backend's kernels against the fp32 references, on torch tensors.
 
 Off GPU jax_triton cannot import (it needs a CUDA jaxlib), so the kernels themselves are checked
-here: interpreted by Triton on CPU tensors (the repository's conftest sets `TRITON_INTERPRET`), and
-compiled on CUDA tensors on a GPU. The same launch parameters (`gmm_launch`, `tgmm_launch`) feed the
+here: interpreted by Triton on CPU tensors (the repository's conftest sets `TRITON_INTERPRET`),
+compiled on CUDA tensors on a GPU, and on any host compiled ahead of time for an H200
+(`tests/triton_aot.py`). The same launch parameters (`gmm_launch`, `tgmm_launch`) feed the
 jax_triton path, which `tests/test_ops.py` runs on a GPU through `gmm(backend="triton")`.
 """
 
+import json
 import os
+import subprocess
 import sys
 
 import jax
@@ -78,6 +81,23 @@ def test_gmm_kernel_gathers_rows(dtype):
                          jnp.asarray(gs.cpu().numpy()))
     assert_close(fused.float().cpu().numpy(), want, jnp.bfloat16 if dtype == torch.bfloat16 else jnp.float32,
                  "gathered gmm_kernel")
+
+
+def test_tgmm_kernel_gathers_rows():
+    """The weight-gradient kernel with row ids (repeats, ids outside `[0, T)` reading zeros)
+    equals it on the gathered rows, bit for bit."""
+    t, m, k, n, tiles = 21, 48, 40, 24, TILES[0]
+    x, _ = _inputs(4, t, k, 8, 1)
+    ids = np.random.default_rng(5).integers(0, t, m).astype(np.int32)
+    ids[[0, 30]], ids[11] = -1, t
+    d = np.random.default_rng(6).standard_normal((m, n)).astype(np.float32)
+    gs = torch.tensor([10, 0, 25, 13], dtype=torch.int32, device=DEVICE)
+    xt, dt = _t(x), _t(d)
+    fused = tgmm_torch(xt, dt, gs, tiles=tiles, precision=HI, row_ids=torch.from_numpy(ids).to(DEVICE))
+    valid = torch.from_numpy((ids >= 0) & (ids < t)).to(DEVICE)[:, None]
+    rows = torch.where(valid, xt[torch.from_numpy(np.clip(ids, 0, t - 1)).long().to(DEVICE)], 0)
+    assert torch.equal(fused, tgmm_torch(rows, dt, gs, tiles=tiles, precision=HI))
+    assert (fused[1] == 0).all()
 
 
 def test_gmm_kernel_bf16_rounds_like_the_reference():
@@ -153,3 +173,19 @@ def test_importing_jax_triton_keeps_the_triton_cache_dir(tmp_path, monkeypatch, 
         sys.modules.pop("jax_triton", None)
         if real is not None:
             sys.modules["jax_triton"] = real
+
+
+def test_kernels_compile_for_h200_with_wgmma_and_pipelined_loads():
+    """Both kernels, with and without the row gather, at the tiles the tables give them, compile
+    ahead of time for sm_90 to a cubin (on any host: Triton ships its own ptxas), use Hopper's
+    wgmma, pipeline their loads (cp.async) and fit in shared memory. A fresh process, because
+    this one may have made the kernels interpreted."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "tests.triton_aot"], capture_output=True, text=True, env=env,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert len(records) == 6, out.stdout
+    for rec in records:
+        assert rec["wgmma"] and rec["cp_async"] and rec["cubin"] > 0, rec
+        assert rec["shared"] <= 227 * 1024, rec

@@ -31,7 +31,7 @@ from moe_jax.ops.gather import backends  # noqa: F401  (registers the two backen
 from moe_jax.ops.platform import BackendName, implementation
 from moe_jax.ops.sharding import replicate_explicit, vary_to_union
 
-__all__ = ["gather_rows"]
+__all__ = ["gather_rows", "sum_of_readers"]
 
 
 def _sources(x_ND) -> tuple[jax.Array, ...]:
@@ -68,9 +68,11 @@ def _inverses(inverse_N, sizes) -> tuple:
     return tuple(None if inverse is None else inverse.astype(jnp.int32) for inverse in inverse_N)
 
 
-def _sum_of_readers(g_MD, readers_NK):
-    """`out[n] = sum_k g_MD[readers_NK[n, k]]` over the entries in `[0, M)`, summed in float32;
-    `[N, D]` in `g_MD.dtype`."""
+def sum_of_readers(g_MD: jax.Array, readers_NK: jax.Array) -> jax.Array:
+    """`out[n] = sum_k g_MD[readers_NK[n, k]]` over the entries in `[0, M)`, summed in float32 in a
+    fixed order; `[N, D]` in `g_MD.dtype`. The backward of `gather_rows` with an `[N, K]`
+    `inverse_N`, for callers that read rows through ids without a `gather_rows` of their own
+    (`moe_jax.ops.grouped_linear(rows=...)`)."""
     # Materialised once: fused into the sum, XLA would recompute the index arithmetic per element
     # (docs/decisions.md, "index arithmetic behind a barrier").
     readers_NK = jax.lax.optimization_barrier(readers_NK)
@@ -136,7 +138,7 @@ def gather_rows(
             if size == 0:
                 grads.append(jnp.zeros((0, width), g_MD.dtype))
             elif inverse is not None and inverse.ndim == 2:
-                grads.append(_sum_of_readers(g_MD, inverse))
+                grads.append(sum_of_readers(g_MD, inverse))
             elif inverse is not None:
                 grads.append(impl((g_MD,), inverse))
             else:

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_jax.ops.gather import gather_rows
+from moe_jax.ops.gather import sum_of_readers
 from moe_jax.ops.gmm import backends  # noqa: F401  (registers the backends)
 from moe_jax.ops.gmm.backend_table import gemm_backend
 from moe_jax.ops.gmm.config import GmmConfig, TileConfig
@@ -210,25 +210,32 @@ def tgmm(
     backend: BackendName = "auto",
     preferred_element_type=None,
     precision: jax.lax.Precision | None = None,
+    row_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Grouped transposed GEMM (weight gradient): `out[E,N,K]`, `out[e] = dout_e^T @ lhs_e`.
 
     Args:
-      lhs: `[M, K]` the forward input rows, grouped by group.
+      lhs: `[M, K]` the forward input rows, grouped by group; with `row_ids`, `[T, K]` source rows.
       dout: `[M, N]` the gradient of the forward output, same row grouping.
       group_sizes: `[E]` integer rows per group. An empty group's slice is exactly zero.
+      row_ids: optional int `[M]`: row i of the groups is `lhs[row_ids[i]]` (zeros for ids outside
+        `[0, T)`), as in `gmm`: the rows the forward read through the same ids.
     """
-    _check_array("lhs", lhs, 2, "[M, K]")
+    _check_array("lhs", lhs, 2, "[T, K]" if row_ids is not None else "[M, K]")
     _check_array("dout", dout, 2, "[M, N]")
     _check_float("lhs", lhs)
     _check_float("dout", dout)
     if lhs.dtype != dout.dtype:
         raise TypeError(f"lhs.dtype={lhs.dtype} and dout.dtype={dout.dtype} differ; cast one to the other.")
-    if lhs.shape[0] != dout.shape[0]:
+    if row_ids is not None:
+        _check_row_ids("row_ids", row_ids)
+        if row_ids.shape[0] != dout.shape[0]:
+            raise ValueError(f"row_ids has {row_ids.shape[0]} rows but dout has {dout.shape[0]}; they must match.")
+    elif lhs.shape[0] != dout.shape[0]:
         raise ValueError(f"lhs has {lhs.shape[0]} rows but dout has {dout.shape[0]}; they must match.")
     if group_sizes is None or not hasattr(group_sizes, "shape"):
         raise TypeError("group_sizes must be a jax integer array [E].")
-    m, k = lhs.shape
+    m, k = dout.shape[0], lhs.shape[1]
     n = dout.shape[1]
     num_groups = group_sizes.shape[0] if group_sizes.ndim == 1 else -1
     _check_group_sizes(group_sizes, num_groups, m, "group_sizes")
@@ -236,13 +243,15 @@ def tgmm(
         raise ValueError("group_sizes is empty (E=0); a grouped GEMM needs at least one group.")
     _check_config("config", config, (TileConfig, MosaicWgradConfig))
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
-    if m == 0 or n == 0 or k == 0:
+    if m == 0 or n == 0 or k == 0 or lhs.shape[0] == 0:  # no rows, or no source rows to read
         return jnp.zeros((num_groups, n, k), out_dtype)
-    lhs, dout, group_sizes = replicate_explicit(lhs, dout, group_sizes)
     impl = functools.partial(implementation("tgmm", gemm_backend("tgmm", backend, m, num_groups)), config=config,
                              out_dtype=out_dtype,
                              precision=_default_precision(lhs.dtype, precision))
-    return _primitive("tgmm", impl, lhs, dout, group_sizes)
+    if row_ids is None:
+        return _primitive("tgmm", impl, *replicate_explicit(lhs, dout, group_sizes))
+    return _primitive("tgmm", lambda lhs, dout, sizes, ids: impl(lhs, dout, sizes, row_ids=ids),
+                      *replicate_explicit(lhs, dout, group_sizes, row_ids.astype(jnp.int32)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,12 +309,13 @@ def _gathered_linear_fwd(opts, x, w, group_sizes, rows):
 
 def _gathered_linear_bwd(opts, res, dy):
     x, w, group_sizes, rows = res
-    # The packed rows are gathered again here rather than kept from the forward: the forward
-    # never wrote them, and the weight gradient is their only reader.
-    x_M, gather_vjp = jax.vjp(lambda x: gather_rows(x, rows.ids_M, inverse_N=rows.readers_TK), x)
-    dx_M, dw, _ = _grouped_linear_bwd(opts, (x_M, w, group_sizes), dy)
-    (dx,) = gather_vjp(dx_M)
-    return dx, dw, None, None
+    dy = dy.astype(x.dtype)
+    dx_M = gmm(dy, w, group_sizes, transpose_rhs=False, config=opts.dgrad_config, backend=opts.backend,
+               precision=opts.precision)
+    # The weight gradient reads the rows through the ids too: no packed copy exists at any point.
+    dw = tgmm(x, dy, group_sizes, config=opts.wgrad_config, backend=opts.backend, preferred_element_type=w.dtype,
+              precision=opts.precision, row_ids=rows.ids_M)
+    return sum_of_readers(dx_M, rows.readers_TK), dw, None, None
 
 
 _gathered_linear.defvjp(_gathered_linear_fwd, _gathered_linear_bwd)
@@ -330,9 +340,10 @@ def grouped_linear(
     `dw = tgmm(x, dy)`; the gradient of an empty group's weight is exactly zero. Rows past
     `sum(group_sizes)` get zero output and zero gradient.
 
-    `rows` (a `RowGather`): `x` is `[T, K]` and the grouped rows are `x[rows.ids_M]`, read by
-    `gmm(..., row_ids=)` without writing them out; the backward gathers them again for `tgmm` and
-    sums each source row's readers' input gradients (deterministic). Equal to `grouped_linear` on
+    `rows` (a `RowGather`): `x` is `[T, K]` and the grouped rows are `x[rows.ids_M]`, read through
+    the ids by the forward `gmm` and the weight-gradient `tgmm` (`row_ids=`), so no packed copy is
+    ever written; the input gradient sums each source row's readers in fp32 in a fixed order
+    (`moe_jax.ops.gather.sum_of_readers`). Equal to `grouped_linear` on
     `gather_rows(x, rows.ids_M, inverse_N=rows.readers_TK)`.
     """
     resolve_backend(backend)  # ValueError naming the choices; `auto` is resolved per kernel

@@ -14,9 +14,9 @@
 
 All receive validated arguments (see `api`) with `M, N, K > 0`, and clamp group sizes the same
 way (`schedule.clamp_group_sizes`), so they agree on unchecked, traced sizes. With `row_ids`,
-`gmm`'s `lhs` is `[T, K]` read through them: the Pallas row-tile and the Triton kernels gather
-inside their A-operand loads; the group-major and split-K families, `mosaic_gpu` and `xla` gather
-the rows first (`gathered`).
+the `lhs` of `gmm` and `tgmm` is `[T, K]` read through them: the Pallas row-tile and weight-gradient
+kernels and both Triton kernels gather inside their loads; the group-major and split-K families,
+`mosaic_gpu` and `xla` gather the rows first (`gathered`).
 """
 
 from __future__ import annotations
@@ -82,11 +82,11 @@ def pallas_gmm(lhs, rhs, group_sizes, *, transpose_rhs, config, out_dtype, preci
 
 
 @register("tgmm", "pallas_triton")
-def pallas_tgmm(lhs, dout, group_sizes, *, config, out_dtype, precision):
-    m, k = lhs.shape
+def pallas_tgmm(lhs, dout, group_sizes, *, config, out_dtype, precision, row_ids=None):
+    m, k = dout.shape[0], lhs.shape[1]
     tiles = config if isinstance(config, TileConfig) else tgmm_config(m, dout.shape[1], k, group_sizes.shape[0])
     return tgmm_pallas(lhs, dout, clamp_group_sizes(group_sizes, m), tiles=tiles, out_dtype=out_dtype,
-                       precision=precision, interpret=interpret())
+                       precision=precision, interpret=interpret(), row_ids=row_ids)
 
 
 def triton_tiles(config, m: int, n: int, k: int, num_groups: int) -> TileConfig:
@@ -111,10 +111,10 @@ def triton_gmm(lhs, rhs, group_sizes, *, transpose_rhs, config, out_dtype, preci
 
 
 @register("tgmm", "triton")
-def triton_tgmm(lhs, dout, group_sizes, *, config, out_dtype, precision):
-    m, k = lhs.shape
+def triton_tgmm(lhs, dout, group_sizes, *, config, out_dtype, precision, row_ids=None):
+    m, k = dout.shape[0], lhs.shape[1]
     tiles = config if isinstance(config, TileConfig) else tgmm_config(m, dout.shape[1], k, group_sizes.shape[0])
-    return tgmm_triton(lhs, dout, group_sizes, tiles=tiles, out_dtype=out_dtype, precision=precision)
+    return tgmm_triton(lhs, dout, group_sizes, tiles=tiles, out_dtype=out_dtype, precision=precision, row_ids=row_ids)
 
 
 @register("gmm", "mosaic_gpu")
@@ -126,9 +126,9 @@ def mosaic_gmm(lhs, rhs, group_sizes, *, transpose_rhs, config, out_dtype, preci
 
 
 @register("tgmm", "mosaic_gpu")
-def mosaic_tgmm(lhs, dout, group_sizes, *, config, out_dtype, precision):
+def mosaic_tgmm(lhs, dout, group_sizes, *, config, out_dtype, precision, row_ids=None):
     del precision
-    return tgmm_mosaic(lhs, dout, group_sizes, out_dtype=out_dtype,
+    return tgmm_mosaic(gathered(lhs, row_ids), dout, group_sizes, out_dtype=out_dtype,
                        config=config if isinstance(config, MosaicWgradConfig) else MosaicWgradConfig(),
                        interpret=interpret())
 
@@ -155,8 +155,9 @@ def xla_gmm(lhs, rhs, group_sizes, *, transpose_rhs, config, out_dtype, precisio
 
 
 @register("tgmm", "xla")
-def xla_tgmm(lhs, dout, group_sizes, *, config, out_dtype, precision):
+def xla_tgmm(lhs, dout, group_sizes, *, config, out_dtype, precision, row_ids=None):
     del config
+    lhs = gathered(lhs, row_ids, backend="xla")
     dims = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(([0], [0]), ([], [])),
         lhs_ragged_dimensions=[0],

@@ -12,7 +12,7 @@ Both kernels keep the contracts of the `pallas_triton` kernels (`row_tile`, `wgr
   layer's packing happens in the A-operand load instead of a separate pass through memory.
 - `tgmm_kernel`: `o[E, N, K]`, `o[e] = d_e^T @ a_e`, one program per (group, N block, K block);
   an empty group stores exact zeros; one writer per element (no atomics), so repeated runs give
-  the same bits.
+  the same bits. `GATHER` reads `a`'s rows through row ids here too.
 Products accumulate in fp32; `PRECISION` is `tl.dot`'s `input_precision` ("ieee" for fp32 inputs
 at `Precision.HIGHEST`, else "tf32"; bf16/fp16 ignore it).
 
@@ -29,6 +29,20 @@ import triton
 import triton.language as tl
 
 __all__ = ["gmm_kernel", "tgmm_kernel"]
+
+
+@triton.jit
+def _source_rows(rows_ptr, rows, row_ok, T: tl.constexpr, GATHER: tl.constexpr):
+    """(int64 rows of `a` to read, which of them to read): `rows` itself, or with `GATHER` the ids
+    `rows_ptr[rows]`, those outside `[0, T)` not read."""
+    if GATHER:
+        ids = tl.load(rows_ptr + rows, mask=row_ok, other=0)
+        read_ok = row_ok & (ids >= 0) & (ids < T)
+        src = tl.where(read_ok, ids, 0)
+    else:
+        read_ok = row_ok
+        src = rows
+    return src.to(tl.int64), read_ok
 
 
 @triton.jit
@@ -80,13 +94,7 @@ def gmm_kernel(
 
     rows = start + tl.arange(0, BLOCK_M)
     row_ok = rows < end  # rows stored
-    if GATHER:
-        src = tl.load(rows_ptr + rows, mask=row_ok, other=0)
-        read_ok = row_ok & (src >= 0) & (src < T)
-        src = tl.where(read_ok, src, 0).to(tl.int64)
-    else:
-        read_ok = row_ok
-        src = rows.to(tl.int64)
+    src, read_ok = _source_rows(rows_ptr, rows, row_ok, T, GATHER)
     cols = n_blk * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     b_group = b_ptr + tl.minimum(group, E - 1).to(tl.int64) * stride_be
@@ -109,13 +117,14 @@ def gmm_kernel(
 
 @triton.jit
 def tgmm_kernel(
-    offsets_ptr, a_ptr, d_ptr, o_ptr,
-    N: tl.constexpr, K: tl.constexpr,
+    offsets_ptr, rows_ptr, a_ptr, d_ptr, o_ptr,
+    N: tl.constexpr, K: tl.constexpr, T: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    GATHER: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """One `[BLOCK_N, BLOCK_K]` block of `o[g] = d_g^T @ a_g`. `offsets_ptr`: int32 `[E + 1]`
-    clamped offsets (`schedule.clamp_group_sizes`)."""
+    clamped offsets (`schedule.clamp_group_sizes`). With `GATHER`, row r of `a` is `a[rows[r]]`
+    (`a` is `[T, K]`, ids outside `[0, T)` read zeros), as in `gmm_kernel`."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     num_k = tl.cdiv(K, BLOCK_K)
@@ -135,7 +144,8 @@ def tgmm_kernel(
             row_ok = rows < end
             d = tl.load(d_ptr + rows.to(tl.int64)[:, None] * N + ns[None, :], mask=row_ok[:, None] & n_ok[None, :],
                         other=0.0).to(tl.float32)
-            a = tl.load(a_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
+            src, read_ok = _source_rows(rows_ptr, rows, row_ok, T, GATHER)
+            a = tl.load(a_ptr + src[:, None] * K + ks[None, :], mask=read_ok[:, None] & k_ok[None, :],
                         other=0.0).to(tl.float32)
             acc = tl.dot(tl.trans(d), a, acc, input_precision=PRECISION)
             r0 += BLOCK_M
@@ -145,8 +155,8 @@ def tgmm_kernel(
             row_ok = rows < end
             d = tl.load(d_ptr + rows.to(tl.int64)[:, None] * N + ns[None, :], mask=row_ok[:, None] & n_ok[None, :],
                         other=0.0)
-            a = tl.load(a_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                        other=0.0)
+            src, read_ok = _source_rows(rows_ptr, rows, row_ok, T, GATHER)
+            a = tl.load(a_ptr + src[:, None] * K + ks[None, :], mask=read_ok[:, None] & k_ok[None, :], other=0.0)
             acc = tl.dot(tl.trans(d), a, acc, input_precision=PRECISION)
     out = o_ptr + group.to(tl.int64) * N * K
     tl.store(out + ns[:, None] * K + ks[None, :], acc.to(o_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])

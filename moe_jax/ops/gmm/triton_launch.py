@@ -59,11 +59,13 @@ def gmm_launch(*, m: int, n: int, k: int, num_groups: int, transpose_rhs: bool, 
     return Launch((num_tiles * cdiv(n, tiles.block_n),), tiles.num_warps, tiles.num_stages, constants)
 
 
-def tgmm_launch(*, n: int, k: int, num_groups: int, tiles: TileConfig, dtype, precision,
-                interpret: bool) -> Launch:
-    """The launch of `tgmm_kernel` for a gradient `[E, N, K]`. Needs `N, K > 0`."""
-    constants = dict(N=n, K=k, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-                     PRECISION=_precision(dtype, precision), INTERPRET=interpret)
+def tgmm_launch(*, n: int, k: int, num_groups: int, tiles: TileConfig, dtype, precision, interpret: bool,
+                source_rows: int | None = None) -> Launch:
+    """The launch of `tgmm_kernel` for a gradient `[E, N, K]`; with `source_rows = T`, `lhs` is the
+    `[T, K]` rows read through row ids. Needs `N, K > 0`."""
+    constants = dict(N=n, K=k, T=source_rows or 1, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+                     BLOCK_K=tiles.block_k, GATHER=source_rows is not None, PRECISION=_precision(dtype, precision),
+                     INTERPRET=interpret)
     grid = (num_groups * cdiv(n, tiles.block_n) * cdiv(k, tiles.block_k),)
     return Launch(grid, tiles.num_warps, tiles.num_stages, constants)
 
@@ -112,17 +114,20 @@ def gmm_triton(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transp
 
 
 def tgmm_triton(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, tiles: TileConfig, out_dtype,
-                precision) -> jax.Array:
-    """`tgmm` on the `triton` backend, through `jax_triton` (GPU): `[E, N, K]`."""
+                precision, row_ids: jax.Array | None = None) -> jax.Array:
+    """`tgmm` on the `triton` backend, through `jax_triton` (GPU): `[E, N, K]`; with `row_ids`
+    (int `[M]`), `lhs` is `[T, K]` read through them."""
     from moe_jax.ops.gmm.triton_kernels import tgmm_kernel  # noqa: PLC0415
 
-    m, k = lhs.shape
+    m, k = dout.shape[0], lhs.shape[1]
     n = dout.shape[1]
     num_groups = group_sizes.shape[0]
     launch = tgmm_launch(n=n, k=k, num_groups=num_groups, tiles=tiles, dtype=lhs.dtype, precision=precision,
-                         interpret=False)
+                         interpret=False, source_rows=None if row_ids is None else lhs.shape[0])
     offsets = clamp_group_sizes(group_sizes, m)
-    return _triton_call(tgmm_kernel, (offsets, lhs, dout), jax.ShapeDtypeStruct((num_groups, n, k), out_dtype),
+    # Without row ids the kernel never reads its row-id pointer; the offsets stand in for it.
+    rows = offsets if row_ids is None else row_ids.astype(jnp.int32)
+    return _triton_call(tgmm_kernel, (offsets, rows, lhs, dout), jax.ShapeDtypeStruct((num_groups, n, k), out_dtype),
                         launch, "moe_jax_tgmm_triton")
 
 
@@ -169,24 +174,27 @@ def gmm_torch(lhs, rhs, group_sizes, *, transpose_rhs: bool, tiles: TileConfig, 
     return out
 
 
-def tgmm_torch(lhs, dout, group_sizes, *, tiles: TileConfig, precision=None, out=None):
-    """`tgmm_kernel` on torch tensors (CUDA compiled, CPU interpreted): `[E, N, K]` of `lhs.dtype`."""
+def tgmm_torch(lhs, dout, group_sizes, *, tiles: TileConfig, precision=None, row_ids=None, out=None):
+    """`tgmm_kernel` on torch tensors (CUDA compiled, CPU interpreted): `[E, N, K]` of `lhs.dtype`;
+    with `row_ids` (int `[M]`), `lhs` is `[T, K]` read through them."""
     import torch  # noqa: PLC0415
 
     from moe_jax.ops.gmm.triton_kernels import tgmm_kernel  # noqa: PLC0415
 
     interpret = lhs.device.type == "cpu"
-    m, k = lhs.shape
+    m, k = dout.shape[0], lhs.shape[1]
     n = dout.shape[1]
     num_groups = group_sizes.shape[0]
     launch = tgmm_launch(n=n, k=k, num_groups=num_groups, tiles=tiles, dtype=_np_dtype(lhs.dtype),
-                         precision=precision, interpret=interpret)
+                         precision=precision, interpret=interpret,
+                         source_rows=None if row_ids is None else lhs.shape[0])
     offsets = torch.from_numpy(np.array(clamp_group_sizes(jnp.asarray(group_sizes.cpu().numpy()), m))).to(lhs.device)
+    rows = offsets if row_ids is None else row_ids.to(torch.int32)
     if out is None:
         out = torch.empty((num_groups, n, k), dtype=lhs.dtype, device=lhs.device)
     target = out.float() if interpret and out.dtype != torch.float32 else out
     _torch_kernel(tgmm_kernel, interpret)[launch.grid](
-        offsets, lhs.contiguous(), dout.contiguous(), target, num_warps=launch.num_warps,
+        offsets, rows, lhs.contiguous(), dout.contiguous(), target, num_warps=launch.num_warps,
         num_stages=launch.num_stages, **launch.constants)
     if target is not out:
         out.copy_(target.to(out.dtype))

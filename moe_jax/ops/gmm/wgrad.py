@@ -4,7 +4,8 @@ Legend: M packed rows, K input width, N output width, E groups.
 
 One program per (group, `block_n x block_k` tile of its gradient) walks the group's rows
 `block_m` at a time, accumulating in fp32; an empty group runs no steps and stores exact zeros.
-Every output element has one writer, so the result is the same bits on every run.
+Every output element has one writer, so the result is the same bits on every run. With row ids
+the `lhs` rows are read through them (the fused row gather of `gmm(row_ids=)`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from moe_jax.ops.pallas_triton import cdiv, launch, masked_load, outer_and
 __all__ = ["tgmm_pallas"]
 
 
-def _kernel(offsets_ref, lhs_ref, dout_ref, out_ref, *, n: int, k: int, tiles: TileConfig, precision):
+def _kernel(offsets_ref, *refs, n: int, k: int, tiles: TileConfig, precision, gather: bool):
+    row_ids_ref, lhs_ref, dout_ref, out_ref = refs if gather else (None, *refs)
     bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
     num_n, num_k = cdiv(n, bn), cdiv(k, bk)
     pid = pl.program_id(0)
@@ -41,8 +43,15 @@ def _kernel(offsets_ref, lhs_ref, dout_ref, out_ref, *, n: int, k: int, tiles: T
         rows_ok = (r0 + jnp.arange(bm, dtype=jnp.int32)) < end
         d = masked_load(dout_ref.at[pl.ds(r0, bm), pl.ds(n0, bn)], outer_and(rows_ok, cols_n_ok if n % bn else None,
                                                                              (bm, bn)))
-        a = masked_load(lhs_ref.at[pl.ds(r0, bm), pl.ds(k0, bk)], outer_and(rows_ok, cols_k_ok if k % bk else None,
-                                                                            (bm, bk)))
+        k_ok = cols_k_ok if k % bk else None
+        if row_ids_ref is None:
+            a = masked_load(lhs_ref.at[pl.ds(r0, bm), pl.ds(k0, bk)], outer_and(rows_ok, k_ok, (bm, bk)))
+        else:  # the rows read through their ids, as `tile.row_block` does
+            ids = masked_load(row_ids_ref.at[pl.ds(r0, bm)], rows_ok)
+            reads_ok = rows_ok & (ids >= 0) & (ids < lhs_ref.shape[0])
+            src = jnp.where(reads_ok, ids, 0)
+            cols = k0 + jnp.arange(bk, dtype=jnp.int32)
+            a = masked_load(lhs_ref.at[src[:, None], cols[None, :]], outer_and(reads_ok, k_ok, (bm, bk)))
         return acc + plgpu.dot(d, a, trans_a=True, precision=precision)
 
     acc = lax.fori_loop(0, cdiv(end - start, bm), m_step, jnp.zeros((bn, bk), jnp.float32))
@@ -55,16 +64,18 @@ def _kernel(offsets_ref, lhs_ref, dout_ref, out_ref, *, n: int, k: int, tiles: T
 
 def tgmm_pallas(
     lhs: jax.Array, dout: jax.Array, group_offsets_E1: jax.Array, *, tiles: TileConfig, out_dtype, precision,
-    interpret: bool, out_init: jax.Array | None = None,
+    interpret: bool, out_init: jax.Array | None = None, row_ids: jax.Array | None = None,
 ) -> jax.Array:
     """Launch the weight-gradient kernel. `group_offsets_E1` from `schedule.clamp_group_sizes`.
-    Expects validated shapes with `N, K > 0`."""
+    Expects validated shapes with `N, K > 0`. `row_ids`: int32 `[M]`; `lhs` is then `[T, K]` and
+    row r of the groups is read from `lhs[row_ids[r]]` (ids outside `[0, T)` read zeros)."""
     k = lhs.shape[1]
     n = dout.shape[1]
     num_groups = group_offsets_E1.shape[0] - 1
-    kernel = functools.partial(_kernel, n=n, k=k, tiles=tiles, precision=precision)
+    kernel = functools.partial(_kernel, n=n, k=k, tiles=tiles, precision=precision, gather=row_ids is not None)
+    ids = () if row_ids is None else (row_ids.astype(jnp.int32),)
     return launch(
-        kernel, (group_offsets_E1, lhs, dout),
+        kernel, (group_offsets_E1, *ids, lhs, dout),
         out_shape=jax.ShapeDtypeStruct((num_groups, n, k), out_dtype),
         grid=(num_groups * cdiv(n, tiles.block_n) * cdiv(k, tiles.block_k),), num_warps=tiles.num_warps,
         num_stages=tiles.num_stages, interpret=interpret, name="moe_jax_tgmm", out_init=out_init,

@@ -1,0 +1,59 @@
+"""Compile the `triton` backend's kernels ahead of time for an H200 (sm_90) on any host, and print
+what the compiled code uses, one JSON line per kernel variant.
+
+    python -m tests.triton_aot
+
+Run in a process without `TRITON_INTERPRET` (under it `triton.jit` gives interpreted functions,
+which do not compile); `tests/test_triton_kernels.py` starts it so. The launch constants come from
+`triton_launch.gmm_launch` / `tgmm_launch`, as on the GPU; pointer arguments carry the 16-byte
+divisibility that jax_triton passes for JAX buffers (without it Triton cannot vectorize the loads,
+so it does not pipeline them).
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from moe_jax.ops.gmm.config import TileConfig
+from moe_jax.ops.gmm.triton_kernels import gmm_kernel, tgmm_kernel
+from moe_jax.ops.gmm.triton_launch import gmm_launch, tgmm_launch
+
+H200 = GPUTarget("cuda", 90, 32)
+# Qwen3-30B-A3B gate+up at prefill: 32768 packed rows of 4096 tokens, 128 experts.
+M, T, N, K, E = 32768, 4096, 1536, 2048, 128
+
+
+def _compile(kernel, pointers: list[str], launch) -> dict:
+    signature = {name: f"*{kind}" for name, kind in pointers} | {name: "constexpr" for name in launch.constants}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(pointers))}
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs=dict(launch.constants), attrs=attrs),
+                              target=H200, options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
+    ptx = compiled.asm["ptx"]
+    return dict(wgmma="wgmma.mma_async" in ptx, cp_async="cp.async" in ptx, shared=compiled.metadata.shared,
+                cubin=len(compiled.asm["cubin"]))
+
+
+def main() -> None:
+    fwd = TileConfig(128, 256, 64, 8, 3, 8)
+    wgrad = TileConfig(64, 128, 128, 8, 4, 1)
+    gmm_ptrs = [("sizes_ptr", "i32"), ("rows_ptr", "i32"), ("a_ptr", "bf16"), ("b_ptr", "bf16"), ("c_ptr", "bf16")]
+    tgmm_ptrs = [("offsets_ptr", "i32"), ("rows_ptr", "i32"), ("a_ptr", "bf16"), ("d_ptr", "bf16"), ("o_ptr", "bf16")]
+    for gather in (False, True):
+        source = T if gather else None
+        for transpose_rhs in (True, False):
+            launch = gmm_launch(m=M, n=N, k=K, num_groups=E, transpose_rhs=transpose_rhs, source_rows=source,
+                                tiles=fwd, dtype=jnp.bfloat16, precision=None, interpret=False)
+            print(json.dumps(dict(kernel="gmm", gather=gather, transpose_rhs=transpose_rhs,
+                                  **_compile(gmm_kernel, gmm_ptrs, launch))), flush=True)
+        launch = tgmm_launch(n=N, k=K, num_groups=E, tiles=wgrad, dtype=jnp.bfloat16, precision=None,
+                             interpret=False, source_rows=source)
+        print(json.dumps(dict(kernel="tgmm", gather=gather, **_compile(tgmm_kernel, tgmm_ptrs, launch))), flush=True)
+
+
+if __name__ == "__main__":
+    main()
