@@ -104,6 +104,22 @@ def test_user_mesh_matches_single_device(name, axis_type):
         _assert_matches_single_device(m, x, mask, cot, name)
 
 
+@pytest.mark.parametrize("axis_type", [AUTO, EXPLICIT], ids=["auto", "explicit"])
+def test_fused_row_gather_on_a_data_parallel_mesh(axis_type):
+    """`row_gather="fused"` inside the data-parallel shard_map, and on Explicit batch-sharded input
+    without a mesh of the layer's own: the single-device layer's values and gradients."""
+    mesh = jax.make_mesh((4,), ("batch",), axis_types=(axis_type,), devices=HOST[:4])
+    x, mask, cot = _inputs()
+    m = _like_reference(mesh=mesh, axis_rules=AxisRules(tokens=("batch",), experts=None), row_gather="fused")
+    with jax.set_mesh(mesh):
+        _assert_matches_single_device(m, x, mask, cot, "fused, data parallel")
+    if axis_type == EXPLICIT:
+        m = _like_reference(row_gather="fused")
+        with jax.set_mesh(mesh):
+            sharded = NamedSharding(mesh, PartitionSpec("batch"))
+            _assert_matches_single_device(m, *(jax.device_put(a, sharded) for a in (x, mask, cot)), "fused, explicit")
+
+
 def test_explicit_make_mesh_with_capacity_and_pair_transport():
     """An Explicit ("data", "ep") mesh from make_mesh at ep = 2, with EP options as one value."""
     mesh = make_mesh(ep=2, data=4, devices=HOST[:8], axis_type=EXPLICIT)

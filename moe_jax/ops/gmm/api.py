@@ -356,4 +356,4 @@ def grouped_linear(
     if rows.readers_TK.ndim != 2 or rows.readers_TK.shape[0] != x.shape[0]:
         raise ValueError(f"rows.readers_TK must be [T, K] with T = x.shape[0] = {x.shape[0]}; got shape "
                          f"{tuple(rows.readers_TK.shape)}.")
-    return _gathered_linear(opts, *replicate_explicit(x, w, group_sizes), rows)
+    return _gathered_linear(opts, *replicate_explicit(x, w, group_sizes), RowGather(*replicate_explicit(*rows)))
