@@ -143,11 +143,24 @@ def _torch_kernel(kernel, interpret: bool):
     return kernel
 
 
+def _run_torch(kernel, launch: Launch, index_args, operands, out, interpret: bool):
+    """Launch `kernel(*index_args, *operands, out)` on torch tensors and return `out`. Interpreted
+    on CPU, a bf16/fp16 `out` is stored through an fp32 buffer that torch rounds to nearest even
+    (the interpreter truncates fp32 to bf16)."""
+    target = out.float() if interpret and out.dtype.itemsize < 4 else out
+    _torch_kernel(kernel, interpret)[launch.grid](
+        *index_args, *(t.contiguous() for t in operands), target, num_warps=launch.num_warps,
+        num_stages=launch.num_stages, **launch.constants)
+    if target is not out:
+        out.copy_(target.to(out.dtype))
+    return out
+
+
 def gmm_torch(lhs, rhs, group_sizes, *, transpose_rhs: bool, tiles: TileConfig, precision=None, row_ids=None,
               out=None):
     """`gmm_kernel` on torch tensors: compiled on CUDA tensors, interpreted on CPU tensors.
-    Returns `out` (allocated `[M, N]` of `lhs.dtype` when None; the interpreter stores through an
-    fp32 buffer, rounded by torch to nearest even, because it truncates fp32 to bf16)."""
+    Returns `out` (allocated `[M, N]` of `lhs.dtype` when None); with `row_ids` (int `[M]`), `lhs`
+    is `[T, K]` read through them."""
     import torch  # noqa: PLC0415
 
     from moe_jax.ops.gmm.triton_kernels import gmm_kernel  # noqa: PLC0415
@@ -165,13 +178,7 @@ def gmm_torch(lhs, rhs, group_sizes, *, transpose_rhs: bool, tiles: TileConfig, 
     rows = sizes if row_ids is None else row_ids.to(torch.int32)
     if out is None:
         out = torch.empty((m, n), dtype=lhs.dtype, device=lhs.device)
-    target = out.float() if interpret and out.dtype != torch.float32 else out
-    _torch_kernel(gmm_kernel, interpret)[launch.grid](
-        sizes, rows, lhs.contiguous(), rhs.contiguous(), target, num_warps=launch.num_warps,
-        num_stages=launch.num_stages, **launch.constants)
-    if target is not out:
-        out.copy_(target.to(out.dtype))
-    return out
+    return _run_torch(gmm_kernel, launch, (sizes, rows), (lhs, rhs), out, interpret)
 
 
 def tgmm_torch(lhs, dout, group_sizes, *, tiles: TileConfig, precision=None, row_ids=None, out=None):
@@ -192,13 +199,7 @@ def tgmm_torch(lhs, dout, group_sizes, *, tiles: TileConfig, precision=None, row
     rows = offsets if row_ids is None else row_ids.to(torch.int32)
     if out is None:
         out = torch.empty((num_groups, n, k), dtype=lhs.dtype, device=lhs.device)
-    target = out.float() if interpret and out.dtype != torch.float32 else out
-    _torch_kernel(tgmm_kernel, interpret)[launch.grid](
-        offsets, rows, lhs.contiguous(), dout.contiguous(), target, num_warps=launch.num_warps,
-        num_stages=launch.num_stages, **launch.constants)
-    if target is not out:
-        out.copy_(target.to(out.dtype))
-    return out
+    return _run_torch(tgmm_kernel, launch, (offsets, rows), (lhs, dout), out, interpret)
 
 
 def _np_dtype(torch_dtype):
