@@ -91,7 +91,7 @@ def _ours(layer: MoE, x, reps: int):
         del grads
         run, reps = (lambda: compiled(state, x)[0]), 1
         y = run()
-    return time_compiled(run, reps, trials=5), footprint, y, None
+    return time_compiled(run, reps, trials=5), footprint, y
 
 
 def _device_bytes() -> int:
@@ -161,7 +161,7 @@ def main(argv=None) -> int:
             layer = _layer(shape, **VARIANTS[v])
             nnx.update(layer, nnx.state(base))
             try:
-                t, footprint, y, _ = _ours(layer, x, args.reps)
+                t, footprint, y = _ours(layer, x, args.reps)
             except Exception as e:  # a variant that cannot run here is reported, not fatal
                 row["variants"][v] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
                 print(f"  {shape.name} {v}: {row['variants'][v]['error']}", flush=True)

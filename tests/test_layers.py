@@ -271,7 +271,7 @@ def test_pallas_backend_matches_reference(gemm_kernel):
 
 @pytest.mark.gpu_only
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="jax_triton needs a CUDA GPU; "
-                    "tests/test_triton_kernels.py runs the same kernels interpreted on CPU")
+                    "tests/test_triton_kernels.py runs the same kernels interpreted on CPU and compiles them for sm_90")
 @pytest.mark.parametrize("fused_gate_up", [True, False])
 def test_triton_backend_matches_reference(fused_gate_up):
     """The layer on the official Triton kernels (jax_triton): output and every gradient, and the

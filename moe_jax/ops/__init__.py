@@ -6,7 +6,6 @@ from moe_jax.ops.gather import gather_rows, gather_rows_reference
 from moe_jax.ops.gmm import (
     AUTO_FUSED_GATHER,
     CANDIDATES,
-    FUSED_GATHER_BACKENDS,
     H200_BACKENDS,
     KERNELS,
     RowGather,
@@ -37,7 +36,6 @@ from moe_jax.ops.platform import BACKENDS, BackendName, resolve_backend
 __all__ = [
     "AUTO_FUSED_GATHER",
     "CANDIDATES",
-    "FUSED_GATHER_BACKENDS",
     "H200_BACKENDS",
     "KERNELS",
     "RowGather",

@@ -26,12 +26,9 @@ from moe_jax.ops.gmm.mosaic import mosaic_supports
 from moe_jax.ops.gmm.triton_launch import import_jax_triton
 from moe_jax.ops.platform import on_gpu, resolve_backend
 
-__all__ = ["AUTO_FUSED_GATHER", "FUSED_GATHER_BACKENDS", "H200_BACKENDS", "KERNELS", "gemm_backend", "have_jax_triton", "shape_class"]
+__all__ = ["AUTO_FUSED_GATHER", "H200_BACKENDS", "KERNELS", "gemm_backend", "have_jax_triton", "shape_class"]
 
 KERNELS = ("gmm_nt", "gmm_nn", "tgmm")
-# The backends whose forward kernels read `gmm(row_ids=...)`'s rows inside their operand loads
-# (the others gather the rows first, `backends.gathered`).
-FUSED_GATHER_BACKENDS = ("pallas_triton", "triton")
 DECODE_ROWS_PER_GROUP = 64
 
 H200_BACKENDS: types.MappingProxyType[tuple[str, str], tuple[str, ...]] = types.MappingProxyType({

@@ -21,6 +21,8 @@ kernels and both Triton kernels gather inside their loads; the group-major and s
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -53,10 +55,11 @@ def gathered(lhs, row_ids, backend: str = "auto"):
     return lhs if row_ids is None else gather_rows(lhs, row_ids, backend=backend)
 
 
-def _run(config: GmmConfig, lhs, rhs, group_sizes, row_ids, **common):
+def _run(config: GmmConfig, lhs, rhs, group_sizes, row_ids, packed, **common):
+    """Launch `config`'s family; with `row_ids`, the row-tile kernel gathers in its loads and the
+    group-major one reads `packed()` (the gathered rows, built once per call of `pallas_gmm`)."""
     if config.family in ("group_major", "split_k"):
-        return gmm_group_major_pallas(gathered(lhs, row_ids), rhs, group_sizes, splits=config.splits,
-                                      tiles=config.tiles, **common)
+        return gmm_group_major_pallas(packed(), rhs, group_sizes, splits=config.splits, tiles=config.tiles, **common)
     return gmm_row_tile_pallas(lhs, rhs, group_sizes, tiles=config.tiles, row_ids=row_ids, **common)
 
 
@@ -66,18 +69,20 @@ def pallas_gmm(lhs, rhs, group_sizes, *, transpose_rhs, config, out_dtype, preci
     m = lhs.shape[0] if row_ids is None else row_ids.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     common = dict(transpose_rhs=transpose_rhs, out_dtype=out_dtype, precision=precision, interpret=interpret())
+    run = functools.partial(_run, lhs=lhs, rhs=rhs, group_sizes=group_sizes, row_ids=row_ids,
+                            packed=functools.cache(lambda: gathered(lhs, row_ids)), **common)
     if not isinstance(config, SelectorTable):
-        return _run(_candidate(config, m, n, k, rhs.shape[0]), lhs, rhs, group_sizes, row_ids, **common)
+        return run(_candidate(config, m, n, k, rhs.shape[0]))
     names = config.candidates_for(m)
     if len(names) == 1:
-        return _run(CANDIDATES[names[0]], lhs, rhs, group_sizes, row_ids, **common)
+        return run(CANDIDATES[names[0]])
     # One gated launch per candidate of this row, chained through one output buffer: the chosen
     # launch writes every element, the others return at once (no XLA conditional, which on GPU
     # copies its predicate to the host and waits for it).
     choice_1 = select(group_sizes, m, config).branch.reshape(1)
     out = None
     for i, name in enumerate(names):
-        out = _run(CANDIDATES[name], lhs, rhs, group_sizes, row_ids, gate=Gate(choice_1, i), out_init=out, **common)
+        out = run(CANDIDATES[name], gate=Gate(choice_1, i), out_init=out)
     return out
 
 
