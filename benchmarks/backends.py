@@ -32,14 +32,16 @@ from benchmarks import shapes as S
 from benchmarks.gmm import (attempt, compile_all, encode_config, make_inputs, reps_for, to_torch,
                             torch_forward_backward, torch_offsets)
 from benchmarks.timing import compile_jax, run_meta, time_compiled, time_torch
-from moe_jax.ops import TileConfig, gmm, gmm_config, grouped_linear, tgmm, tgmm_config
+from moe_jax.ops import TileConfig, gmm, gmm_config, grouped_linear, tgmm, tgmm_config, triton_tgmm_config
 from moe_jax.ops.gmm.mosaic import MosaicConfig, mosaic_supports
 
 TRITON_FWD = [
     TileConfig(128, 256, 64, 8, 3, 8), TileConfig(128, 128, 64, 4, 4, 8), TileConfig(256, 128, 64, 8, 3, 8),
     TileConfig(128, 128, 64, 8, 4, 8),
 ]
-TRITON_WGRAD = [TileConfig(64, 128, 128, 8, 4, 1), TileConfig(64, 256, 128, 8, 3, 1), TileConfig(128, 128, 64, 8, 3, 1)]
+TRITON_WGRAD = [TileConfig(64, 128, 128, 8, 4, 1), TileConfig(64, 256, 128, 8, 3, 1), TileConfig(128, 128, 64, 8, 3, 1),
+                TileConfig(32, 128, 128, 8, 4, 1), TileConfig(32, 256, 128, 8, 3, 1), TileConfig(32, 128, 256, 8, 3, 1),
+                TileConfig(64, 128, 256, 8, 3, 1), TileConfig(32, 128, 128, 4, 4, 1), TileConfig(16, 128, 128, 4, 5, 1)]
 MOSAIC = [MosaicConfig(128, 128, 64, 3, mma_in_flight=1), MosaicConfig(128, 128, 64, 3, epilogue_tile_m=64),
           MosaicConfig(128, 128, 64, 3, mma_in_flight=1, epilogue_tile_m=64),
           MosaicConfig(128, 64, 64, 4, mma_in_flight=1, epilogue_tile_m=64)]
@@ -80,7 +82,8 @@ def _jobs(shape, x, w, dy, gs, backends, kinds, variants):
                 jobs[f"dgrad mosaic_gpu {_mname(c)}"] = (
                     lambda d, w, gs, c=c: gmm(d, w, gs, transpose_rhs=False, backend="mosaic_gpu", config=c),
                     (dy, w, gs), reps)
-    configs = {"fwd": encode_config(fwd), "dgrad": encode_config(dgrad), "wgrad": encode_config(wgrad)}
+    configs = {"fwd": encode_config(fwd), "dgrad": encode_config(dgrad), "wgrad": encode_config(wgrad),
+               "wgrad_triton": encode_config(triton_tgmm_config(shape.m, shape.n, shape.k, shape.e))}
     jobs = {key: job for key, job in jobs.items() if key.split()[0] in kinds and (variants or len(key.split()) == 2)}
     return jobs, configs
 

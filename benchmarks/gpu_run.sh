@@ -7,11 +7,14 @@
 #   reads its own lane's tune.json. The ep-* phases, parity-ep and example-ep need both GPUs: run
 #   them outside the lanes. Timings from two lanes at once share the host and its PCIe/NVLink.
 # Phases: env | tests | parity | tune | run | run-quick | layer-time | drop-in | example | ep-check |
-#         ep-bench | parity-ep | example-ep | routed | jax-triton | backends | layer   (each optionally :SECONDS)
+#         ep-bench | parity-ep | example-ep | routed | jax-triton | backends | layer |
+#         decode | decode-ncu   (each optionally :SECONDS)
 # Env: NPROC (xdist workers), TESTS / PARITY (paths), STEPS (example), TUNE_ONLY (all|prefill|decode),
 #      ROUTED_SHAPES (routed: indices into benchmarks.routed_gmm's shapes; default all),
 #      WHEELS (jax-triton: the folder holding the jax_triton wheel, default .whl; the image has no registry),
 #      LAYER_SHAPES / LAYER_VARIANTS (layer: benchmarks.layer's --shapes / --variants),
+#      DECODE_TOKENS (decode: buckets, default 1,2,4,8), NCU_TOKENS (decode-ncu: buckets profiled, default 1,8;
+#        decode-ncu profiles the fastest candidates of decode's JSON under Nsight Compute),
 #      EP_ARGS (e.g. --skip-ragged), EP_RANKS (ep size of ep-bench and example-ep; default 2),
 #      PARITY_EP (the EP test paths; the EP parity test runs each world size on NCCL when it sees that many GPUs).
 # ep-check runs tests/test_ep_moe.py (ep 2 and 4, on GPUs where the host has that many, else on host
@@ -44,6 +47,12 @@ for phase in "$@"; do
     jax-triton) python3 -m pip install -q --no-deps --no-index "${WHEELS:-.whl}"/jax_triton-*.whl 2>&1 | tail -2
                 python3 -c "import jax_triton; print('jax_triton', jax_triton.__version__)" ;;
     backends) timeout "$limit" python3 -m benchmarks.backends --json "$OUT/${L}backends.json" 2>&1 | tee "$OUT/${L}backends.log" | tail -30 ;;
+    decode) timeout "$limit" python3 -m benchmarks.decode sweep ${DECODE_TOKENS:+--tokens $DECODE_TOKENS} --json "$OUT/${L}decode.json" 2>&1 | tee "$OUT/${L}decode.log" | tail -60 ;;
+    decode-ncu) timeout "$limit" ncu --clock-control none --print-units base --csv --log-file "$OUT/${L}decode_ncu.csv" \
+                  --metrics gpu__time_duration.sum,dram__bytes_read.sum,launch__grid_size,launch__registers_per_thread,launch__shared_mem_per_block_dynamic \
+                  python3 -m benchmarks.decode kernels --from "$OUT/${L}decode.json" --tokens ${NCU_TOKENS:-1,8} \
+                  --labels "$OUT/${L}decode_ncu_labels.json" 2>&1 | tail -15
+                python3 -m benchmarks.decode ncu-table "$OUT/${L}decode_ncu.csv" --labels "$OUT/${L}decode_ncu_labels.json" 2>&1 | tail -60 ;;
     layer) timeout "$limit" python3 -m benchmarks.layer ${LAYER_SHAPES:+--shapes $LAYER_SHAPES} ${LAYER_VARIANTS:+--variants $LAYER_VARIANTS} --json "$OUT/${L}layer.json" 2>&1 | tee "$OUT/${L}layer.log" | tail -20 ;;
     *) echo "unknown phase $name" ;;
   esac
