@@ -309,19 +309,34 @@ def cmd_sweep(args):
                 gs = jnp.asarray(row["counts"], jnp.int32)
                 row["times"]["selector"] = time_compiled(lambda: run([(x, w, gs) for w in ws]), r, trials=5)
                 row["selected"] = names[int(pick(gs))]
-                if i < 2:  # the selector's output is the chosen candidate's, bit for bit, and near XLA's
+                if i < 2:  # the selector's output is the chosen candidate's, bit for bit, and near fp32's
                     y = auto(x, ws[0], gs)
                     y_static = gmm(x, ws[0], gs, config=CANDIDATES[row["selected"]])
-                    y_xla = gmm(x, ws[0], gs, backend="xla")
                     row["selector_bitwise_static"] = bool(jnp.array_equal(y, y_static))
-                    row["selector_rel_err_vs_xla"] = float(jnp.linalg.norm((y - y_xla).astype(jnp.float32))
-                                                           / jnp.maximum(jnp.linalg.norm(y_xla.astype(jnp.float32)), 1e-30))
+                    row["selector_rel_err_vs_fp32"] = _rel_err_vs_fp32(y, x, ws[0], row["counts"])
         _annotate(shape_rows, shape)
         results["rows"] += shape_rows
         results["summary"] = summarize(results["rows"], names)
         _write(args.json, results)
         print(json.dumps(results["summary"].get(shape.name, {}), indent=None), flush=True)
     print(report(results))
+
+
+def _rel_err_vs_fp32(y, x, w, counts, groups: int = 4) -> float:
+    """Relative error of `y` on the rows of the first `groups` active groups against the fp32
+    product of those rows with their experts' weights (a dense matmul per group: XLA's grouped
+    dot at the DeepSeek-V3 shape needs more memory than the GPU has)."""
+    import jax.numpy as jnp
+
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    active = [g for g in range(len(counts)) if counts[g] > 0][:groups]
+    num = den = 0.0
+    for g in active:
+        rows = slice(int(offsets[g]), int(offsets[g + 1]))
+        want = x[rows].astype(jnp.float32) @ w[g].astype(jnp.float32).T
+        num += float(jnp.sum((y[rows].astype(jnp.float32) - want) ** 2))
+        den += float(jnp.sum(want**2))
+    return (num / max(den, 1e-30)) ** 0.5
 
 
 def _rows(shape: S.GemmShape, tokens: int):

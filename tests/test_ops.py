@@ -27,6 +27,7 @@ from moe_jax.ops import (
     resolve_backend,
     tgmm,
     tgmm_config,
+    triton_tgmm_config,
     tgmm_reference,
 )
 from moe_jax.testing import assert_close, rel_err
@@ -475,6 +476,10 @@ def test_config_table_and_validation():
     assert gmm_config(32768, 1536, 2048, 128).family == "row_tile"  # prefill
     assert gmm_config(32768, 1536, 2048, 128).tiles.block_m >= 64
     assert tgmm_config(32768, 1536, 2048, 128).block_n >= 64
+    # The Triton weight gradient's own rule: 32-row steps on 4 warps while groups are small, 64-row
+    # steps over 128 x 256 blocks from 768 rows per group.
+    assert triton_tgmm_config(32768, 1536, 2048, 128) == TileConfig(32, 128, 128, 4, 4, 1)
+    assert triton_tgmm_config(16384, 14336, 4096, 8) == TileConfig(64, 128, 256, 8, 3, 1)
     with pytest.raises(ValueError, match="block_m"):
         TileConfig(block_m=48)
     with pytest.raises(ValueError, match="block_k"):

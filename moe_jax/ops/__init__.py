@@ -29,6 +29,7 @@ from moe_jax.ops.gmm import (
     tgmm,
     tgmm_config,
     triton_candidate,
+    triton_tgmm_config,
     tgmm_reference,
 )
 from moe_jax.ops.platform import BACKENDS, BackendName, resolve_backend
@@ -64,5 +65,6 @@ __all__ = [
     "tgmm",
     "tgmm_config",
     "triton_candidate",
+    "triton_tgmm_config",
     "tgmm_reference",
 ]

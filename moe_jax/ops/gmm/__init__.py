@@ -8,7 +8,7 @@ its kernels in `triton_kernels` launched from `triton_launch`, `mosaic_gpu` in `
 from moe_jax.ops.gmm.api import SUPPORTED_DTYPES, RowGather, gmm, grouped_linear, tgmm
 from moe_jax.ops.gmm.backend_table import AUTO_FUSED_GATHER, H200_BACKENDS, KERNELS, gemm_backend
 from moe_jax.ops.gmm.config import (CANDIDATES, FAMILIES, GmmConfig, TileConfig, candidate_index, gmm_config, tgmm_config,
-                                    triton_candidate)
+                                    triton_candidate, triton_tgmm_config)
 from moe_jax.ops.gmm.reference import gmm_reference, tgmm_reference
 from moe_jax.ops.gmm.schedule import GroupMetadata, clamp_group_sizes, make_group_metadata, max_tiles
 from moe_jax.ops.gmm.selector import Features, Selection, SelectorTable, histogram_features, select, selector_table
@@ -43,4 +43,5 @@ __all__ = [
     "tgmm_config",
     "tgmm_reference",
     "triton_candidate",
+    "triton_tgmm_config",
 ]

@@ -6,7 +6,8 @@
   runs it through a chain of gated launches), launch the family's kernel.
 - `triton`: official Triton kernels through `jax_triton` (`triton_kernels`, `triton_launch`), the
   row-tile family only: a row-tile candidate runs with its tiles; a group-major or split-K choice,
-  `"auto"` or a `SelectorTable` runs `triton_candidate`.
+  `"auto"` or a `SelectorTable` runs `triton_candidate`; `tgmm` without a `TileConfig` runs
+  `triton_tgmm_config`'s tiles.
 - `mosaic_gpu`: `gmm` and `tgmm` on the Mosaic GPU kernels (`mosaic`), with a `MosaicConfig` /
   `MosaicWgradConfig` or their default tiles.
 - `xla`: `jax.lax.ragged_dot_general`, XLA's grouped dot; tile configs are ignored (XLA picks its
@@ -27,7 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.ops.gather import gather_rows
-from moe_jax.ops.gmm.config import CANDIDATES, GmmConfig, TileConfig, gmm_config, tgmm_config, triton_candidate
+from moe_jax.ops.gmm.config import (CANDIDATES, GmmConfig, TileConfig, gmm_config, tgmm_config, triton_candidate,
+                                    triton_tgmm_config)
 from moe_jax.ops.gmm.group_major import gmm_group_major_pallas
 from moe_jax.ops.gmm.mosaic import MosaicConfig, MosaicWgradConfig, gmm_mosaic, tgmm_mosaic
 from moe_jax.ops.gmm.row_tile import gmm_row_tile_pallas
@@ -118,7 +120,7 @@ def triton_gmm(lhs, rhs, group_sizes, *, transpose_rhs, config, out_dtype, preci
 @register("tgmm", "triton")
 def triton_tgmm(lhs, dout, group_sizes, *, config, out_dtype, precision, row_ids=None):
     m, k = dout.shape[0], lhs.shape[1]
-    tiles = config if isinstance(config, TileConfig) else tgmm_config(m, dout.shape[1], k, group_sizes.shape[0])
+    tiles = config if isinstance(config, TileConfig) else triton_tgmm_config(m, dout.shape[1], k, group_sizes.shape[0])
     return tgmm_triton(lhs, dout, group_sizes, tiles=tiles, out_dtype=out_dtype, precision=precision, row_ids=row_ids)
 
 

@@ -25,7 +25,7 @@ import types
 from moe_jax.validation import check_int
 
 __all__ = ["CANDIDATES", "FAMILIES", "GmmConfig", "TileConfig", "candidate_index", "gmm_config", "tgmm_config",
-           "triton_candidate"]
+           "triton_candidate", "triton_tgmm_config"]
 
 FAMILIES = ("row_tile", "group_major", "split_k")
 _WARPS = (1, 2, 4, 8, 16)
@@ -155,6 +155,20 @@ def tgmm_config(m: int, n: int, k: int, num_groups: int) -> TileConfig:
         return TileConfig(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=3, group_m=1)
     bm = 64 if rows >= 768 else 32
     return TileConfig(block_m=bm, block_n=128, block_k=128, num_warps=8, num_stages=3, group_m=1)
+
+
+def triton_tgmm_config(m: int, n: int, k: int, num_groups: int) -> TileConfig:
+    """The `triton` backend's weight-gradient tiles for `dB[num_groups, n, k] = dC[m, n]^T A[m, k]`.
+
+    Tuned on the official Triton kernel separately from `tgmm_config` (the Pallas kernel's): with
+    few rows per group each program's row loop is short, and 4 warps with 32-row steps and a
+    4-deep pipeline beat 8 warps there; from 768 rows per group, 64-row steps over 128 x 256
+    blocks (H200 sweep, docs/decisions.md).
+    """
+    rows = m / max(num_groups, 1)
+    if rows >= 768:
+        return TileConfig(block_m=64, block_n=128, block_k=256, num_warps=8, num_stages=3, group_m=1)
+    return TileConfig(block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=4, group_m=1)
 
 
 def triton_candidate(m: int, n: int, k: int, num_groups: int) -> GmmConfig:
