@@ -1,5 +1,7 @@
 """Compile the `triton` backend's kernels ahead of time for an H200 (sm_90) on any host, and print
-what the compiled code uses, one JSON line per kernel variant.
+what the compiled code uses, one JSON line per kernel variant: wgmma, cp.async, the deepest
+`cp.async.wait_group` (0 when every load is waited for where it is issued, > 0 when loads run
+ahead of their use: the loop is pipelined), shared memory.
 
     python -m tests.triton_aot
 
@@ -13,6 +15,7 @@ so it does not pipeline them).
 from __future__ import annotations
 
 import json
+import re
 
 import jax.numpy as jnp
 import triton
@@ -20,12 +23,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from moe_jax.ops.gmm.config import TileConfig
-from moe_jax.ops.gmm.triton_kernels import gmm_kernel, tgmm_kernel
+from moe_jax.ops.gmm.triton_kernels import gmm_kernel, tgmm_kernel, tgmm_persistent_kernel
 from moe_jax.ops.gmm.triton_launch import gmm_launch, tgmm_launch
 
 H200 = GPUTarget("cuda", 90, 32)
 # Qwen3-30B-A3B gate+up at prefill: 32768 packed rows of 4096 tokens, 128 experts.
 M, T, N, K, E = 32768, 4096, 1536, 2048, 128
+PROGRAMS = 264  # the persistent weight gradient: two programs per H200 SM
 
 
 def _compile(kernel, pointers: list[str], launch) -> dict:
@@ -34,8 +38,9 @@ def _compile(kernel, pointers: list[str], launch) -> dict:
     compiled = triton.compile(ASTSource(kernel, signature, constexprs=dict(launch.constants), attrs=attrs),
                               target=H200, options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
     ptx = compiled.asm["ptx"]
-    return dict(wgmma="wgmma.mma_async" in ptx, cp_async="cp.async" in ptx, shared=compiled.metadata.shared,
-                cubin=len(compiled.asm["cubin"]))
+    waits = [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)]
+    return dict(wgmma="wgmma.mma_async" in ptx, cp_async="cp.async" in ptx, max_wait_group=max(waits, default=0),
+                shared=compiled.metadata.shared, cubin=len(compiled.asm["cubin"]))
 
 
 def main() -> None:
@@ -50,9 +55,11 @@ def main() -> None:
                                 tiles=fwd, dtype=jnp.bfloat16, precision=None, interpret=False)
             print(json.dumps(dict(kernel="gmm", gather=gather, transpose_rhs=transpose_rhs,
                                   **_compile(gmm_kernel, gmm_ptrs, launch))), flush=True)
-        launch = tgmm_launch(n=N, k=K, num_groups=E, tiles=wgrad, dtype=jnp.bfloat16, precision=None,
-                             interpret=False, source_rows=source)
-        print(json.dumps(dict(kernel="tgmm", gather=gather, **_compile(tgmm_kernel, tgmm_ptrs, launch))), flush=True)
+        for programs, kernel in ((None, tgmm_kernel), (PROGRAMS, tgmm_persistent_kernel)):
+            launch = tgmm_launch(n=N, k=K, num_groups=E, tiles=wgrad, dtype=jnp.bfloat16, precision=None,
+                                 interpret=False, source_rows=source, programs=programs)
+            print(json.dumps(dict(kernel="tgmm", gather=gather, programs=programs,
+                                  **_compile(kernel, tgmm_ptrs, launch))), flush=True)
 
 
 if __name__ == "__main__":

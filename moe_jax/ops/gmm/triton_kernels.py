@@ -13,14 +13,17 @@ Both kernels keep the contracts of the `pallas_triton` kernels (`row_tile`, `wgr
 - `tgmm_kernel`: `o[E, N, K]`, `o[e] = d_e^T @ a_e`, one program per (group, N block, K block);
   an empty group stores exact zeros; one writer per element (no atomics), so repeated runs give
   the same bits. `GATHER` reads `a`'s rows through row ids here too.
+- `tgmm_persistent_kernel`: `tgmm_kernel`'s tiles, bit for bit, from a fixed number of programs,
+  each walking every `PROGRAMS`-th tile in one flat loop of row steps, so the pipeliner overlaps
+  the next tile's first loads with the current tile's epilogue.
 Products accumulate in fp32; `PRECISION` is `tl.dot`'s `input_precision` ("ieee" for fp32 inputs
 at `Precision.HIGHEST`, else "tf32"; bf16/fp16 ignore it).
 
 `INTERPRET` selects the forms Triton 3.6's interpreter needs and leaves the compiled kernel
 unchanged: its `tl.dot` reads bf16 operands as raw bits (so tiles are widened to fp32 first, which
 is exact for bf16 x bf16 products), and under NumPy >= 2.5 it cannot take a loaded value as a
-`range` bound (so the weight gradient walks rows in a `while` loop; compiled, a `for` loop lets
-the software pipeliner overlap loads with the tensor-core work).
+`range` bound (so the weight gradients walk their row steps in a `while` loop; compiled, a `for`
+loop lets the software pipeliner overlap loads with the tensor-core work).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["gmm_kernel", "tgmm_kernel"]
+__all__ = ["gmm_kernel", "tgmm_kernel", "tgmm_persistent_kernel"]
 
 
 @triton.jit
@@ -116,6 +119,32 @@ def gmm_kernel(
 
 
 @triton.jit
+def _tgmm_rows(rows_ptr, a_ptr, d_ptr, r0, end, ns, ks, acc,
+               N: tl.constexpr, K: tl.constexpr, T: tl.constexpr, BLOCK_M: tl.constexpr,
+               GATHER: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+    """`acc + d[rows, ns]^T @ a[rows, ks]` for the `BLOCK_M` rows from `r0`, those at or past
+    `end` (and columns past `N`, `K`) read as zeros."""
+    rows = r0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < end
+    d = tl.load(d_ptr + rows.to(tl.int64)[:, None] * N + ns[None, :], mask=row_ok[:, None] & (ns < N)[None, :],
+                other=0.0)
+    src, read_ok = _source_rows(rows_ptr, rows, row_ok, T, GATHER)
+    a = tl.load(a_ptr + src[:, None] * K + ks[None, :], mask=read_ok[:, None] & (ks < K)[None, :], other=0.0)
+    if INTERPRET:
+        d = d.to(tl.float32)
+        a = a.to(tl.float32)
+    return tl.dot(tl.trans(d), a, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _tgmm_store(o_ptr, group, ns, ks, acc, N: tl.constexpr, K: tl.constexpr):
+    """`o[group][ns, ks] = acc`, the rows past `N` and columns past `K` left out."""
+    out = o_ptr + group.to(tl.int64) * N * K
+    tl.store(out + ns[:, None] * K + ks[None, :], acc.to(o_ptr.dtype.element_ty),
+             mask=(ns < N)[:, None] & (ks < K)[None, :])
+
+
+@triton.jit
 def tgmm_kernel(
     offsets_ptr, rows_ptr, a_ptr, d_ptr, o_ptr,
     N: tl.constexpr, K: tl.constexpr, T: tl.constexpr,
@@ -132,31 +161,93 @@ def tgmm_kernel(
     rest = pid % (num_n * num_k)
     ns = (rest // num_k) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = (rest % num_k) * BLOCK_K + tl.arange(0, BLOCK_K)
-    n_ok = ns < N
-    k_ok = ks < K
     start = tl.load(offsets_ptr + group)
     end = tl.load(offsets_ptr + group + 1)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     if INTERPRET:
         r0 = start
         while r0 < end:
-            rows = r0 + tl.arange(0, BLOCK_M)
-            row_ok = rows < end
-            d = tl.load(d_ptr + rows.to(tl.int64)[:, None] * N + ns[None, :], mask=row_ok[:, None] & n_ok[None, :],
-                        other=0.0).to(tl.float32)
-            src, read_ok = _source_rows(rows_ptr, rows, row_ok, T, GATHER)
-            a = tl.load(a_ptr + src[:, None] * K + ks[None, :], mask=read_ok[:, None] & k_ok[None, :],
-                        other=0.0).to(tl.float32)
-            acc = tl.dot(tl.trans(d), a, acc, input_precision=PRECISION)
+            acc = _tgmm_rows(rows_ptr, a_ptr, d_ptr, r0, end, ns, ks, acc, N, K, T, BLOCK_M, GATHER, PRECISION,
+                             INTERPRET)
             r0 += BLOCK_M
     else:
         for r0 in range(start, end, BLOCK_M):
-            rows = r0 + tl.arange(0, BLOCK_M)
-            row_ok = rows < end
-            d = tl.load(d_ptr + rows.to(tl.int64)[:, None] * N + ns[None, :], mask=row_ok[:, None] & n_ok[None, :],
-                        other=0.0)
-            src, read_ok = _source_rows(rows_ptr, rows, row_ok, T, GATHER)
-            a = tl.load(a_ptr + src[:, None] * K + ks[None, :], mask=read_ok[:, None] & k_ok[None, :], other=0.0)
-            acc = tl.dot(tl.trans(d), a, acc, input_precision=PRECISION)
-    out = o_ptr + group.to(tl.int64) * N * K
-    tl.store(out + ns[:, None] * K + ks[None, :], acc.to(o_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
+            acc = _tgmm_rows(rows_ptr, a_ptr, d_ptr, r0, end, ns, ks, acc, N, K, T, BLOCK_M, GATHER, PRECISION,
+                             INTERPRET)
+    _tgmm_store(o_ptr, group, ns, ks, acc, N, K)
+
+
+@triton.jit
+def _tgmm_step(offsets_ptr, rows_ptr, a_ptr, d_ptr, o_ptr, tile, r0, end, acc,
+               N: tl.constexpr, K: tl.constexpr, T: tl.constexpr, PROGRAMS: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               GATHER: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+    """One step of `tgmm_persistent_kernel`'s loop. In: the previous step's (tile, first row,
+    group end, acc); out: this step's. A step takes the next `BLOCK_M` rows of the tile, or once
+    the previous step was the tile's last, the first rows of the program's next tile; the tile is
+    stored (and `acc` zeroed) at its last step."""
+    num_k = tl.cdiv(K, BLOCK_K)
+    tiles_g = tl.cdiv(N, BLOCK_N) * num_k
+    # The next step's rows follow from the carried state alone, not from this step's row update:
+    # the pipeliner issues a step's loads stages ahead of its dot and store, so nothing the loads
+    # depend on may be computed in the later stages.
+    if r0 + BLOCK_M >= end:
+        tile += PROGRAMS
+        r0 = tl.load(offsets_ptr + tile // tiles_g)
+        end = tl.load(offsets_ptr + tile // tiles_g + 1)
+    else:
+        r0 += BLOCK_M
+    rest = tile % tiles_g
+    ns = (rest // num_k) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = (rest % num_k) * BLOCK_K + tl.arange(0, BLOCK_K)
+    # An empty group's tile takes one step of all-masked rows, which leaves `acc` exactly zero.
+    acc = _tgmm_rows(rows_ptr, a_ptr, d_ptr, r0, end, ns, ks, acc, N, K, T, BLOCK_M, GATHER, PRECISION, INTERPRET)
+    if r0 + BLOCK_M >= end:
+        _tgmm_store(o_ptr, tile // tiles_g, ns, ks, acc, N, K)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    return tile, r0, end, acc
+
+
+@triton.jit
+def tgmm_persistent_kernel(
+    offsets_ptr, rows_ptr, a_ptr, d_ptr, o_ptr,
+    N: tl.constexpr, K: tl.constexpr, T: tl.constexpr, E: tl.constexpr, E_LANES: tl.constexpr,
+    PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GATHER: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """`tgmm_kernel`'s output tiles from `PROGRAMS` programs: program p computes tiles
+    `p, p + PROGRAMS, ...` of the `E * cdiv(N, BLOCK_N) * cdiv(K, BLOCK_K)` (group-major, then N
+    block, then K block), each as `tgmm_kernel` does (from zero, its rows in ascending `BLOCK_M`
+    steps: the same bits). `offsets_ptr`: int32 `[E + 1]` clamped offsets; `E_LANES`: a power of
+    two >= E. Programs past the tile count store nothing.
+
+    The (tile, row step) nest is one loop over the program's steps, flattened by hand: Triton's
+    `tl.range(flatten=True)` fuses only inner loops whose bounds do not depend on the outer loop,
+    and here they are the group's offsets. Flat, the pipeliner loads the next tile's first rows
+    while the current tile's last dot and store run."""
+    pid = tl.program_id(0)
+    tiles_g = tl.cdiv(N, BLOCK_N) * tl.cdiv(K, BLOCK_K)
+    lanes = tl.arange(0, E_LANES)
+    in_e = lanes < E
+    starts = tl.load(offsets_ptr + lanes, mask=in_e, other=0)
+    ends = tl.load(offsets_ptr + lanes + 1, mask=in_e, other=0)
+    steps_e = tl.maximum((ends - starts + BLOCK_M - 1) // BLOCK_M, 1)
+    # The program's tiles below t (those pid + j * PROGRAMS < t, j >= 0), per group boundary.
+    below_lo = tl.maximum(lanes * tiles_g - pid + PROGRAMS - 1, 0) // PROGRAMS
+    below_hi = tl.maximum((lanes + 1) * tiles_g - pid + PROGRAMS - 1, 0) // PROGRAMS
+    num_steps = tl.sum(tl.where(in_e, (below_hi - below_lo) * steps_e, 0), 0)
+    # A state whose last step ended its tile: the first step starts tile `pid`.
+    tile = pid - PROGRAMS
+    r0 = 0
+    end = 0
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if INTERPRET:
+        step = 0
+        while step < num_steps:
+            tile, r0, end, acc = _tgmm_step(offsets_ptr, rows_ptr, a_ptr, d_ptr, o_ptr, tile, r0, end, acc, N, K, T,
+                                            PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GATHER, PRECISION, INTERPRET)
+            step += 1
+    else:
+        for _ in range(num_steps):
+            tile, r0, end, acc = _tgmm_step(offsets_ptr, rows_ptr, a_ptr, d_ptr, o_ptr, tile, r0, end, acc, N, K, T,
+                                            PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GATHER, PRECISION, INTERPRET)

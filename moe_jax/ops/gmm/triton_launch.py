@@ -21,6 +21,7 @@ from moe_jax.ops.gmm.schedule import clamp_group_sizes, max_tiles
 from moe_jax.ops.gmm.tile import lane_sizes
 from moe_jax.ops.pallas_triton import cdiv, next_pow2
 from moe_jax.ops.sharding import varying_like
+from moe_jax.validation import check_int
 
 __all__ = ["Launch", "gmm_launch", "import_jax_triton", "gmm_triton", "gmm_torch", "tgmm_launch", "tgmm_triton",
            "tgmm_torch"]
@@ -60,14 +61,28 @@ def gmm_launch(*, m: int, n: int, k: int, num_groups: int, transpose_rhs: bool, 
 
 
 def tgmm_launch(*, n: int, k: int, num_groups: int, tiles: TileConfig, dtype, precision, interpret: bool,
-                source_rows: int | None = None) -> Launch:
-    """The launch of `tgmm_kernel` for a gradient `[E, N, K]`; with `source_rows = T`, `lhs` is the
-    `[T, K]` rows read through row ids. Needs `N, K > 0`."""
+                source_rows: int | None = None, programs: int | None = None) -> Launch:
+    """The launch of `tgmm_kernel` for a gradient `[E, N, K]`, one program per output tile; with
+    `programs`, of `tgmm_persistent_kernel` on that many programs (each walking every
+    `programs`-th tile; those past the tile count do nothing). With `source_rows = T`, `lhs` is
+    the `[T, K]` rows read through row ids. Needs `N, K > 0`."""
     constants = dict(N=n, K=k, T=source_rows or 1, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
                      BLOCK_K=tiles.block_k, GATHER=source_rows is not None, PRECISION=_precision(dtype, precision),
                      INTERPRET=interpret)
-    grid = (num_groups * cdiv(n, tiles.block_n) * cdiv(k, tiles.block_k),)
+    if programs is None:
+        grid = (num_groups * cdiv(n, tiles.block_n) * cdiv(k, tiles.block_k),)
+    else:
+        programs = check_int("tgmm (triton backend): programs", programs)
+        constants |= dict(E=num_groups, E_LANES=max(16, next_pow2(num_groups)), PROGRAMS=programs)
+        grid = (programs,)
     return Launch(grid, tiles.num_warps, tiles.num_stages, constants)
+
+
+def _tgmm_kernel(programs: int | None):
+    """The weight-gradient kernel that `tgmm_launch(programs=programs)` launches."""
+    from moe_jax.ops.gmm.triton_kernels import tgmm_kernel, tgmm_persistent_kernel  # noqa: PLC0415
+
+    return tgmm_kernel if programs is None else tgmm_persistent_kernel
 
 
 def import_jax_triton():
@@ -114,21 +129,21 @@ def gmm_triton(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transp
 
 
 def tgmm_triton(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, tiles: TileConfig, out_dtype,
-                precision, row_ids: jax.Array | None = None) -> jax.Array:
+                precision, row_ids: jax.Array | None = None, programs: int | None = None) -> jax.Array:
     """`tgmm` on the `triton` backend, through `jax_triton` (GPU): `[E, N, K]`; with `row_ids`
-    (int `[M]`), `lhs` is `[T, K]` read through them."""
-    from moe_jax.ops.gmm.triton_kernels import tgmm_kernel  # noqa: PLC0415
-
+    (int `[M]`), `lhs` is `[T, K]` read through them. `programs`: None for one program per
+    output tile, else the persistent kernel on that many programs (the same bits); on an H200
+    (132 SMs) a multiple of the SM count, 132 or 264 (two per SM)."""
     m, k = dout.shape[0], lhs.shape[1]
     n = dout.shape[1]
     num_groups = group_sizes.shape[0]
     launch = tgmm_launch(n=n, k=k, num_groups=num_groups, tiles=tiles, dtype=lhs.dtype, precision=precision,
-                         interpret=False, source_rows=None if row_ids is None else lhs.shape[0])
+                         interpret=False, source_rows=None if row_ids is None else lhs.shape[0], programs=programs)
     offsets = clamp_group_sizes(group_sizes, m)
     # Without row ids the kernel never reads its row-id pointer; the offsets stand in for it.
     rows = offsets if row_ids is None else row_ids.astype(jnp.int32)
-    return _triton_call(tgmm_kernel, (offsets, rows, lhs, dout), jax.ShapeDtypeStruct((num_groups, n, k), out_dtype),
-                        launch, "moe_jax_tgmm_triton")
+    return _triton_call(_tgmm_kernel(programs), (offsets, rows, lhs, dout),
+                        jax.ShapeDtypeStruct((num_groups, n, k), out_dtype), launch, "moe_jax_tgmm_triton")
 
 
 def _torch_kernel(kernel, interpret: bool):
@@ -181,12 +196,12 @@ def gmm_torch(lhs, rhs, group_sizes, *, transpose_rhs: bool, tiles: TileConfig, 
     return _run_torch(gmm_kernel, launch, (sizes, rows), (lhs, rhs), out, interpret)
 
 
-def tgmm_torch(lhs, dout, group_sizes, *, tiles: TileConfig, precision=None, row_ids=None, out=None):
-    """`tgmm_kernel` on torch tensors (CUDA compiled, CPU interpreted): `[E, N, K]` of `lhs.dtype`;
-    with `row_ids` (int `[M]`), `lhs` is `[T, K]` read through them."""
+def tgmm_torch(lhs, dout, group_sizes, *, tiles: TileConfig, precision=None, row_ids=None, out=None,
+               programs: int | None = None):
+    """`tgmm_kernel` (or with `programs`, `tgmm_persistent_kernel` on that many programs) on torch
+    tensors (CUDA compiled, CPU interpreted): `[E, N, K]` of `lhs.dtype`; with `row_ids` (int
+    `[M]`), `lhs` is `[T, K]` read through them."""
     import torch  # noqa: PLC0415
-
-    from moe_jax.ops.gmm.triton_kernels import tgmm_kernel  # noqa: PLC0415
 
     interpret = lhs.device.type == "cpu"
     m, k = dout.shape[0], lhs.shape[1]
@@ -194,12 +209,12 @@ def tgmm_torch(lhs, dout, group_sizes, *, tiles: TileConfig, precision=None, row
     num_groups = group_sizes.shape[0]
     launch = tgmm_launch(n=n, k=k, num_groups=num_groups, tiles=tiles, dtype=_np_dtype(lhs.dtype),
                          precision=precision, interpret=interpret,
-                         source_rows=None if row_ids is None else lhs.shape[0])
+                         source_rows=None if row_ids is None else lhs.shape[0], programs=programs)
     offsets = torch.from_numpy(np.array(clamp_group_sizes(jnp.asarray(group_sizes.cpu().numpy()), m))).to(lhs.device)
     rows = offsets if row_ids is None else row_ids.to(torch.int32)
     if out is None:
         out = torch.empty((num_groups, n, k), dtype=lhs.dtype, device=lhs.device)
-    return _run_torch(tgmm_kernel, launch, (offsets, rows), (lhs, dout), out, interpret)
+    return _run_torch(_tgmm_kernel(programs), launch, (offsets, rows), (lhs, dout), out, interpret)
 
 
 def _np_dtype(torch_dtype):
