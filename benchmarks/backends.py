@@ -8,7 +8,9 @@ decode buckets, times on the same inputs in one process:
   jax_triton) at the table's tiles and at each tile of `TRITON_FWD`; `torch._grouped_mm`;
 - input gradient (`gmm` with `transpose_rhs=False`): both backends; torch's is the same call as
   its forward on the transposed weight view;
-- weight gradient `tgmm`: both backends, at the table's tiles and each of `TRITON_WGRAD`;
+- weight gradient `tgmm`: both backends, at the table's tiles and each of `TRITON_WGRAD`, and the
+  persistent Triton kernel (`tgmm_triton(programs=)`, keys `wgrad triton-persistent ...`) at a few
+  tiles and program counts;
   `torch._grouped_mm(dy^T, x, offs)` (what torch autograd runs);
 - forward + backward `grouped_linear`: both backends; torch autograd.
 Every backend's output is checked against `pallas_triton`'s (relative error in the records).
@@ -34,6 +36,7 @@ from benchmarks.gmm import (attempt, compile_all, encode_config, make_inputs, re
 from benchmarks.timing import compile_jax, run_meta, time_compiled, time_torch
 from moe_jax.ops import TileConfig, gmm, gmm_config, grouped_linear, tgmm, tgmm_config, triton_tgmm_config
 from moe_jax.ops.gmm.mosaic import MosaicConfig, mosaic_supports
+from moe_jax.ops.gmm.triton_launch import tgmm_triton
 
 TRITON_FWD = [
     TileConfig(128, 256, 64, 8, 3, 8), TileConfig(128, 128, 64, 4, 4, 8), TileConfig(256, 128, 64, 8, 3, 8),
@@ -73,6 +76,12 @@ def _jobs(shape, x, w, dy, gs, backends, kinds, variants):
         for t in TRITON_WGRAD:
             jobs[f"wgrad triton {_name(t)}"] = (lambda x, d, gs, t=t: tgmm(x, d, gs, backend="triton", config=t),
                                                 (x, dy, gs), wreps)
+        table = triton_tgmm_config(shape.m, shape.n, shape.k, shape.e)
+        for t, programs in [(table, 132), (table, 264), (TileConfig(16, 128, 128, 4, 5, 1), 264),
+                            (TileConfig(16, 128, 128, 4, 5, 1), 396)]:
+            jobs[f"wgrad triton-persistent {programs}p {_name(t)}"] = (
+                lambda x, d, gs, t=t, p=programs: tgmm_triton(x, d, gs, tiles=t, out_dtype=x.dtype, precision=None,
+                                                              programs=p), (x, dy, gs), wreps)
     if "mosaic_gpu" in backends:
         for c in MOSAIC:
             if mosaic_supports(shape.m, shape.n, shape.k, x.dtype, c):

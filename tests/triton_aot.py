@@ -22,7 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from moe_jax.ops.gmm.config import TileConfig
+from moe_jax.ops.gmm.config import gmm_config, triton_tgmm_config
 from moe_jax.ops.gmm.triton_kernels import gmm_kernel, tgmm_kernel, tgmm_persistent_kernel
 from moe_jax.ops.gmm.triton_launch import gmm_launch, tgmm_launch
 
@@ -44,8 +44,8 @@ def _compile(kernel, pointers: list[str], launch) -> dict:
 
 
 def main() -> None:
-    fwd = TileConfig(128, 256, 64, 8, 3, 8)
-    wgrad = TileConfig(64, 128, 128, 8, 4, 1)
+    fwd = gmm_config(M, N, K, E).tiles
+    wgrad = triton_tgmm_config(M, N, K, E)
     gmm_ptrs = [("sizes_ptr", "i32"), ("rows_ptr", "i32"), ("a_ptr", "bf16"), ("b_ptr", "bf16"), ("c_ptr", "bf16")]
     tgmm_ptrs = [("offsets_ptr", "i32"), ("rows_ptr", "i32"), ("a_ptr", "bf16"), ("d_ptr", "bf16"), ("o_ptr", "bf16")]
     for gather in (False, True):
