@@ -33,7 +33,7 @@ import numpy as np
 from benchmarks import shapes as S
 from benchmarks.gmm import (attempt, compile_all, encode_config, make_inputs, reps_for, to_torch,
                             torch_forward_backward, torch_offsets)
-from benchmarks.timing import compile_jax, run_meta, time_compiled, time_torch
+from benchmarks.timing import run_meta, time_compiled, time_torch
 from moe_jax.ops import TileConfig, gmm, gmm_config, grouped_linear, tgmm, tgmm_config, triton_tgmm_config
 from moe_jax.ops.gmm.mosaic import MosaicConfig, mosaic_supports
 from moe_jax.ops.gmm.triton_launch import tgmm_triton

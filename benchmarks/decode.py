@@ -39,7 +39,6 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares 
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from benchmarks import shapes as S
 from benchmarks.gmm import compile_all, decode_config, encode_config, make_inputs, measure_copy_tbps, to_torch, torch_offsets
@@ -51,6 +50,7 @@ SMEM_BYTES = 227 * 1024
 
 
 def _stage_bytes(bn: int, bk: int, bm: int = 16) -> int:
+    """Shared memory of one pipeline stage: a bf16 `[bm, bk]` row block and `[bn, bk]` weight block."""
     return (bm + bn) * bk * 2
 
 
@@ -89,7 +89,7 @@ def _slab_peers(active: int, ws):
     x16 = jnp.ones((16, ws[0].shape[2]), ws[0].dtype)
     read = lambda s: jnp.sum(s.astype(jnp.float32), axis=2)
     dense = lambda s, x: jnp.einsum("enk,mk->enm", s, x, preferred_element_type=jnp.float32)
-    return slabs, [("xla_read_slab", read, [(s,) for s in slabs]), ("xla_dense_slab", dense, [(s, x16) for s in slabs])]
+    return [("xla_read_slab", read, [(s,) for s in slabs]), ("xla_dense_slab", dense, [(s, x16) for s in slabs])]
 
 
 def cmd_sweep(args):
@@ -111,8 +111,7 @@ def cmd_sweep(args):
         static = gmm_config(shape.m, shape.n, shape.k, shape.e)
         jobs.append(({**base, "impl": "static", "config": encode_config(static)},
                      lambda x, w, gs: gmm(x, w, gs), sets, 40))
-        _, peers = _slab_peers(active, ws)
-        for name, fn, psets in peers:
+        for name, fn, psets in _slab_peers(active, ws):
             jobs.append(({**base, "impl": name}, fn, psets, 40))
         jobs.append(({**base, "impl": "harness_floor"}, lambda t: t + 1.0, [(tiny,)], 40))
     print(f"compiling {len(jobs)} executables ...", flush=True)
@@ -182,8 +181,7 @@ def cmd_kernels(args):
         calls = [(f"T={tokens} {decode_config(r['config']).name}", jax.jit(
             lambda x, w, gs, c=decode_config(r["config"]): gmm(x, w, gs, config=c)), (x, ws[0], gs)) for r in cands]
         calls.append((f"T={tokens} static", jax.jit(lambda x, w, gs: gmm(x, w, gs)), (x, ws[0], gs)))
-        slabs, peers = _slab_peers(active, ws)
-        calls += [(f"T={tokens} {name}", jax.jit(fn), psets[0]) for name, fn, psets in peers]
+        calls += [(f"T={tokens} {name}", jax.jit(fn), psets[0]) for name, fn, psets in _slab_peers(active, ws)]
         for label, fn, a in calls:
             jax.block_until_ready(fn(*a))  # compile (and autotune) before the marker
             _marker(len(labels))
