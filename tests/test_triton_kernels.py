@@ -239,8 +239,8 @@ def test_kernels_compile_for_h200_with_wgmma_and_pipelined_loads():
     """The kernels (the weight gradient per tile and persistent), with and without the row gather,
     at the tiles the tables give them, compile ahead of time for sm_90 to a cubin (on any host:
     Triton ships its own ptxas), use Hopper's wgmma, pipeline their loads (cp.async, waited for
-    with loads still in flight) and fit in shared memory. A fresh process, because this one may
-    have made the kernels interpreted."""
+    with loads still in flight; the gathered weight gradients as deep as the packed ones) and fit in
+    shared memory. A fresh process, because this one may have made the kernels interpreted."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-m", "tests.triton_aot"], capture_output=True, text=True, env=env,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=600)
@@ -251,3 +251,10 @@ def test_kernels_compile_for_h200_with_wgmma_and_pipelined_loads():
     for rec in records:
         assert rec["wgmma"] and rec["cp_async"] and rec["max_wait_group"] > 0 and rec["cubin"] > 0, rec
         assert rec["shared"] <= 227 * 1024, rec
+    # The gathered weight gradients pipeline as deep as the packed ones, with their shared buffers:
+    # their row ids are carried a step ahead, not loaded in the step that reads the rows.
+    plain = {rec["programs"]: rec for rec in records if rec["kernel"] == "tgmm" and not rec["gather"]}
+    for rec in records:
+        if rec["kernel"] == "tgmm" and rec["gather"]:
+            assert rec["max_wait_group"] == plain[rec["programs"]]["max_wait_group"], (rec, plain)
+            assert rec["shared"] >= plain[rec["programs"]]["shared"], (rec, plain)

@@ -35,17 +35,34 @@ __all__ = ["gmm_kernel", "tgmm_kernel", "tgmm_persistent_kernel"]
 
 
 @triton.jit
+def _checked_ids(ids, row_ok, T: tl.constexpr):
+    """(int64 rows of `a` to read, which of them to read) for the gathered rows' ids `ids`: the
+    rows `row_ok`, less those whose ids lie outside `[0, T)`."""
+    read_ok = row_ok & (ids >= 0) & (ids < T)
+    return tl.where(read_ok, ids, 0).to(tl.int64), read_ok
+
+
+@triton.jit
 def _source_rows(rows_ptr, rows, row_ok, T: tl.constexpr, GATHER: tl.constexpr):
     """(int64 rows of `a` to read, which of them to read): `rows` itself, or with `GATHER` the ids
     `rows_ptr[rows]`, those outside `[0, T)` not read."""
     if GATHER:
-        ids = tl.load(rows_ptr + rows, mask=row_ok, other=0)
-        read_ok = row_ok & (ids >= 0) & (ids < T)
-        src = tl.where(read_ok, ids, 0)
+        src, read_ok = _checked_ids(tl.load(rows_ptr + rows, mask=row_ok, other=0), row_ok, T)
     else:
         read_ok = row_ok
-        src = rows
-    return src.to(tl.int64), read_ok
+        src = rows.to(tl.int64)
+    return src, read_ok
+
+
+@triton.jit
+def _row_ids(rows_ptr, r0, end, BLOCK_M: tl.constexpr, GATHER: tl.constexpr):
+    """With `GATHER`, int32 `[BLOCK_M]`: the ids `rows_ptr[r0 + i]` of the `BLOCK_M` rows from
+    `r0`, 0 (not read) for those at or past `end`; else 0 (the rows are read as they are)."""
+    ids = 0
+    if GATHER:
+        rows = r0 + tl.arange(0, BLOCK_M)
+        ids = tl.load(rows_ptr + rows, mask=rows < end, other=0)
+    return ids
 
 
 @triton.jit
@@ -119,16 +136,21 @@ def gmm_kernel(
 
 
 @triton.jit
-def _tgmm_rows(rows_ptr, a_ptr, d_ptr, r0, end, ns, ks, acc,
+def _tgmm_rows(ids, a_ptr, d_ptr, r0, end, ns, ks, acc,
                N: tl.constexpr, K: tl.constexpr, T: tl.constexpr, BLOCK_M: tl.constexpr,
                GATHER: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
     """`acc + d[rows, ns]^T @ a[rows, ks]` for the `BLOCK_M` rows from `r0`, those at or past
-    `end` (and columns past `N`, `K`) read as zeros."""
+    `end` (and columns past `N`, `K`) read as zeros; with `GATHER`, row r of `a` is `a[ids[r - r0]]`
+    (`_row_ids`)."""
     rows = r0 + tl.arange(0, BLOCK_M)
     row_ok = rows < end
     d = tl.load(d_ptr + rows.to(tl.int64)[:, None] * N + ns[None, :], mask=row_ok[:, None] & (ns < N)[None, :],
                 other=0.0)
-    src, read_ok = _source_rows(rows_ptr, rows, row_ok, T, GATHER)
+    if GATHER:
+        src, read_ok = _checked_ids(ids, row_ok, T)
+    else:
+        read_ok = row_ok
+        src = rows.to(tl.int64)
     a = tl.load(a_ptr + src[:, None] * K + ks[None, :], mask=read_ok[:, None] & (ks < K)[None, :], other=0.0)
     if INTERPRET:
         d = d.to(tl.float32)
@@ -164,48 +186,68 @@ def tgmm_kernel(
     start = tl.load(offsets_ptr + group)
     end = tl.load(offsets_ptr + group + 1)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    # Each step's row ids are loaded a step ahead and carried: Triton's pipeliner gives every load
+    # `(num_stages - 1) // (levels + 1)` stages, a load feeding another load's addresses in the
+    # same iteration counting as a level; a carried value is none, so the loads keep all stages.
+    ids = _row_ids(rows_ptr, start, end, BLOCK_M, GATHER)
     if INTERPRET:
         r0 = start
         while r0 < end:
-            acc = _tgmm_rows(rows_ptr, a_ptr, d_ptr, r0, end, ns, ks, acc, N, K, T, BLOCK_M, GATHER, PRECISION,
-                             INTERPRET)
+            acc = _tgmm_rows(ids, a_ptr, d_ptr, r0, end, ns, ks, acc, N, K, T, BLOCK_M, GATHER, PRECISION, INTERPRET)
+            ids = _row_ids(rows_ptr, r0 + BLOCK_M, end, BLOCK_M, GATHER)
             r0 += BLOCK_M
     else:
         for r0 in range(start, end, BLOCK_M):
-            acc = _tgmm_rows(rows_ptr, a_ptr, d_ptr, r0, end, ns, ks, acc, N, K, T, BLOCK_M, GATHER, PRECISION,
-                             INTERPRET)
+            acc = _tgmm_rows(ids, a_ptr, d_ptr, r0, end, ns, ks, acc, N, K, T, BLOCK_M, GATHER, PRECISION, INTERPRET)
+            ids = _row_ids(rows_ptr, r0 + BLOCK_M, end, BLOCK_M, GATHER)
     _tgmm_store(o_ptr, group, ns, ks, acc, N, K)
 
 
 @triton.jit
-def _tgmm_step(offsets_ptr, rows_ptr, a_ptr, d_ptr, o_ptr, tile, r0, end, acc,
-               N: tl.constexpr, K: tl.constexpr, T: tl.constexpr, PROGRAMS: tl.constexpr,
+def _next_step(offsets_ptr, tile, r0, end, tiles_g, E: tl.constexpr, PROGRAMS: tl.constexpr,
+               BLOCK_M: tl.constexpr):
+    """The (tile, first row, group end) of the `tgmm_persistent_kernel` step after the one at
+    (`tile`, `r0`, `end`): the tile's next `BLOCK_M` rows, or once those were its last, the first
+    rows of the program's next tile (none, `r0 == end == 0`, past the `E` groups)."""
+    if r0 + BLOCK_M >= end:
+        tile += PROGRAMS
+        group = tile // tiles_g
+        r0 = tl.load(offsets_ptr + group, mask=group < E, other=0)
+        end = tl.load(offsets_ptr + group + 1, mask=group < E, other=0)
+    else:
+        r0 += BLOCK_M
+    return tile, r0, end
+
+
+@triton.jit
+def _tgmm_step(offsets_ptr, rows_ptr, a_ptr, d_ptr, o_ptr, tile, r0, end, ids, acc,
+               N: tl.constexpr, K: tl.constexpr, T: tl.constexpr, E: tl.constexpr, PROGRAMS: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                GATHER: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
     """One step of `tgmm_persistent_kernel`'s loop. In: the previous step's (tile, first row,
-    group end, acc); out: this step's. A step takes the next `BLOCK_M` rows of the tile, or once
-    the previous step was the tile's last, the first rows of the program's next tile; the tile is
-    stored (and `acc` zeroed) at its last step."""
+    group end), this step's row ids (`_row_ids`) and acc; out: this step's (tile, first row, group
+    end), the next step's row ids, and acc. A step takes the next `BLOCK_M` rows of the tile, or
+    once the previous step was the tile's last, the first rows of the program's next tile; the
+    tile is stored (and `acc` zeroed) at its last step."""
     num_k = tl.cdiv(K, BLOCK_K)
     tiles_g = tl.cdiv(N, BLOCK_N) * num_k
-    # The next step's rows follow from the carried state alone, not from this step's row update:
-    # the pipeliner issues a step's loads stages ahead of its dot and store, so nothing the loads
-    # depend on may be computed in the later stages.
-    if r0 + BLOCK_M >= end:
-        tile += PROGRAMS
-        r0 = tl.load(offsets_ptr + tile // tiles_g)
-        end = tl.load(offsets_ptr + tile // tiles_g + 1)
-    else:
-        r0 += BLOCK_M
+    # The step's rows, and the next step's ids, follow from the carried state alone, not from the
+    # dot or the store: the pipeliner issues a step's loads stages ahead of them, so nothing the
+    # loads depend on may be computed in the later stages. (The state carried stays the previous
+    # step's: carrying the next step's, a value no load gives, the pipeliner schedules it a stage
+    # after its users, and the loop without `GATHER` no longer pipelines.)
+    tile, r0, end = _next_step(offsets_ptr, tile, r0, end, tiles_g, E, PROGRAMS, BLOCK_M)
+    _, next_r0, next_end = _next_step(offsets_ptr, tile, r0, end, tiles_g, E, PROGRAMS, BLOCK_M)
+    next_ids = _row_ids(rows_ptr, next_r0, next_end, BLOCK_M, GATHER)
     rest = tile % tiles_g
     ns = (rest // num_k) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = (rest % num_k) * BLOCK_K + tl.arange(0, BLOCK_K)
     # An empty group's tile takes one step of all-masked rows, which leaves `acc` exactly zero.
-    acc = _tgmm_rows(rows_ptr, a_ptr, d_ptr, r0, end, ns, ks, acc, N, K, T, BLOCK_M, GATHER, PRECISION, INTERPRET)
+    acc = _tgmm_rows(ids, a_ptr, d_ptr, r0, end, ns, ks, acc, N, K, T, BLOCK_M, GATHER, PRECISION, INTERPRET)
     if r0 + BLOCK_M >= end:
         _tgmm_store(o_ptr, tile // tiles_g, ns, ks, acc, N, K)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    return tile, r0, end, acc
+    return tile, r0, end, next_ids, acc
 
 
 @triton.jit
@@ -236,18 +278,23 @@ def tgmm_persistent_kernel(
     below_lo = tl.maximum(lanes * tiles_g - pid + PROGRAMS - 1, 0) // PROGRAMS
     below_hi = tl.maximum((lanes + 1) * tiles_g - pid + PROGRAMS - 1, 0) // PROGRAMS
     num_steps = tl.sum(tl.where(in_e, (below_hi - below_lo) * steps_e, 0), 0)
-    # A state whose last step ended its tile: the first step starts tile `pid`.
+    # A state whose last step ended its tile: the first step starts tile `pid`. Each step's row ids
+    # are loaded a step ahead and carried, as in `tgmm_kernel`.
     tile = pid - PROGRAMS
     r0 = 0
     end = 0
+    _, first_r0, first_end = _next_step(offsets_ptr, tile, r0, end, tiles_g, E, PROGRAMS, BLOCK_M)
+    ids = _row_ids(rows_ptr, first_r0, first_end, BLOCK_M, GATHER)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     if INTERPRET:
         step = 0
         while step < num_steps:
-            tile, r0, end, acc = _tgmm_step(offsets_ptr, rows_ptr, a_ptr, d_ptr, o_ptr, tile, r0, end, acc, N, K, T,
-                                            PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GATHER, PRECISION, INTERPRET)
+            tile, r0, end, ids, acc = _tgmm_step(offsets_ptr, rows_ptr, a_ptr, d_ptr, o_ptr, tile, r0, end, ids, acc,
+                                                 N, K, T, E, PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GATHER, PRECISION,
+                                                 INTERPRET)
             step += 1
     else:
         for _ in range(num_steps):
-            tile, r0, end, acc = _tgmm_step(offsets_ptr, rows_ptr, a_ptr, d_ptr, o_ptr, tile, r0, end, acc, N, K, T,
-                                            PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GATHER, PRECISION, INTERPRET)
+            tile, r0, end, ids, acc = _tgmm_step(offsets_ptr, rows_ptr, a_ptr, d_ptr, o_ptr, tile, r0, end, ids, acc,
+                                                 N, K, T, E, PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GATHER, PRECISION,
+                                                 INTERPRET)
