@@ -144,7 +144,8 @@ def gmm_config(m: int, n: int, k: int, num_groups: int) -> GmmConfig:
 
 
 def tgmm_config(m: int, n: int, k: int, num_groups: int) -> TileConfig:
-    """Weight-gradient tiles for `dB[num_groups, n, k] = dC[m, n]^T A[m, k]` per group.
+    """The Pallas kernel's weight-gradient tiles for `dB[num_groups, n, k] = dC[m, n]^T A[m, k]`
+    per group (the `triton` backend's are `triton_tgmm_config`'s).
 
     Each program owns a `block_n x block_k` tile of one group's gradient and walks that group's
     rows. Prefill (> 64 rows per group): 128x128 tiles with 32-row steps, 64-row steps from 768
