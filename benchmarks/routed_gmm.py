@@ -323,20 +323,18 @@ def cmd_sweep(args):
 
 
 def _rel_err_vs_fp32(y, x, w, counts, groups: int = 4) -> float:
-    """Relative error of `y` on the rows of the first `groups` active groups against the fp32
-    product of those rows with their experts' weights (a dense matmul per group: XLA's grouped
-    dot at the DeepSeek-V3 shape needs more memory than the GPU has)."""
+    """`moe_jax.testing.rel_err` of `y` on the rows of the first `groups` active groups against the
+    fp32 product of those rows with their experts' weights (a dense matmul per group: XLA's
+    grouped dot at the DeepSeek-V3 shape needs more memory than the GPU has)."""
     import jax.numpy as jnp
 
+    from moe_jax.testing import rel_err
+
     offsets = np.concatenate([[0], np.cumsum(counts)])
-    active = [g for g in range(len(counts)) if counts[g] > 0][:groups]
-    num = den = 0.0
-    for g in active:
-        rows = slice(int(offsets[g]), int(offsets[g + 1]))
-        want = x[rows].astype(jnp.float32) @ w[g].astype(jnp.float32).T
-        num += float(jnp.sum((y[rows].astype(jnp.float32) - want) ** 2))
-        den += float(jnp.sum(want**2))
-    return (num / max(den, 1e-30)) ** 0.5
+    spans = [(int(offsets[g]), int(offsets[g + 1]), g) for g in range(len(counts)) if counts[g] > 0][:groups]
+    got = jnp.concatenate([y[a:b] for a, b, _ in spans])
+    want = jnp.concatenate([x[a:b].astype(jnp.float32) @ w[g].astype(jnp.float32).T for a, b, g in spans])
+    return rel_err(got.astype(jnp.float32), want)
 
 
 def _rows(shape: S.GemmShape, tokens: int):

@@ -35,19 +35,12 @@ __all__ = ["gmm_kernel", "tgmm_kernel", "tgmm_persistent_kernel"]
 
 
 @triton.jit
-def _checked_ids(ids, row_ok, T: tl.constexpr):
-    """(int64 rows of `a` to read, which of them to read) for the gathered rows' ids `ids`: the
-    rows `row_ok`, less those whose ids lie outside `[0, T)`."""
-    read_ok = row_ok & (ids >= 0) & (ids < T)
-    return tl.where(read_ok, ids, 0).to(tl.int64), read_ok
-
-
-@triton.jit
-def _source_rows(rows_ptr, rows, row_ok, T: tl.constexpr, GATHER: tl.constexpr):
-    """(int64 rows of `a` to read, which of them to read): `rows` itself, or with `GATHER` the ids
-    `rows_ptr[rows]`, those outside `[0, T)` not read."""
+def _source_rows(ids, rows, row_ok, T: tl.constexpr, GATHER: tl.constexpr):
+    """(int64 rows of `a` to read, which of them to read) for the packed rows `rows` (`row_ok`):
+    `rows` themselves, or with `GATHER` their ids `ids`, those outside `[0, T)` not read."""
     if GATHER:
-        src, read_ok = _checked_ids(tl.load(rows_ptr + rows, mask=row_ok, other=0), row_ok, T)
+        read_ok = row_ok & (ids >= 0) & (ids < T)
+        src = tl.where(read_ok, ids, 0).to(tl.int64)
     else:
         read_ok = row_ok
         src = rows.to(tl.int64)
@@ -114,7 +107,7 @@ def gmm_kernel(
 
     rows = start + tl.arange(0, BLOCK_M)
     row_ok = rows < end  # rows stored
-    src, read_ok = _source_rows(rows_ptr, rows, row_ok, T, GATHER)
+    src, read_ok = _source_rows(_row_ids(rows_ptr, start, end, BLOCK_M, GATHER), rows, row_ok, T, GATHER)
     cols = n_blk * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     b_group = b_ptr + tl.minimum(group, E - 1).to(tl.int64) * stride_be
@@ -146,11 +139,7 @@ def _tgmm_rows(ids, a_ptr, d_ptr, r0, end, ns, ks, acc,
     row_ok = rows < end
     d = tl.load(d_ptr + rows.to(tl.int64)[:, None] * N + ns[None, :], mask=row_ok[:, None] & (ns < N)[None, :],
                 other=0.0)
-    if GATHER:
-        src, read_ok = _checked_ids(ids, row_ok, T)
-    else:
-        read_ok = row_ok
-        src = rows.to(tl.int64)
+    src, read_ok = _source_rows(ids, rows, row_ok, T, GATHER)
     a = tl.load(a_ptr + src[:, None] * K + ks[None, :], mask=read_ok[:, None] & (ks < K)[None, :], other=0.0)
     if INTERPRET:
         d = d.to(tl.float32)
