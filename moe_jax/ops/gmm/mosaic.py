@@ -258,42 +258,41 @@ def _body(meta_ref, a_ref, b_ref, out_ref, *, config: MosaicConfig, m: int, n: i
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(tiles_smem.at[i], out_ref.at[pl.ds(a_start + i * epi_m, epi_m), cols])
 
+            def epilogue(out):
+                """Store the compute warpgroup's `[tile_m, tile_n]` result `out` (rows
+                `[start, end)` of its columns)."""
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores read out_smem
+                if epi_m is None:
+                    store_rows(out, out_smem.at[wg])
+                    return
+                # A tile whose rows are its whole read window (8-row aligned) fits the swizzled
+                # sub-tiles; the others start or end at any row.
+                full = (start == a_start) & (end == a_start + tile_m)
+
+                def store(views):
+                    rows_smem, tiles_smem = views
+                    lax.cond(full, lambda: store_tiles(out, tiles_smem), lambda: store_rows(out, rows_smem))
+
+                lax.cond(wg == 0, lambda: store(out_smem[0]), lambda: store(out_smem[1]))
+
             def compute_context(run_pipeline):
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
                 def _(acc_ref):
                     run_pipeline(acc_ref)
-                    out = acc_ref[...].astype(out_dtype)  # waits for every wgmma
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores read out_smem
-                    if epi_m is None:
-                        store_rows(out, out_smem.at[wg])
-                        return
-                    # A tile whose rows are its whole read window (8-row aligned) fits the swizzled
-                    # sub-tiles; the others start or end at any row.
-                    full = (start == a_start) & (end == a_start + tile_m)
-
-                    def store(views):
-                        rows_smem, tiles_smem = views
-                        lax.cond(full, lambda: store_tiles(out, tiles_smem), lambda: store_rows(out, rows_smem))
-
-                    lax.cond(wg == 0, lambda: store(out_smem[0]), lambda: store(out_smem[1]))
+                    epilogue(acc_ref[...].astype(out_dtype))  # the load waits for every wgmma
 
             def mma(idx, a_smem, b_smem, acc_ref):
                 half = pl.ds(wg * tile_n, tile_n)
                 b = b_smem.at[half].T if transpose_rhs else b_smem.at[:, half]
-
-                # Zero-fill tiles (rows past the last group) keep the zero accumulator, whatever
-                # lhs holds there.
-                @pl.when(is_group)
-                def _():
-                    plgpu.wgmma(acc_ref, a_smem, b)
-                    plgpu.wgmma_wait(in_flight)
-                    if in_flight:
-                        # The pipeline never releases the last step's stage (delay_release): the
-                        # memory warpgroup refills it for the next item once the step before is
-                        # released, right after this body, so the last wgmma must be done here.
-                        @pl.when(idx[0] == k_iters - 1)
-                        def _():
-                            plgpu.wgmma_wait(0)
+                plgpu.wgmma(acc_ref, a_smem, b)
+                plgpu.wgmma_wait(in_flight)
+                if in_flight:
+                    # The pipeline never releases the last step's stage (delay_release): the memory
+                    # warpgroup refills it for the next item once the step before is released,
+                    # right after this body, so the last wgmma must be done here.
+                    @pl.when(idx[0] == k_iters - 1)
+                    def _():
+                        plgpu.wgmma_wait(0)
 
                 return acc_ref
 
@@ -301,9 +300,16 @@ def _body(meta_ref, a_ref, b_ref, out_ref, *, config: MosaicConfig, m: int, n: i
             b_cols = pl.ds(n_blk * cta_n, cta_n)
             b_group = b_ref.at[g, b_cols, :] if transpose_rhs else b_ref.at[g, :, b_cols]
 
-            @pl.when(start < end)  # tiles past the schedule: nothing to do
+            # Tiles past the schedule have start == end: nothing to do. The zero-fill tiles (rows
+            # past the last group) store zeros without a pipeline, so the MMA loop of the others
+            # carries no branch.
+            @pl.when((start < end) & is_group)
             def _():
                 pipeline(mma, compute_context)(a_ref.at[pl.ds(a_start, tile_m), :], b_group, allocations=allocations)
+
+            @pl.when((start < end) & jnp.logical_not(is_group) & (wg < 2))
+            def _():
+                epilogue(plgpu.layout_cast(jnp.zeros((tile_m, tile_n), out_dtype), plgpu.Layout.WGMMA))
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
