@@ -116,3 +116,32 @@ def test_trace_picks_take_the_nearest_decode_step_and_the_ends_of_training():
     assert picks == ["decode/T128/layer0", "decode/T128/layer1", "train/step1/layer0", "train/step1/layer1",
                      "train/step300/layer0", "train/step300/layer1"]
     assert all(traces[k].shape == (8,) for k in picks)
+
+
+def test_merged_sweeps_cite_each_tables_own_sweep():
+    """Tables fitted from several sweep files name the sweep that measured each shape."""
+    results = Path(__file__).parents[1] / "benchmarks" / "results"
+    parts = [str(results / f"{n}.json") for n in ("2026-12-01-h200-routed-gmm-qwen3", "2026-12-02-h200-routed-gmm-deepseek")]
+    text = R.render_tables(R.load_results(parts))
+    sources = {}
+    for line in text.splitlines():
+        if "source=" in line:
+            sources[line.split("shape=")[1].split(")")[0] + ")"] = line.split("source='")[1].split("'")[0]
+    assert sources["(1536, 2048, 128)"].endswith("2026-12-01T11:41:36+00:00")
+    assert sources["(4096, 7168, 256)"].endswith("2026-12-02T05:48:41+00:00")
+    assert "2026-12-01T11:41:36+00:00, 2026-12-02T05:48:41+00:00" in text
+
+
+def test_score_of_a_table_that_always_runs_the_best_static_candidate_is_one():
+    """`score` looks each test histogram up in the table: a table naming the shape's best single
+    static candidate in every cell scores exactly 1 against it, and at most 1 against the oracle."""
+    results = R.load_results([str(Path(__file__).parents[1] / "benchmarks" / "results" /
+                                  "2026-12-02-h200-routed-gmm-deepseek.json")])
+    shape = next(s for s, _ in R.sweep_shapes(False) if s.name == "deepseek-v3 gate+up")
+    rows, cols = R.table_dims(shape.e)
+    table = SelectorTable(shape=(shape.n, shape.k, shape.e), device="test", source="test",
+                          choice=tuple(("rt128x256",) * cols for _ in range(rows)))
+    line = next(ln for ln in R.score_tables(results, [table]).splitlines() if ln.startswith("| deepseek"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[2] == "rt128x256" and cells[3] == "1.000"
+    assert float(cells[5]) <= 1.0
