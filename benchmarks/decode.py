@@ -1,7 +1,7 @@
 """Decode grouped GEMM against the bytes it must read (GPU only).
 
     python -m benchmarks.decode sweep [--tokens 1,2,4,8] [--json PATH]   # every decode candidate, timed
-    python -m benchmarks.decode kernels --from PATH [--top 4]            # a few calls each, for `ncu`
+    python -m benchmarks.decode kernels [--from PATH --top 4]            # a few calls each, for `ncu`
     python -m benchmarks.decode ncu-table NCU.csv                          # ncu's CSV, per call (no GPU)
 
 At decode the forward grouped GEMM reads the active experts' weights once and little else (the
@@ -18,7 +18,8 @@ inputs (weights rotated over four copies, so a bucket's experts are not in L2):
 Bandwidth is the active experts' weight bytes over the time, and its fraction of the large copy
 (`benchmarks.gmm.measure_copy_tbps`, bytes read + written, 4 GiB).
 
-`kernels` runs the fastest `--top` candidates of a sweep file, the default configs and the peers
+`kernels` runs the fastest `--top` candidates of a sweep file (without `--from`: every candidate,
+since the harness and the kernels alone rank them differently), the default configs and the peers
 a few times each with no timing around them, so `ncu --clock-control none` can report each
 kernel's own duration (`benchmarks/gpu_run.sh decode-ncu`). Around each call's runs (after its
 compile and autotuning) it launches one-block marker kernels named `marker_<i>` and `marker_end`;
@@ -169,17 +170,23 @@ def _print_table(rows):
 
 def cmd_kernels(args):
     """Each chosen callable a few times, synchronised, with nothing timed (for `ncu`)."""
-    with open(args.source) as f:
-        rows = json.load(f)["rows"]
+    rows = None
+    if args.source:
+        with open(args.source) as f:
+            rows = json.load(f)["rows"]
     _, ws, _, _ = make_inputs(S.decode_shape(1), S.decode_counts(1), seed=7, weight_sets=4)
     labels: list[str] = []
     for tokens in args.tokens:
         shape, counts, x, gs = _inputs(tokens, ws)
         active = int((counts > 0).sum())
-        cands = sorted((r for r in rows if r["tokens"] == tokens and r["impl"] == "candidate" and r.get("seconds")),
-                       key=lambda r: r["seconds"])[:args.top]
-        calls = [(f"T={tokens} {decode_config(r['config']).name}", jax.jit(
-            lambda x, w, gs, c=decode_config(r["config"]): gmm(x, w, gs, config=c)), (x, ws[0], gs)) for r in cands]
+        if rows is None:
+            configs = candidates(tokens)
+        else:
+            timed = sorted((r for r in rows if r["tokens"] == tokens and r["impl"] == "candidate" and r.get("seconds")),
+                           key=lambda r: r["seconds"])[:args.top]
+            configs = [decode_config(r["config"]) for r in timed]
+        calls = [(f"T={tokens} {c.name}", jax.jit(lambda x, w, gs, c=c: gmm(x, w, gs, config=c)), (x, ws[0], gs))
+                 for c in configs]
         calls.append((f"T={tokens} static", jax.jit(lambda x, w, gs: gmm(x, w, gs)), (x, ws[0], gs)))
         calls += [(f"T={tokens} {name}", jax.jit(fn), psets[0]) for name, fn, psets in _slab_peers(active, ws)]
         for label, fn, a in calls:
@@ -256,8 +263,9 @@ def main(argv=None):
     sw = sub.add_parser("sweep")
     sw.add_argument("--json", default=None)
     kn = sub.add_parser("kernels")
-    kn.add_argument("--from", dest="source", required=True, help="a `sweep --json` result")
-    kn.add_argument("--top", type=int, default=4)
+    kn.add_argument("--from", dest="source", default=None,
+                    help="a `sweep --json` result (default: none, profile every candidate)")
+    kn.add_argument("--top", type=int, default=4, help="with --from: how many of its fastest candidates")
     kn.add_argument("--labels", default="decode_ncu_labels.json", help="where to write the calls' labels, in order")
     for q in (sw, kn):
         q.add_argument("--tokens", type=lambda s: [int(t) for t in s.split(",")], default=[1, 2, 4, 8])

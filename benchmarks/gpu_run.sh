@@ -14,7 +14,8 @@
 #      WHEELS (jax-triton: the folder holding the jax_triton wheel, default .whl; the image has no registry),
 #      LAYER_SHAPES / LAYER_VARIANTS (layer: benchmarks.layer's --shapes / --variants),
 #      DECODE_TOKENS (decode: buckets, default 1,2,4,8), NCU_TOKENS (decode-ncu: buckets profiled, default 1,8;
-#        decode-ncu profiles the fastest candidates of decode's JSON under Nsight Compute),
+#        decode-ncu profiles the fastest candidates of decode's JSON under Nsight Compute, or every
+#        candidate when no decode phase ran before it in this call),
 #      EP_ARGS (e.g. --skip-ragged), EP_RANKS (ep size of ep-bench and example-ep; default 2),
 #      PARITY_EP (the EP test paths; the EP parity test runs each world size on NCCL when it sees that many GPUs).
 # ep-check runs tests/test_ep_moe.py (ep 2 and 4, on GPUs where the host has that many, else on host
@@ -50,7 +51,7 @@ for phase in "$@"; do
     decode) timeout "$limit" python3 -m benchmarks.decode sweep ${DECODE_TOKENS:+--tokens $DECODE_TOKENS} --json "$OUT/${L}decode.json" 2>&1 | tee "$OUT/${L}decode.log" | tail -60 ;;
     decode-ncu) timeout "$limit" ncu --clock-control none --print-units base --csv --log-file "$OUT/${L}decode_ncu.csv" \
                   --metrics gpu__time_duration.sum,dram__bytes_read.sum,launch__grid_size,launch__registers_per_thread,launch__shared_mem_per_block_dynamic \
-                  python3 -m benchmarks.decode kernels --from "$OUT/${L}decode.json" --tokens ${NCU_TOKENS:-1,8} \
+                  python3 -m benchmarks.decode kernels $( [ -f "$OUT/${L}decode.json" ] && echo --from "$OUT/${L}decode.json") --tokens ${NCU_TOKENS:-1,8} \
                   --labels "$OUT/${L}decode_ncu_labels.json" 2>&1 | tail -15
                 python3 -m benchmarks.decode ncu-table "$OUT/${L}decode_ncu.csv" --labels "$OUT/${L}decode_ncu_labels.json" 2>&1 | tail -60 ;;
     layer) timeout "$limit" python3 -m benchmarks.layer ${LAYER_SHAPES:+--shapes $LAYER_SHAPES} ${LAYER_VARIANTS:+--variants $LAYER_VARIANTS} --json "$OUT/${L}layer.json" 2>&1 | tee "$OUT/${L}layer.log" | tail -20 ;;
