@@ -93,17 +93,25 @@ def _inputs(p):
     return x, cot, (w_gate, w_up, w_down)
 
 
+# Whether each traced `ep_moe(fuse_regroup=True)` handed its expert function a `RowGather`.
+FUSED_CALLS: dict[tuple, bool] = {}
+
+
 @functools.cache
-def _ep_value_and_grad(p, strategy, transport, capacity):
+def _ep_value_and_grad(p, strategy, transport, capacity, fuse=False):
     """Jitted `((loss, (y, dropped_P)), grads)` of sum(y * cot) through `ep_moe` on the P mesh,
-    grads w.r.t. (x, weights, w_gate, w_up, w_down)."""
+    grads w.r.t. (x, weights, w_gate, w_up, w_down). `fuse`: `fuse_regroup=True`, the expert
+    function reading the receive buffer through the regroup's ids where it is given them."""
     act = activation_spec()
 
     def body(x, idx, w, cot, wg, wu, wd):
         # Expert matmuls through XLA at HIGHEST, as the reference; the row moves take "auto".
-        expert_fn = lambda px, gs: swiglu_experts(px, gs, wg, wu, wd, backend="xla", precision=HIGHEST)  # noqa: E731
+        def expert_fn(px, gs, rows=None):
+            FUSED_CALLS[(p, strategy, transport, capacity)] = rows is not None
+            return swiglu_experts(px, gs, wg, wu, wd, backend="xla", precision=HIGHEST, rows=rows)
+
         y, stats = ep_moe(x, idx, w, expert_fn, num_experts=E, strategy=strategy, capacity=capacity,
-                          transport=transport)
+                          transport=transport, fuse_regroup=fuse)
         return lax.psum(jnp.sum(y * cot), EP_AXIS), y, stats.dropped[None]
 
     fn = jax.shard_map(body, mesh=_mesh(p), in_specs=(act,) * 4 + (expert_spec(),) * 3,
@@ -130,10 +138,28 @@ def _reference_value_and_grad(x, w, wg, wu, wd, idx, cot, keep):
 
 @pytest.mark.parametrize("p, dropping, strategy, transport", CASES)
 def test_ep_moe_swiglu_matches_single_device(p, dropping, strategy, transport):
+    _check_against_reference(p, dropping, strategy, transport, fuse=False)
+
+
+@pytest.mark.parametrize("p, dropping, strategy, transport, fused", [
+    (2, True, "padded", "all_to_all", True),
+    (4, False, "ragged", "ragged_all_to_all", True),
+    (2, False, "padded", "pair_swap", False),  # two sources (tokens, peer block): regrouped first
+], ids=["ep2-capacity-padded-all_to_all", "ep4-dropless-ragged", "ep2-dropless-padded-pair_swap"])
+def test_ep_moe_fused_regroup_matches_single_device(p, dropping, strategy, transport, fused):
+    """`fuse_regroup=True`: the first grouped GEMM reads the receive buffer through the regroup's
+    ids (padding rows and, on the ragged exchange, unwritten NaN rows never read), with the same
+    outputs, gradients and drops; the pairwise transport falls back to the regroup gather."""
+    capacity = _capacity(p) if dropping else None
+    _check_against_reference(p, dropping, strategy, transport, fuse=True)
+    assert FUSED_CALLS[(p, strategy, transport, capacity)] is fused
+
+
+def _check_against_reference(p, dropping, strategy, transport, *, fuse):
     mesh = _mesh(p)
     on_gpu = mesh.devices.flat[0].platform == "gpu"
     capacity = _capacity(p) if dropping else None
-    fn = _ep_value_and_grad(p, strategy, transport, capacity)
+    fn = _ep_value_and_grad(p, strategy, transport, capacity, fuse)
     x, cot, experts = _inputs(p)
     for routing in ROUTINGS:
         idx_np, w_np = make_routing(routing, p, T, E, K, seed=SEED)

@@ -103,6 +103,24 @@ def test_router_path_matches_single_device(ep, data):
     assert int(stats.executed_rows_max) == int(stats.useful_rows_max) and not np.any(stats.kernel_counts_C)
 
 
+@pytest.mark.parametrize("ep, data, capacity_factor", [(2, 2, 1.0), (4, 1, None)])
+def test_fused_row_gather_on_an_ep_mesh(ep, data, capacity_factor):
+    """`row_gather="fused"` under expert parallelism (the gate/up GEMM reads the receive buffer
+    through the regroup's ids): outputs, gradients and drops of the separate-gather layer on the
+    same mesh, and with no drops the single-device layer's."""
+    mesh = _mesh(ep, data)
+    x, cot = _inputs(40 + ep)
+    mask = (jnp.arange(N).reshape(B, S) * 3) % 7 != 0
+    cot = jnp.where(mask[..., None], cot, 0.0)
+    got = module_value_and_grads(_layer(mesh, row_gather="fused", capacity_factor=capacity_factor), x, cot, mask=mask)
+    want = module_value_and_grads(_layer(mesh, row_gather="separate", capacity_factor=capacity_factor), x, cot,
+                                  mask=mask)
+    _assert_same(got, want)
+    assert int(got[1].dropped) == int(want[1].dropped)
+    if capacity_factor is None:
+        _assert_same(got, module_value_and_grads(_layer(), x, cot, mask=mask))
+
+
 def _injected(seed, experts_of_token):
     rng = np.random.default_rng(seed)
     idx = np.stack([experts_of_token(t, rng) for t in range(N)]).astype(np.int32)

@@ -98,12 +98,13 @@ class MoE(nnx.Module):
         the table says it pays, the routing histogram, on device); `"static"`, the shape table
         (`moe_jax.ops.gmm_config`; reproducible across histograms). `MoEStats.kernel_counts_C`
         says which ran.
-      row_gather: how the routed rows reach the gate/up GEMM off expert parallelism: `"fused"`,
-        the GEMM reads each token's row through the packing's ids inside its kernel (no packed
-        copy in memory; `moe_jax.ops.grouped_linear(rows=...)`); `"separate"`, a row gather
-        writes the packed rows first; `"auto"` (default), fused on the backends where that
-        measured faster (`moe_jax.ops.AUTO_FUSED_GATHER`, none on the H200 yet). Equal results;
-        under expert parallelism the rows arrive packed from the exchange.
+      row_gather: how the routed rows reach the gate/up GEMM: `"fused"`, the GEMM reads each
+        row through the packing's ids inside its kernel (no packed copy in memory;
+        `moe_jax.ops.grouped_linear(rows=...)`): the token rows off expert parallelism, the
+        receive buffer under it (`ep_moe(fuse_regroup=True)`; the pairwise transport's two
+        sources are still regrouped first); `"separate"`, a row gather writes the packed rows
+        first; `"auto"` (default), fused on the backends where that measured faster
+        (`moe_jax.ops.AUTO_FUSED_GATHER`, none on the H200 yet). Equal results.
       precision: dot precision for the expert/shared/latent GEMMs (default: HIGHEST for fp32).
       mesh: a `jax.sharding.Mesh` (Auto or Explicit axes) for data/expert parallelism: the
         parameters are placed on it and the routed stage runs in `jax.shard_map` over it

@@ -169,11 +169,13 @@ def routed_on_mesh(stage: ExpertStage, mesh, rules: AxisRules, options: EPOption
         num_tokens, top_k = idx_TK.shape
         local = stage.num_experts // ep
         # Masked tokens are never sent and never count as dropped.
+        capacity = options.capacity(num_tokens, top_k, ep, local)
+        packed_rows = ep * (num_tokens * top_k if capacity is None else capacity)  # P*C; dropless C = T*K
         y_TD, stats = ep_moe(
-            x_TD, idx_TK, w_TK, lambda x_MD, sizes_El: stage.experts(x_MD, sizes_El, weights),
+            x_TD, idx_TK, w_TK, lambda x, sizes_El, rows=None: stage.experts(x, sizes_El, weights, rows=rows),
             num_experts=stage.num_experts, axis_name=rules.experts, strategy=options.strategy,
-            capacity=options.capacity(num_tokens, top_k, ep, local), mask_T=mask_T, backend=stage.backend,
-            transport=options.transport,
+            capacity=capacity, mask_T=mask_T, backend=stage.backend, transport=options.transport,
+            fuse_regroup=stage.fuses_gather(packed_rows),
         )
         gemm = stage.telemetry(stats.group_sizes_El, ep * stats.capacity).reduce(rules.tokens)
         # stats.dropped is already the ep-group total; the groups of the replicas add up.

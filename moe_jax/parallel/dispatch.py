@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from moe_jax.ops import gather_rows
+from moe_jax.ops import RowGather, gather_rows
 from moe_jax.ops.platform import BackendName
 from moe_jax.parallel.capacity import resolve_capacity
 from moe_jax.parallel.layout import (
@@ -209,6 +209,34 @@ def ep_dispatch(
       group_sizes_El: int32 `[El]` rows per local expert (padding rows not counted).
       plan: `EPPlan` for `ep_combine`.
     """
+    got = _receive(x_TD, expert_idx_TK, num_experts=num_experts, axis_name=axis_name, strategy=strategy,
+                   capacity=capacity, mask_T=mask_T, backend=backend, transport=transport)
+    return _regroup(got, backend), got.plan.group_sizes_El, got.plan
+
+
+def _regroup(got: Received, backend) -> jax.Array:
+    """The packed rows `[M, D]`; padding rows are written as zeros, whatever the receive buffer
+    holds there."""
+    if got.inverse is None:  # nothing was sent: `src` is already the (empty) packed buffer
+        return got.src
+    return gather_rows(got.src, got.ids_M, inverse_N=got.inverse, backend=backend)
+
+
+class Received(NamedTuple):
+    """What arrived at this rank, before the regroup by local expert: packed row i is row
+    `ids_M[i]` of `src` (-1: a padding row, zero), where `src` is the receive buffer, or the pair
+    `(x_TD, peer block)` on a pairwise transport, whose rows are numbered on from T. `inverse`
+    lists the packed rows that read each source row (`gather_rows`' `inverse_N`)."""
+
+    src: jax.Array | tuple[jax.Array, jax.Array]
+    ids_M: jax.Array
+    inverse: jax.Array | tuple[jax.Array, jax.Array] | None
+    plan: EPPlan
+
+
+def _receive(x_TD, expert_idx_TK, *, num_experts, axis_name, strategy, capacity, mask_T, backend,
+             transport) -> Received:
+    """`ep_dispatch` up to the regroup: the plan, the exchange, and where each packed row is."""
     check_strategy(strategy)
     check_transport(transport)
     tokens, top_k = _check_routes(x_TD, expert_idx_TK)
@@ -218,7 +246,8 @@ def ep_dispatch(
     routes = tokens * top_k
     cap = resolve_capacity(capacity, routes, local)
     if routes == 0:
-        return _empty_dispatch(x_TD, tokens, top_k, strategy, transport, ep, local)
+        empty_MD, plan = _empty_dispatch(x_TD, tokens, top_k, strategy, transport, ep, local)
+        return Received(empty_MD, jnp.zeros((0,), jnp.int32), None, plan)
     moved = select_transport(strategy, transport, ep=ep, block_bytes=cap * x_TD.shape[1] * x_TD.dtype.itemsize)
     layout = moved.layout
     send_rows, recv_rows = buffer_rows(layout, routes, ep, cap)
@@ -249,8 +278,6 @@ def ep_dispatch(
         send_x_SD = gather_rows(x_TD, send_ids_S, inverse_N=route_row_TK, backend=backend)
         regroup_src = moved.exchange(send_x_SD, ex, out_rows=recv_rows, axis_name=axis_name)
         regroup_ids, regroup_inverse = regroup.packed_to_recv_M, regroup.recv_to_packed_M
-    # Padding rows are written as zeros here, whatever the receive buffer holds there.
-    packed_x_MD = gather_rows(regroup_src, regroup_ids, inverse_N=regroup_inverse, backend=backend)
 
     # Every route of a real token that is not sent counts: over capacity or an invalid expert id.
     real_routes = routes if real_R is None else jnp.sum(real_R, dtype=jnp.int32)
@@ -268,12 +295,12 @@ def ep_dispatch(
         kept_PE=sends.kept_PE,
         dropped=dropped,
     )
-    return packed_x_MD, regroup.group_sizes_El, plan
+    return Received(regroup_src, regroup_ids, regroup_inverse, plan)
 
 
 def _empty_dispatch(x_TD, tokens: int, top_k: int, strategy: str, transport, ep: int, local: int):
-    """`ep_dispatch` of no routes (T = 0 or K = 0 on every rank, as shapes are static): empty
-    buffers and a plan whose combine returns `[T, D_out]` zeros; nothing is exchanged."""
+    """`ep_dispatch` of no routes (T = 0 or K = 0 on every rank, as shapes are static): an empty
+    packed buffer and a plan whose combine returns `[T, D_out]` zeros; nothing is exchanged."""
     none_P = jnp.zeros((ep,), jnp.int32)
     plan = EPPlan(
         strategy=strategy,
@@ -288,7 +315,7 @@ def _empty_dispatch(x_TD, tokens: int, top_k: int, strategy: str, transport, ep:
         kept_PE=jnp.zeros((ep, local), jnp.int32),
         dropped=jnp.zeros((), jnp.int32),
     )
-    return jnp.zeros((0, x_TD.shape[1]), x_TD.dtype), plan.group_sizes_El, plan
+    return jnp.zeros((0, x_TD.shape[1]), x_TD.dtype), plan
 
 
 def ep_combine(packed_y_MD: jax.Array, weights_TK: jax.Array, plan: EPPlan, *, axis_name=EP_AXIS,
@@ -353,7 +380,7 @@ def ep_moe(
     x_TD: jax.Array,
     expert_idx_TK: jax.Array,
     weights_TK: jax.Array,
-    expert_fn: Callable[[jax.Array, jax.Array], jax.Array],
+    expert_fn: Callable[..., jax.Array],
     *,
     num_experts: int,
     axis_name=EP_AXIS,
@@ -362,6 +389,7 @@ def ep_moe(
     mask_T: jax.Array | None = None,
     backend: BackendName = "auto",
     transport: str | Transport = "auto",
+    fuse_regroup: bool = False,
 ) -> tuple[jax.Array, EPStats]:
     """Dispatch, `packed_y_MD = expert_fn(packed_x_MD, group_sizes_El)`, combine.
 
@@ -371,10 +399,20 @@ def ep_moe(
     `mask_T` (bool `[T]`) excludes padding tokens: they are not sent and their output is zero.
     `backend` picks the row-gather and send-plan backend, `transport` the row exchange (see
     `ep_dispatch`). Returns `(y_TD, EPStats)`.
+
+    `fuse_regroup=True`: no packed copy of the received rows is made where the transport delivers
+    one buffer (all_to_all, ragged_all_to_all); `expert_fn(recv_RD, group_sizes_El, rows)` gets
+    the receive buffer and a `moe_jax.ops.RowGather` saying which of its rows each packed row is,
+    to read them inside its first grouped GEMM (`grouped_linear(rows=...)`). The pairwise
+    transport delivers two sources (this rank's tokens and the peer block), which are regrouped
+    first as without the option; so is an exchange of no routes.
     """
-    packed_x_MD, group_sizes_El, plan = ep_dispatch(
-        x_TD, expert_idx_TK, num_experts=num_experts, axis_name=axis_name, strategy=strategy, capacity=capacity,
-        mask_T=mask_T, backend=backend, transport=transport,
-    )
-    packed_y_MD = expert_fn(packed_x_MD, group_sizes_El)
-    return ep_combine(packed_y_MD, weights_TK, plan, axis_name=axis_name, backend=backend), plan.stats()
+    got = _receive(x_TD, expert_idx_TK, num_experts=num_experts, axis_name=axis_name, strategy=strategy,
+                   capacity=capacity, mask_T=mask_T, backend=backend, transport=transport)
+    sizes_El = got.plan.group_sizes_El
+    if fuse_regroup and got.inverse is not None and not isinstance(got.src, tuple):
+        # Each received row is read by exactly one packed row (or none): a one-column inverse.
+        packed_y_MD = expert_fn(got.src, sizes_El, RowGather(got.ids_M, got.inverse[:, None]))
+    else:
+        packed_y_MD = expert_fn(_regroup(got, backend), sizes_El)
+    return ep_combine(packed_y_MD, weights_TK, got.plan, axis_name=axis_name, backend=backend), got.plan.stats()
