@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
@@ -47,7 +48,9 @@ TRITON_WGRAD = [TileConfig(64, 128, 128, 8, 4, 1), TileConfig(64, 256, 128, 8, 3
                 TileConfig(64, 128, 256, 8, 3, 1), TileConfig(32, 128, 128, 4, 4, 1), TileConfig(16, 128, 128, 4, 5, 1)]
 MOSAIC = [MosaicConfig(128, 128, 64, 3, mma_in_flight=1), MosaicConfig(128, 128, 64, 3, epilogue_tile_m=64),
           MosaicConfig(128, 128, 64, 3, mma_in_flight=1, epilogue_tile_m=64),
-          MosaicConfig(128, 64, 64, 4, mma_in_flight=1, epilogue_tile_m=64)]
+          MosaicConfig(128, 64, 64, 4, mma_in_flight=1, epilogue_tile_m=64),
+          MosaicConfig(128, 128, 64, 2, schedule="pingpong"), MosaicConfig(64, 128, 64, 3, schedule="pingpong"),
+          MosaicConfig(128, 64, 64, 3, schedule="pingpong")]
 
 
 def _jobs(shape, x, w, dy, gs, backends, kinds, variants):
@@ -98,8 +101,9 @@ def _jobs(shape, x, w, dy, gs, backends, kinds, variants):
 
 
 def _mname(c: MosaicConfig) -> str:
-    options = (f"f{c.mma_in_flight}" if c.mma_in_flight else "") + (f"e{c.epilogue_tile_m}" if c.epilogue_tile_m else "")
-    return f"{c.tile_m}x{2 * c.tile_n}x{c.tile_k}s{c.max_concurrent_steps}{options}"
+    options = ((f"f{c.mma_in_flight}" if c.mma_in_flight else "") + (f"e{c.epilogue_tile_m}" if c.epilogue_tile_m else "")
+               + ("pp" if c.schedule == "pingpong" else ""))
+    return f"{c.tile_m}x{c.cta_n}x{c.tile_k}s{c.max_concurrent_steps}{options}"
 
 
 def _name(t: TileConfig) -> str:
@@ -149,6 +153,8 @@ def main(argv=None):
     p.add_argument("--kernels", default="fwd,dgrad,wgrad,fb", help="comma-separated subset of fwd,dgrad,wgrad,fb")
     p.add_argument("--no-variants", action="store_true", help="each backend at its default tiles only")
     p.add_argument("--no-check", action="store_true", help="skip the error check (it compiles every job twice)")
+    p.add_argument("--jobs", default=None,
+                   help="a regular expression: only the jobs whose key (e.g. 'fwd mosaic_gpu 128x128x64s2pp') it finds")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     backends = args.backends.split(",")
@@ -163,6 +169,8 @@ def main(argv=None):
             counts = S.balanced_counts(shape.m, shape.e) if skew == "balanced" else S.zipf_counts(
                 shape.m, shape.e, cap=shape.tokens)
             jobs, configs = _jobs(shape, x, w, dy, jnp.asarray(counts, jnp.int32), backends, kinds, not args.no_variants)
+            if args.jobs:
+                jobs = {key: job for key, job in jobs.items() if re.search(args.jobs, key)}
             cases.append((shape, skew, counts, (x, w, dy), jobs, configs))
     rows, table = [], []
     for shape, skew, counts, (x, w, dy), jobs, configs in cases:

@@ -15,7 +15,7 @@ from tests.helpers import ON_GPU, lower_for_gpu
 SMALL = MosaicConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2)
 # The forward kernel's tuning options, alone and together (64-row sub-tiles: the smallest).
 OPTIONS = {"plain": {}, "in-flight": dict(mma_in_flight=1), "epilogue": dict(epilogue_tile_m=64),
-           "both": dict(mma_in_flight=1, epilogue_tile_m=64)}
+           "both": dict(mma_in_flight=1, epilogue_tile_m=64), "pingpong": dict(schedule="pingpong")}
 
 
 def _inputs(seed, m, k, n, e, transpose_rhs=True):
@@ -77,6 +77,15 @@ def test_mosaic_gmm_default_tiles_and_gradients_on_gpu():
     gs = jnp.asarray(np.random.default_rng(0).multinomial(m - 100, np.ones(e) / e), jnp.int32)
     out = gmm(x, w, gs, backend="mosaic_gpu")
     assert_close(out, gmm_reference(x, w, gs), jnp.bfloat16, "forward")
+    # The ping-pong schedule, forward and input-gradient layouts; rows past the groups hold NaN.
+    x_nan = jnp.where(jnp.arange(m)[:, None] < gs.sum(), x, jnp.nan)
+    g = jax.random.normal(jax.random.PRNGKey(3), (m, n), jnp.bfloat16)
+    for config in (MosaicConfig(128, 128, 64, 2, schedule="pingpong"), MosaicConfig(64, 128, 64, 3, schedule="pingpong")):
+        name = f"pingpong {config.tile_m}x{config.tile_n}"
+        out = gmm(x_nan, w, gs, backend="mosaic_gpu", config=config)
+        assert_close(out, gmm_reference(x, w, gs), jnp.bfloat16, f"forward, {name}")
+        dx = gmm(g, w, gs, transpose_rhs=False, backend="mosaic_gpu", config=config)
+        assert_close(dx, gmm_reference(g, w, gs, transpose_rhs=False), jnp.bfloat16, f"input gradient, {name}")
     dy = jax.random.normal(jax.random.PRNGKey(2), (m, n), jnp.bfloat16)
     _, vjp = jax.vjp(lambda x, w: grouped_linear(x, w, gs, backend="mosaic_gpu"), x, w)
     _, vjp_ref = jax.vjp(lambda x, w: grouped_linear(x, w, gs, backend="pallas_triton"), x, w)
@@ -92,6 +101,8 @@ H200_CONFIGS = {
     "both-one-subtile": MosaicConfig(128, 128, 64, 3, mma_in_flight=1, epilogue_tile_m=128),
     "both-128x64-4": MosaicConfig(128, 64, 64, 4, mma_in_flight=1, epilogue_tile_m=64),
     "both-64x128-4": MosaicConfig(64, 128, 64, 4, mma_in_flight=1, epilogue_tile_m=64),
+    "pingpong-128x128-2": MosaicConfig(128, 128, 64, 2, schedule="pingpong"),
+    "pingpong-64x128-3": MosaicConfig(64, 128, 64, 3, schedule="pingpong"),
 }
 
 
@@ -123,8 +134,11 @@ def test_mosaic_tgmm_lowers_for_h200():
     (dict(mma_in_flight=1, max_concurrent_steps=1), r"mma_in_flight=1 .* needs max_concurrent_steps >= 2"),
     (dict(epilogue_tile_m=32), r"MosaicConfig.epilogue_tile_m=32: must be None .* or a power of two in \[64, tile_m"),
     (dict(epilogue_tile_m=96), r"MosaicConfig.epilogue_tile_m=96: must be None"),
+    (dict(schedule="ping-pong"), r"MosaicConfig.schedule='ping-pong': use one of \('cooperative', 'pingpong'\)"),
+    (dict(schedule="pingpong", mma_in_flight=1), r"schedule='pingpong'\) takes neither mma_in_flight"),
     (dict(tile_m=64, epilogue_tile_m=128), r"MosaicConfig.epilogue_tile_m=128: .* in \[64, tile_m=64\]"),
-], ids=["in-flight-2", "in-flight-one-stage", "epilogue-32", "epilogue-96", "epilogue-over-tile"])
+], ids=["in-flight-2", "in-flight-one-stage", "epilogue-32", "epilogue-96", "schedule-name", "pingpong-in-flight",
+         "epilogue-over-tile"])
 def test_mosaic_config_rejects_bad_options(fields, message):
     with pytest.raises(ValueError, match=message):
         MosaicConfig(**fields)
@@ -161,6 +175,10 @@ def test_mosaic_shape_support_and_clear_errors():
         MosaicConfig(tile_m=48)
     # Four stages of 128 x (2 x 128) x 64 leave too little for the two warpgroups' output tiles.
     assert not mosaic_supports(4096, 1536, 2048, jnp.bfloat16, MosaicConfig(128, 128, 64, 4, 1, 64))
+    # Ping-pong: a work item is one warpgroup's tile_n columns, and each warpgroup has its own ring.
+    assert not mosaic_supports(4096, 1152, 2048, jnp.bfloat16)
+    assert mosaic_supports(4096, 1152, 2048, jnp.bfloat16, MosaicConfig(128, 128, 64, 2, schedule="pingpong"))
+    assert not mosaic_supports(4096, 1536, 2048, jnp.bfloat16, MosaicConfig(128, 128, 64, 3, schedule="pingpong"))
     assert mosaic_wgrad_supports(4096, 1536, 2048, jnp.bfloat16)
     assert not mosaic_wgrad_supports(4100, 1536, 2048, jnp.bfloat16)
     with pytest.raises(ValueError, match="weight gradients of bf16/fp16 with M % 64 == 0"):

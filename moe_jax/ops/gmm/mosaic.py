@@ -26,6 +26,11 @@ read window) through a swizzled, tiled buffer, one TMA copy per sub-tile of `epi
 which spares the row-major buffer's shared-memory bank conflicts. Partial tiles keep the ladder,
 whose boxes start on any row; both views share each warpgroup's tile of shared memory.
 
+`schedule="pingpong"` (`_pingpong_body`) gives each compute warpgroup every other work item, a
+`tile_m x tile_n` tile and a ring of stages of its own, so one warpgroup's epilogue can run under
+the other's MMAs. It is opt-in: measured slower than the cooperative schedule above
+(docs/backends.md).
+
 The weight gradient `out[E, N, K]`, `out[e] = dout_e^T @ lhs_e`: one work item per (group,
 `tile_n x tile_k` block), persistent over the SMs; one warpgroup walks the group's rows in blocks
 of `tile_r` laid on the global `tile_r` grid (a TMA pipeline of `max_concurrent_steps` stages,
@@ -57,6 +62,7 @@ __all__ = ["MosaicConfig", "MosaicWgradConfig", "ROW_ALIGN", "SMEM_BYTES", "alig
 H200_SMS = 132
 ROW_ALIGN = 8  # TMA boxes into the swizzled tiles start on a multiple of the 8-row tiling
 EPILOGUE_ROWS = 64  # Mosaic slices the wgmma accumulator's registers in blocks of 64 rows
+SCHEDULES = ("cooperative", "pingpong")
 
 
 def _check_tiles(config, names: tuple[str, ...], *, min_steps: int) -> None:
@@ -79,6 +85,11 @@ class MosaicConfig:
     stage one step late, so it needs two stages). `epilogue_tile_m`: None stores every tile through
     the row ladder; a power of two in `[64, tile_m]` stores full tiles through swizzled sub-tiles of
     that many rows instead.
+
+    `schedule`: `"cooperative"` (both compute warpgroups on one `tile_m x 2 tile_n` item) or
+    `"pingpong"` (each warpgroup on its own `tile_m x tile_n` item, every other item of the CTA,
+    through a ring of `max_concurrent_steps` stages of its own, so one warpgroup's epilogue runs
+    while the other multiplies).
     """
 
     tile_m: int = 128
@@ -87,9 +98,20 @@ class MosaicConfig:
     max_concurrent_steps: int = 3
     mma_in_flight: int = 0
     epilogue_tile_m: int | None = None
+    schedule: str = "cooperative"
+
+    @property
+    def cta_n(self) -> int:
+        """Columns of one CTA's work item: both warpgroups' halves, or (ping-pong) one warpgroup's."""
+        return self.tile_n if self.schedule == "pingpong" else 2 * self.tile_n
 
     def __post_init__(self):
         _check_tiles(self, ("tile_m", "tile_n", "tile_k"), min_steps=1)
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"MosaicConfig.schedule={self.schedule!r}: use one of {SCHEDULES}.")
+        if self.schedule == "pingpong" and (self.mma_in_flight or self.epilogue_tile_m is not None):
+            raise ValueError("MosaicConfig(schedule='pingpong') takes neither mma_in_flight nor epilogue_tile_m "
+                             "(they are options of the cooperative schedule); leave them at 0 and None.")
         if self.mma_in_flight not in (0, 1):
             raise ValueError(f"MosaicConfig.mma_in_flight={self.mma_in_flight!r}: must be 0 (wait for each wgmma) "
                              "or 1 (keep one in flight).")
@@ -108,17 +130,19 @@ SMEM_BYTES = 227 * 1024  # shared memory per block on sm_90 (opt-in maximum)
 
 
 def smem_bytes(config: MosaicConfig, dtype, out_dtype) -> int:
-    """Shared memory the kernel allocates: the pipeline's A and B stages and the two warpgroups'
-    output tiles (which `epilogue_tile_m`'s swizzled sub-tiles alias)."""
-    stages = config.max_concurrent_steps * (config.tile_m + 2 * config.tile_n) * config.tile_k
+    """Shared memory the kernel allocates: the pipeline's A and B stages (one ring per warpgroup
+    with `schedule="pingpong"`) and the two warpgroups' output tiles (which `epilogue_tile_m`'s
+    swizzled sub-tiles alias)."""
+    rings = 2 if config.schedule == "pingpong" else 1
+    stages = rings * config.max_concurrent_steps * (config.tile_m + config.cta_n) * config.tile_k
     return stages * jnp.dtype(dtype).itemsize + 2 * config.tile_m * config.tile_n * jnp.dtype(out_dtype).itemsize
 
 
 def mosaic_supports(m: int, n: int, k: int, dtype, config: MosaicConfig = MosaicConfig(), out_dtype=None) -> bool:
-    """Whether the kernel takes this shape: bf16/fp16, `N` a multiple of `2 * tile_n`, `K` of
-    `tile_k`, at least `tile_m` rows and a multiple of `ROW_ALIGN`, and tiles that fit in shared
-    memory."""
-    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and n % (2 * config.tile_n) == 0
+    """Whether the kernel takes this shape: bf16/fp16, `N` a multiple of the CTA width
+    (`config.cta_n`), `K` of `tile_k`, at least `tile_m` rows and a multiple of `ROW_ALIGN`, and
+    tiles that fit in shared memory."""
+    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and n % config.cta_n == 0
             and k % config.tile_k == 0 and m >= config.tile_m and m % ROW_ALIGN == 0
             and smem_bytes(config, dtype, out_dtype or dtype) <= SMEM_BYTES)
 
@@ -169,6 +193,148 @@ def _num_sms(interpret: bool) -> int:
     return local.core_count if local.platform == "gpu" else H200_SMS
 
 
+def _store_rows(out, rows_smem, out_ref, *, start, end, a_start, cols):
+    """Rows `[start, end)` of a warpgroup's `[tile_m, tile_n]` result `out` (which holds the rows
+    from `a_start`), through the row-major `rows_smem`, by one predicated TMA copy per set bit of
+    `end - start` (TMA boxes are static)."""
+    rows_smem[...] = out
+    plgpu.commit_smem()
+    count = end - start
+    src = start - a_start
+    dst = start
+    height = rows_smem.shape[0]
+    while height >= 1:
+        part = count & height
+
+        @pl.when(part != 0)
+        def _(src=src, dst=dst, height=height):
+            plgpu.copy_smem_to_gmem(rows_smem.at[pl.ds(src, height)], out_ref.at[pl.ds(dst, height), cols])
+
+        src, dst = src + part, dst + part
+        height //= 2
+
+
+def _operand_transforms(tile_k: int, dtype):
+    swizzle = plgpu.find_swizzle(tile_k * jnp.dtype(dtype).itemsize * 8)
+    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def _pingpong_body(meta_ref, a_ref, b_ref, out_ref, *, config: MosaicConfig, num_groups: int, num_tiles: int,
+                   transpose_rhs: bool):
+    """`schedule="pingpong"`: the CTA's work items alternate between the two compute warpgroups
+    (its local item j goes to warpgroup j % 2), each with a `tile_m x tile_n` item and a ring of
+    `max_concurrent_steps` stages of its own. The memory warpgroup fills the rings in item order:
+    it starts on item j + 1 once item j's last loads are issued, so warpgroup (j + 1) % 2 starts
+    its MMAs while warpgroup j % 2 finishes and stores item j (CUTLASS's "ping-pong" Hopper
+    schedule)."""
+    tile_m, tile_n, tile_k, steps = config.tile_m, config.tile_n, config.tile_k, config.max_concurrent_steps
+    n, k = (b_ref.shape[1], b_ref.shape[2]) if transpose_rhs else (b_ref.shape[2], b_ref.shape[1])
+    n_iters, k_iters = n // tile_n, k // tile_k
+    dtype, out_dtype = a_ref.dtype, out_ref.dtype
+    transforms = _operand_transforms(tile_k, dtype)
+    b_block = (tile_n, tile_k) if transpose_rhs else (tile_k, tile_n)
+    items = (num_tiles * n_iters,)
+
+    def item(it):
+        """(group, first and one-past-last row to store, first row read, columns) of item `it`."""
+        tile, n_blk = it // n_iters, it % n_iters
+        return (meta_ref[0, tile], meta_ref[1, tile], meta_ref[2, tile], pl.multiple_of(meta_ref[3, tile], ROW_ALIGN),
+                pl.ds(n_blk * tile_n, tile_n))
+
+    @functools.partial(
+        pl.run_scoped,
+        a_smem=plgpu.SMEM((2, steps, tile_m, tile_k), dtype, transforms=transforms),
+        b_smem=plgpu.SMEM((2, steps, *b_block), dtype, transforms=transforms),
+        out_smem=plgpu.SMEM((2, tile_m, tile_n), out_dtype),
+        loaded=plgpu.Barrier(num_arrivals=2, num_barriers=2 * steps),  # the A and the B copy of a stage
+        consumed=plgpu.Barrier(num_arrivals=1, num_barriers=2 * steps),
+        collective_axes="wg",
+    )
+    def scope(a_smem, b_smem, out_smem, loaded, consumed):
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg == 2)
+        def memory():
+            plgpu.set_max_registers(40, action="decrease")
+            for slot in range(2 * steps):  # every stage starts empty
+                plgpu.barrier_arrive(consumed.at[slot])
+
+            # Carry: the stages each ring has been given so far.
+            @plgpu.nd_loop(items, collective_axes="sm", init_carry=(jnp.int32(0), jnp.int32(0)))
+            def _(info, *, carry):
+                (it,) = info.index
+                ring = lax.rem(info.local_index, 2)
+                group, start, end, a_start, cols = item(it)
+                real = (start < end) & (group < num_groups)
+                given = jnp.where(ring == 0, carry[0], carry[1])
+                g = jnp.minimum(group, num_groups - 1)
+
+                @pl.when(real)
+                def _():
+                    @pl.loop(0, k_iters)
+                    def _(kk):
+                        stage = lax.rem(given + kk, steps)
+                        slot = ring * steps + stage
+                        plgpu.barrier_wait(consumed.at[slot])
+                        ks = pl.ds(kk * tile_k, tile_k)
+                        plgpu.copy_gmem_to_smem(a_ref.at[pl.ds(a_start, tile_m), ks], a_smem.at[ring, stage],
+                                                loaded.at[slot])
+                        b_src = b_ref.at[g, cols, ks] if transpose_rhs else b_ref.at[g, ks, cols]
+                        plgpu.copy_gmem_to_smem(b_src, b_smem.at[ring, stage], loaded.at[slot])
+
+                used = jnp.where(real, k_iters, 0)
+                return carry[0] + jnp.where(ring == 0, used, 0), carry[1] + jnp.where(ring == 1, used, 0)
+
+            # Each stage's last release (one more than the waits above, from the initial arrival):
+            # every load has been consumed before the barriers go.
+            for slot in range(2 * steps):
+                plgpu.barrier_wait(consumed.at[slot])
+
+        @pl.when(wg < 2)
+        def compute():
+            plgpu.set_max_registers(232, action="increase")
+
+            # Carry: the stages of this warpgroup's ring consumed so far.
+            @plgpu.nd_loop(items, collective_axes="sm", init_carry=jnp.int32(0))
+            def _(info, *, carry):
+                taken = carry
+                (it,) = info.index
+                mine = lax.rem(info.local_index, 2) == wg
+                group, start, end, a_start, cols = item(it)
+                is_group = group < num_groups
+                real = (start < end) & is_group
+
+                def epilogue(out):
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's previous stores
+                    _store_rows(out, out_smem.at[wg], out_ref, start=start, end=end, a_start=a_start, cols=cols)
+
+                @pl.when(mine & real)
+                def _():
+                    def multiply(acc_ref):
+                        @pl.loop(0, k_iters)
+                        def _(kk):
+                            stage = lax.rem(taken + kk, steps)
+                            slot = wg * steps + stage
+                            plgpu.barrier_wait(loaded.at[slot])
+                            b = b_smem.at[wg, stage]
+                            plgpu.wgmma(acc_ref, a_smem.at[wg, stage], b.T if transpose_rhs else b)
+                            plgpu.wgmma_wait(0)
+                            plgpu.barrier_arrive(consumed.at[slot])
+
+                        return acc_ref[...]
+
+                    epilogue(pl.run_scoped(multiply, plgpu.ACC((tile_m, tile_n), jnp.float32)).astype(out_dtype))
+
+                # Zero-fill tiles (rows past the last group) load nothing and store zeros.
+                @pl.when(mine & (start < end) & jnp.logical_not(is_group))
+                def _():
+                    epilogue(plgpu.layout_cast(jnp.zeros((tile_m, tile_n), out_dtype), plgpu.Layout.WGMMA))
+
+                return taken + jnp.where(mine & real, k_iters, 0)
+
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
 def _body(meta_ref, a_ref, b_ref, out_ref, *, config: MosaicConfig, m: int, n: int, k: int, num_groups: int,
           num_tiles: int, transpose_rhs: bool):
     tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
@@ -178,9 +344,7 @@ def _body(meta_ref, a_ref, b_ref, out_ref, *, config: MosaicConfig, m: int, n: i
     # release its only stage: the memory warpgroup could refill it for the next item while it is read.
     in_flight = config.mma_in_flight if k_iters > 1 else 0
     dtype, out_dtype = a_ref.dtype, out_ref.dtype
-    swizzle = plgpu.find_swizzle(tile_k * jnp.dtype(dtype).itemsize * 8)
-    swizzle_elems = swizzle // jnp.dtype(dtype).itemsize
-    transforms = (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(swizzle))
+    transforms = _operand_transforms(tile_k, dtype)
     spec = functools.partial(plgpu.BlockSpec, transforms=transforms, memory_space=plgpu.SMEM, delay_release=in_flight)
     if transpose_rhs:
         b_spec = spec((cta_n, tile_k), lambda kk: (0, kk))
@@ -231,23 +395,7 @@ def _body(meta_ref, a_ref, b_ref, out_ref, *, config: MosaicConfig, m: int, n: i
             cols = pl.ds(n_blk * cta_n + wg * tile_n, tile_n)
 
             def store_rows(out, rows_smem):
-                """Rows `[start, end)` of the warpgroup's `[tile_m, tile_n]` result `out`, through
-                the row-major `rows_smem`."""
-                rows_smem[...] = out
-                plgpu.commit_smem()
-                count = end - start
-                src = start - a_start
-                dst = start
-                height = tile_m
-                while height >= 1:
-                    part = count & height
-
-                    @pl.when(part != 0)
-                    def _(src=src, dst=dst, height=height):
-                        plgpu.copy_smem_to_gmem(rows_smem.at[pl.ds(src, height)], out_ref.at[pl.ds(dst, height), cols])
-
-                    src, dst = src + part, dst + part
-                    height //= 2
+                _store_rows(out, rows_smem, out_ref, start=start, end=end, a_start=a_start, cols=cols)
 
             def store_tiles(out, tiles_smem):
                 """All `tile_m` rows of `out`, from `a_start`, through the swizzled
@@ -323,14 +471,18 @@ def gmm_mosaic(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transp
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     if not mosaic_supports(m, n, k, lhs.dtype, config, out_dtype):
         raise ValueError(
-            f"backend='mosaic_gpu' takes bf16/fp16 with N % {2 * config.tile_n} == 0, K % {config.tile_k} == 0, "
+            f"backend='mosaic_gpu' takes bf16/fp16 with N % {config.cta_n} == 0, K % {config.tile_k} == 0, "
             f"M >= {config.tile_m}, M % {ROW_ALIGN} == 0 and tiles within {SMEM_BYTES} bytes of shared memory; got M={m}, N={n}, K={k}, "
             f"{jnp.dtype(lhs.dtype).name} -> {jnp.dtype(out_dtype).name} ({smem_bytes(config, lhs.dtype, out_dtype)} "
             "bytes). Use backend='auto', which runs such shapes on another backend, or smaller tiles."
         )
     meta_4W = aligned_tiles(group_sizes, num_rows=m, tile_m=config.tile_m)
-    body = functools.partial(_body, config=config, m=m, n=n, k=k, num_groups=num_groups,
-                             num_tiles=meta_4W.shape[1], transpose_rhs=transpose_rhs)
+    if config.schedule == "pingpong":
+        body = functools.partial(_pingpong_body, config=config, num_groups=num_groups, num_tiles=meta_4W.shape[1],
+                                 transpose_rhs=transpose_rhs)
+    else:
+        body = functools.partial(_body, config=config, m=m, n=n, k=k, num_groups=num_groups,
+                                 num_tiles=meta_4W.shape[1], transpose_rhs=transpose_rhs)
     call = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((m, n), out_dtype), grid=(_num_sms(interpret),), grid_names=("sm",),
         num_threads=3, thread_name="wg",
