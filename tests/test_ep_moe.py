@@ -107,7 +107,7 @@ def _ep_value_and_grad(p, strategy, transport, capacity, fuse=False):
     def body(x, idx, w, cot, wg, wu, wd):
         # Expert matmuls through XLA at HIGHEST, as the reference; the row moves take "auto".
         def expert_fn(px, gs, rows=None):
-            FUSED_CALLS[(p, strategy, transport, capacity)] = rows is not None
+            FUSED_CALLS[(p, strategy, transport, capacity, fuse)] = rows is not None
             return swiglu_experts(px, gs, wg, wu, wd, backend="xla", precision=HIGHEST, rows=rows)
 
         y, stats = ep_moe(x, idx, w, expert_fn, num_experts=E, strategy=strategy, capacity=capacity,
@@ -152,7 +152,7 @@ def test_ep_moe_fused_regroup_matches_single_device(p, dropping, strategy, trans
     outputs, gradients and drops; the pairwise transport falls back to the regroup gather."""
     capacity = _capacity(p) if dropping else None
     _check_against_reference(p, dropping, strategy, transport, fuse=True)
-    assert FUSED_CALLS[(p, strategy, transport, capacity)] is fused
+    assert FUSED_CALLS[(p, strategy, transport, capacity, True)] is fused
 
 
 def _check_against_reference(p, dropping, strategy, transport, *, fuse):

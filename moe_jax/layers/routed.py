@@ -34,6 +34,7 @@ from moe_jax.ops import (AUTO_FUSED_GATHER, CANDIDATES, candidate_index, gemm_ba
 from moe_jax.ops.gmm import histogram_features
 from moe_jax.ops.sharding import vary_to_union
 from moe_jax.parallel import AxisRules, EPOptions, ep_moe, is_explicit
+from moe_jax.parallel.capacity import resolve_capacity
 from moe_jax.permute import combine, pack, pack_rows, packed_row_source
 
 __all__ = ["ExpertStage", "Routed", "routed_on_mesh", "single_device"]
@@ -170,7 +171,7 @@ def routed_on_mesh(stage: ExpertStage, mesh, rules: AxisRules, options: EPOption
         local = stage.num_experts // ep
         # Masked tokens are never sent and never count as dropped.
         capacity = options.capacity(num_tokens, top_k, ep, local)
-        packed_rows = ep * (num_tokens * top_k if capacity is None else capacity)  # P*C; dropless C = T*K
+        packed_rows = ep * resolve_capacity(capacity, num_tokens * top_k, local)  # P*C, as ep_dispatch lays out
         y_TD, stats = ep_moe(
             x_TD, idx_TK, w_TK, lambda x, sizes_El, rows=None: stage.experts(x, sizes_El, weights, rows=rows),
             num_experts=stage.num_experts, axis_name=rules.experts, strategy=options.strategy,

@@ -337,8 +337,7 @@ def _pingpong_body(meta_ref, a_ref, b_ref, out_ref, *, config: MosaicConfig, num
 
 def _body(meta_ref, a_ref, b_ref, out_ref, *, config: MosaicConfig, m: int, n: int, k: int, num_groups: int,
           num_tiles: int, transpose_rhs: bool):
-    tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
-    cta_n = 2 * tile_n
+    tile_m, tile_n, tile_k, cta_n = config.tile_m, config.tile_n, config.tile_k, config.cta_n
     n_iters, k_iters = n // cta_n, k // tile_k
     # A single K step has no next wgmma to overlap, and with delay_release the pipeline would never
     # release its only stage: the memory warpgroup could refill it for the next item while it is read.
