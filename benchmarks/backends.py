@@ -50,7 +50,10 @@ MOSAIC = [MosaicConfig(128, 128, 64, 3, mma_in_flight=1), MosaicConfig(128, 128,
           MosaicConfig(128, 128, 64, 3, mma_in_flight=1, epilogue_tile_m=64),
           MosaicConfig(128, 64, 64, 4, mma_in_flight=1, epilogue_tile_m=64),
           MosaicConfig(128, 128, 64, 2, schedule="pingpong"), MosaicConfig(64, 128, 64, 3, schedule="pingpong"),
-          MosaicConfig(128, 64, 64, 3, schedule="pingpong")]
+          MosaicConfig(128, 64, 64, 3, schedule="pingpong"),
+          MosaicConfig(128, 128, 64, 3, pipeline_across_items=True), MosaicConfig(128, 128, 64, 2),
+          MosaicConfig(128, 128, 64, 2, pipeline_across_items=True), MosaicConfig(128, 64, 64, 4),
+          MosaicConfig(128, 64, 64, 4, pipeline_across_items=True)]
 
 
 def _jobs(shape, x, w, dy, gs, backends, kinds, variants):
@@ -102,7 +105,7 @@ def _jobs(shape, x, w, dy, gs, backends, kinds, variants):
 
 def _mname(c: MosaicConfig) -> str:
     options = ((f"f{c.mma_in_flight}" if c.mma_in_flight else "") + (f"e{c.epilogue_tile_m}" if c.epilogue_tile_m else "")
-               + ("pp" if c.schedule == "pingpong" else ""))
+               + ("pp" if c.schedule == "pingpong" else "") + ("a" if c.pipeline_across_items else ""))
     return f"{c.tile_m}x{c.cta_n}x{c.tile_k}s{c.max_concurrent_steps}{options}"
 
 
@@ -187,12 +190,15 @@ def main(argv=None):
         rows.append(rec)
         table.append(_row(rec, backends))
         print(table[-1], flush=True)
+        if args.jobs:  # a chosen set of jobs: every one's rate, not only each backend's best
+            print("    " + " | ".join(f"{key} {flops * mult / s / 1e12:.0f}" for key, s in times.items() if s
+                                      for kind, mult in KINDS if key.split()[0] == kind), flush=True)
         torch.cuda.empty_cache()
-    summary = _summary(rows, backends)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(meta=run_meta("python -m benchmarks.backends " + " ".join(sys.argv[1:])), summary=summary,
-                           rows=rows), f, indent=1)
+        summary = _summary(rows, backends)
+        if args.json:  # after every row, so a run stopped by its time limit keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump(dict(meta=run_meta("python -m benchmarks.backends " + " ".join(sys.argv[1:])),
+                               summary=summary, rows=rows), f, indent=1)
     print("\nTFLOP/s per kernel (forward+backward counts 3x the forward FLOPs): torch, then each backend at its "
           "default tiles (and its best tile) with torch time / its time")
     for line in table:

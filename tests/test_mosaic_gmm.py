@@ -15,6 +15,7 @@ from tests.helpers import ON_GPU, lower_for_gpu
 SMALL = MosaicConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2)
 # The forward kernel's tuning options, alone and together (64-row sub-tiles: the smallest).
 OPTIONS = {"plain": {}, "in-flight": dict(mma_in_flight=1), "epilogue": dict(epilogue_tile_m=64),
+           "across-items": dict(pipeline_across_items=True),
            "both": dict(mma_in_flight=1, epilogue_tile_m=64), "pingpong": dict(schedule="pingpong")}
 
 
@@ -34,7 +35,7 @@ def _inputs(seed, m, k, n, e, transpose_rhs=True):
     # no rows in any group: all zeros, from one full zero-fill tile
     (True, (0, 0), 64, 128, 64),
     # a group of two full tiles of two sub-tiles each, more K steps than stages
-    (True, (256, 0, 40), 320, 192, 128),
+    (True, (256, 0, 40), 320, 256, 128),
 ], ids=["ragged-nt", "one-hot-nn", "all-empty", "full-tiles"])
 def test_mosaic_gmm_matches_reference(transpose_rhs, sizes, m, k, tile_m, options):
     n = 128 if transpose_rhs else 256
@@ -77,11 +78,14 @@ def test_mosaic_gmm_default_tiles_and_gradients_on_gpu():
     gs = jnp.asarray(np.random.default_rng(0).multinomial(m - 100, np.ones(e) / e), jnp.int32)
     out = gmm(x, w, gs, backend="mosaic_gpu")
     assert_close(out, gmm_reference(x, w, gs), jnp.bfloat16, "forward")
-    # The ping-pong schedule, forward and input-gradient layouts; rows past the groups hold NaN.
+    # The ping-pong schedule and one pipeline across items, forward and input-gradient layouts;
+    # rows past the groups hold NaN.
     x_nan = jnp.where(jnp.arange(m)[:, None] < gs.sum(), x, jnp.nan)
     g = jax.random.normal(jax.random.PRNGKey(3), (m, n), jnp.bfloat16)
-    for config in (MosaicConfig(128, 128, 64, 2, schedule="pingpong"), MosaicConfig(64, 128, 64, 3, schedule="pingpong")):
-        name = f"pingpong {config.tile_m}x{config.tile_n}"
+    configs = {"pingpong 128x128": MosaicConfig(128, 128, 64, 2, schedule="pingpong"),
+               "pingpong 64x128": MosaicConfig(64, 128, 64, 3, schedule="pingpong"),
+               "across items": MosaicConfig(128, 128, 64, 2, pipeline_across_items=True)}
+    for name, config in configs.items():
         out = gmm(x_nan, w, gs, backend="mosaic_gpu", config=config)
         assert_close(out, gmm_reference(x, w, gs), jnp.bfloat16, f"forward, {name}")
         dx = gmm(g, w, gs, transpose_rhs=False, backend="mosaic_gpu", config=config)
@@ -103,6 +107,9 @@ H200_CONFIGS = {
     "both-64x128-4": MosaicConfig(64, 128, 64, 4, mma_in_flight=1, epilogue_tile_m=64),
     "pingpong-128x128-2": MosaicConfig(128, 128, 64, 2, schedule="pingpong"),
     "pingpong-64x128-3": MosaicConfig(64, 128, 64, 3, schedule="pingpong"),
+    "across-items-2": MosaicConfig(128, 128, 64, 2, pipeline_across_items=True),
+    "across-items-128x64-4": MosaicConfig(128, 64, 64, 4, pipeline_across_items=True),
+    "across-items-epilogue": MosaicConfig(128, 128, 64, 2, epilogue_tile_m=64, pipeline_across_items=True),
 }
 
 
@@ -137,8 +144,10 @@ def test_mosaic_tgmm_lowers_for_h200():
     (dict(schedule="ping-pong"), r"MosaicConfig.schedule='ping-pong': use one of \('cooperative', 'pingpong'\)"),
     (dict(schedule="pingpong", mma_in_flight=1), r"schedule='pingpong'\) takes neither mma_in_flight"),
     (dict(tile_m=64, epilogue_tile_m=128), r"MosaicConfig.epilogue_tile_m=128: .* in \[64, tile_m=64\]"),
+    (dict(pipeline_across_items=True, mma_in_flight=1), r"pipeline_across_items=True needs .* mma_in_flight=0"),
+    (dict(pipeline_across_items=True, schedule="pingpong"), r"pipeline_across_items=True needs schedule='cooperative'"),
 ], ids=["in-flight-2", "in-flight-one-stage", "epilogue-32", "epilogue-96", "schedule-name", "pingpong-in-flight",
-         "epilogue-over-tile"])
+         "epilogue-over-tile", "across-in-flight", "across-pingpong"])
 def test_mosaic_config_rejects_bad_options(fields, message):
     with pytest.raises(ValueError, match=message):
         MosaicConfig(**fields)
@@ -162,6 +171,12 @@ def test_aligned_tiles_cover_every_row_once():
                 assert (offsets[g] <= a and b <= offsets[g + 1]) if g < e else a >= offsets[-1]
                 covered[a:b] += 1
             assert (covered == 1).all()
+            # The cooperative kernel finds a CTA's real-group items by counting: they come first,
+            # then the zero-fill tiles, then the unused ones.
+            real, fill = group < e, (group == e) & (lo < hi)
+            n_real, n_fill = int(real.sum()), int(fill.sum())
+            assert real[:n_real].all() and fill[n_real:n_real + n_fill].all()
+            assert (lo[n_real + n_fill:] == hi[n_real + n_fill:]).all()
 
 
 def test_mosaic_shape_support_and_clear_errors():

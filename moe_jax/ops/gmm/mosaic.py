@@ -26,6 +26,10 @@ read window) through a swizzled, tiled buffer, one TMA copy per sub-tile of `epi
 which spares the row-major buffer's shared-memory bank conflicts. Partial tiles keep the ladder,
 whose boxes start on any row; both views share each warpgroup's tile of shared memory.
 
+`pipeline_across_items=True` runs a CTA's items as one pipeline of pipelines (`pipeline_state`),
+so the next item's first stages load while this item's last MMAs and epilogue run (where the K
+steps are a multiple of the stages).
+
 `schedule="pingpong"` (`_pingpong_body`) gives each compute warpgroup every other work item, a
 `tile_m x tile_n` tile and a ring of stages of its own, so one warpgroup's epilogue can run under
 the other's MMAs. It is opt-in: measured slower than the cooperative schedule above
@@ -90,6 +94,12 @@ class MosaicConfig:
     `"pingpong"` (each warpgroup on its own `tile_m x tile_n` item, every other item of the CTA,
     through a ring of `max_concurrent_steps` stages of its own, so one warpgroup's epilogue runs
     while the other multiplies).
+
+    `pipeline_across_items` (cooperative schedule, `mma_in_flight=0`): the memory warpgroup runs
+    one pipeline over all the K steps of its CTA's items, so the next item's first stages load
+    while this item's last MMAs and its epilogue run, instead of filling and draining the stages
+    at every item. It applies where the K steps are a multiple of the stages in use
+    (`min(max_concurrent_steps, K / tile_k)`); other shapes run one pipeline per item.
     """
 
     tile_m: int = 128
@@ -99,6 +109,7 @@ class MosaicConfig:
     mma_in_flight: int = 0
     epilogue_tile_m: int | None = None
     schedule: str = "cooperative"
+    pipeline_across_items: bool = False
 
     @property
     def cta_n(self) -> int:
@@ -112,6 +123,10 @@ class MosaicConfig:
         if self.schedule == "pingpong" and (self.mma_in_flight or self.epilogue_tile_m is not None):
             raise ValueError("MosaicConfig(schedule='pingpong') takes neither mma_in_flight nor epilogue_tile_m "
                              "(they are options of the cooperative schedule); leave them at 0 and None.")
+        if self.pipeline_across_items and (self.schedule != "cooperative" or self.mma_in_flight):
+            raise ValueError("MosaicConfig.pipeline_across_items=True needs schedule='cooperative' and mma_in_flight=0 "
+                             "(a stage released one step late cannot pass to the next item's pipeline); "
+                             f"got schedule={self.schedule!r}, mma_in_flight={self.mma_in_flight}.")
         if self.mma_in_flight not in (0, 1):
             raise ValueError(f"MosaicConfig.mma_in_flight={self.mma_in_flight!r}: must be 0 (wait for each wgmma) "
                              "or 1 (keep one in flight).")
@@ -154,7 +169,8 @@ def aligned_tiles(group_sizes: jax.Array, *, num_rows: int, tile_m: int) -> jax.
 
     A group's tiles are laid from its first row rounded down to `ROW_ALIGN`, every `tile_m` rows,
     so each read starts on the 8-row tiling TMA needs here; a group costs at most one tile more
-    than `ceil(size / tile_m)`. Tiles past the list have `lo == hi == M`.
+    than `ceil(size / tile_m)`. The tiles of real groups come first, in group order, then the
+    zero-fill pseudo-group's; tiles past the list have `lo == hi == M`.
     """
     num_groups = group_sizes.shape[0]
     offsets = clamp_group_sizes(group_sizes, num_rows)
@@ -335,13 +351,19 @@ def _pingpong_body(meta_ref, a_ref, b_ref, out_ref, *, config: MosaicConfig, num
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _body(meta_ref, a_ref, b_ref, out_ref, *, config: MosaicConfig, m: int, n: int, k: int, num_groups: int,
-          num_tiles: int, transpose_rhs: bool):
+def _body(meta_ref, group_tiles_ref, a_ref, b_ref, out_ref, *, config: MosaicConfig, num_tiles: int,
+          transpose_rhs: bool):
+    """The cooperative schedule. `group_tiles_ref` `[1]`: how many of `meta_ref`'s tiles belong to
+    real groups (they come first; the zero-fill tiles follow)."""
     tile_m, tile_n, tile_k, cta_n = config.tile_m, config.tile_n, config.tile_k, config.cta_n
+    n, k = (b_ref.shape[1], b_ref.shape[2]) if transpose_rhs else (b_ref.shape[2], b_ref.shape[1])
     n_iters, k_iters = n // cta_n, k // tile_k
     # A single K step has no next wgmma to overlap, and with delay_release the pipeline would never
     # release its only stage: the memory warpgroup could refill it for the next item while it is read.
     in_flight = config.mma_in_flight if k_iters > 1 else 0
+    # The pipeline shrinks its stages to the K steps; passing stages from one item's pipeline to the
+    # next keeps each stage's barrier phase only when every item uses all of them equally often.
+    across = config.pipeline_across_items and k_iters % min(config.max_concurrent_steps, k_iters) == 0
     dtype, out_dtype = a_ref.dtype, out_ref.dtype
     transforms = _operand_transforms(tile_k, dtype)
     spec = functools.partial(plgpu.BlockSpec, transforms=transforms, memory_space=plgpu.SMEM, delay_release=in_flight)
@@ -351,10 +373,10 @@ def _body(meta_ref, a_ref, b_ref, out_ref, *, config: MosaicConfig, m: int, n: i
         b_spec = spec((tile_k, cta_n), lambda kk: (kk, 0))
     a_spec = spec((tile_m, tile_k), lambda kk: (0, kk))
 
-    def pipeline(body, compute_context):
+    def pipeline(body, compute_context, state=None):
         return plgpu.emit_pipeline_warp_specialized(
             body, grid=(k_iters,), memory_registers=40, in_specs=[a_spec, b_spec], wg_axis="wg", num_compute_wgs=2,
-            max_concurrent_steps=config.max_concurrent_steps, compute_context=compute_context,
+            max_concurrent_steps=config.max_concurrent_steps, compute_context=compute_context, pipeline_state=state,
         )
 
     ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the bodies)
@@ -384,19 +406,16 @@ def _body(meta_ref, a_ref, b_ref, out_ref, *, config: MosaicConfig, m: int, n: i
     def scope(allocations, out_smem):
         wg = lax.axis_index("wg")
 
-        @plgpu.nd_loop((num_tiles * n_iters,), collective_axes="sm")
-        def work(info):
-            (item,) = info.index
-            tile, n_blk = item // n_iters, item % n_iters
-            group, start, end = meta_ref[0, tile], meta_ref[1, tile], meta_ref[2, tile]
-            a_start = pl.multiple_of(meta_ref[3, tile], ROW_ALIGN)
-            is_group = group < num_groups
+        def epilogue(out, start, end, a_start, n_blk):
+            """Store the compute warpgroup's `[tile_m, tile_n]` result `out` (rows `[start, end)`
+            of its columns)."""
             cols = pl.ds(n_blk * cta_n + wg * tile_n, tile_n)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores read out_smem
+            if epi_m is None:
+                _store_rows(out, out_smem.at[wg], out_ref, start=start, end=end, a_start=a_start, cols=cols)
+                return
 
-            def store_rows(out, rows_smem):
-                _store_rows(out, rows_smem, out_ref, start=start, end=end, a_start=a_start, cols=cols)
-
-            def store_tiles(out, tiles_smem):
+            def store_tiles(tiles_smem):
                 """All `tile_m` rows of `out`, from `a_start`, through the swizzled
                 `[tile_m // epi_m, epi_m, tile_n]` `tiles_smem`: each sub-tile's copy runs while the
                 next one is written."""
@@ -405,58 +424,73 @@ def _body(meta_ref, a_ref, b_ref, out_ref, *, config: MosaicConfig, m: int, n: i
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(tiles_smem.at[i], out_ref.at[pl.ds(a_start + i * epi_m, epi_m), cols])
 
-            def epilogue(out):
-                """Store the compute warpgroup's `[tile_m, tile_n]` result `out` (rows
-                `[start, end)` of its columns)."""
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores read out_smem
-                if epi_m is None:
-                    store_rows(out, out_smem.at[wg])
-                    return
-                # A tile whose rows are its whole read window (8-row aligned) fits the swizzled
-                # sub-tiles; the others start or end at any row.
-                full = (start == a_start) & (end == a_start + tile_m)
+            # A tile whose rows are its whole read window (8-row aligned) fits the swizzled
+            # sub-tiles; the others start or end at any row.
+            full = (start == a_start) & (end == a_start + tile_m)
 
-                def store(views):
-                    rows_smem, tiles_smem = views
-                    lax.cond(full, lambda: store_tiles(out, tiles_smem), lambda: store_rows(out, rows_smem))
+            def store(views):
+                rows_smem, tiles_smem = views
+                lax.cond(full, lambda: store_tiles(tiles_smem),
+                         lambda: _store_rows(out, rows_smem, out_ref, start=start, end=end, a_start=a_start, cols=cols))
 
-                lax.cond(wg == 0, lambda: store(out_smem[0]), lambda: store(out_smem[1]))
+            lax.cond(wg == 0, lambda: store(out_smem[0]), lambda: store(out_smem[1]))
+
+        def mma(idx, a_smem, b_smem, acc_ref):
+            half = pl.ds(wg * tile_n, tile_n)
+            b = b_smem.at[half].T if transpose_rhs else b_smem.at[:, half]
+            plgpu.wgmma(acc_ref, a_smem, b)
+            plgpu.wgmma_wait(in_flight)
+            if in_flight:
+                # The pipeline never releases the last step's stage (delay_release): the memory
+                # warpgroup refills it for the next item once the step before is released,
+                # right after this body, so the last wgmma must be done here.
+                @pl.when(idx[0] == k_iters - 1)
+                def _():
+                    plgpu.wgmma_wait(0)
+
+            return acc_ref
+
+        # The items of real groups come first in the list (`aligned_tiles`), `real_items` of them;
+        # this CTA's share of them is its first `mine` items. With `across`, the first of those
+        # pipelines fills the stages, the last one drains them, and a lone item has one of its own.
+        real_items = group_tiles_ref[0] * n_iters
+        sm, num_ctas = lax.axis_index("sm"), lax.axis_size("sm")
+        mine = jnp.maximum(real_items - sm + num_ctas - 1, 0) // num_ctas
+
+        @plgpu.nd_loop((num_tiles * n_iters,), collective_axes="sm")
+        def _(info):
+            (it,) = info.index
+            tile, n_blk = it // n_iters, it % n_iters
+            start, end = meta_ref[1, tile], meta_ref[2, tile]
+            a_start = pl.multiple_of(meta_ref[3, tile], ROW_ALIGN)
 
             def compute_context(run_pipeline):
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
                 def _(acc_ref):
                     run_pipeline(acc_ref)
-                    epilogue(acc_ref[...].astype(out_dtype))  # the load waits for every wgmma
+                    epilogue(acc_ref[...].astype(out_dtype), start, end, a_start, n_blk)  # waits for every wgmma
 
-            def mma(idx, a_smem, b_smem, acc_ref):
-                half = pl.ds(wg * tile_n, tile_n)
-                b = b_smem.at[half].T if transpose_rhs else b_smem.at[:, half]
-                plgpu.wgmma(acc_ref, a_smem, b)
-                plgpu.wgmma_wait(in_flight)
-                if in_flight:
-                    # The pipeline never releases the last step's stage (delay_release): the memory
-                    # warpgroup refills it for the next item once the step before is released,
-                    # right after this body, so the last wgmma must be done here.
-                    @pl.when(idx[0] == k_iters - 1)
-                    def _():
-                        plgpu.wgmma_wait(0)
+            def run(state=None):
+                group, b_cols = meta_ref[0, tile], pl.ds(n_blk * cta_n, cta_n)
+                b_group = b_ref.at[group, b_cols, :] if transpose_rhs else b_ref.at[group, :, b_cols]
+                pipeline(mma, compute_context, state)(a_ref.at[pl.ds(a_start, tile_m), :], b_group,
+                                                      allocations=allocations)
 
-                return acc_ref
+            j = info.local_index
+            if across:
+                state = jnp.where(j == 0, plgpu.PipelinePipeline.START,
+                                  jnp.where(j == mine - 1, plgpu.PipelinePipeline.STOP, plgpu.PipelinePipeline.STEADY))
+                pl.when((j < mine) & (mine == 1))(run)
+                pl.when((j < mine) & (mine > 1))(lambda: run(state))
+            else:
+                pl.when(j < mine)(run)
 
-            g = jnp.minimum(group, num_groups - 1)
-            b_cols = pl.ds(n_blk * cta_n, cta_n)
-            b_group = b_ref.at[g, b_cols, :] if transpose_rhs else b_ref.at[g, :, b_cols]
-
-            # Tiles past the schedule have start == end: nothing to do. The zero-fill tiles (rows
-            # past the last group) store zeros without a pipeline, so the MMA loop of the others
-            # carries no branch.
-            @pl.when((start < end) & is_group)
+            # The zero-fill tiles (rows past the last group) store zeros without a pipeline, so the
+            # MMA loop of the others carries no branch; tiles past the schedule have start == end.
+            @pl.when((j >= mine) & (start < end) & (wg < 2))
             def _():
-                pipeline(mma, compute_context)(a_ref.at[pl.ds(a_start, tile_m), :], b_group, allocations=allocations)
-
-            @pl.when((start < end) & jnp.logical_not(is_group) & (wg < 2))
-            def _():
-                epilogue(plgpu.layout_cast(jnp.zeros((tile_m, tile_n), out_dtype), plgpu.Layout.WGMMA))
+                zeros = plgpu.layout_cast(jnp.zeros((tile_m, tile_n), out_dtype), plgpu.Layout.WGMMA)
+                epilogue(zeros, start, end, a_start, n_blk)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -479,16 +513,17 @@ def gmm_mosaic(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transp
     if config.schedule == "pingpong":
         body = functools.partial(_pingpong_body, config=config, num_groups=num_groups, num_tiles=meta_4W.shape[1],
                                  transpose_rhs=transpose_rhs)
+        operands = (meta_4W, lhs, rhs)
     else:
-        body = functools.partial(_body, config=config, m=m, n=n, k=k, num_groups=num_groups,
-                                 num_tiles=meta_4W.shape[1], transpose_rhs=transpose_rhs)
+        body = functools.partial(_body, config=config, num_tiles=meta_4W.shape[1], transpose_rhs=transpose_rhs)
+        operands = (meta_4W, jnp.sum(meta_4W[0] < num_groups, dtype=jnp.int32)[None], lhs, rhs)
     call = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((m, n), out_dtype), grid=(_num_sms(interpret),), grid_names=("sm",),
         num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    return call(meta_4W, lhs, rhs)
+    return call(*operands)
 
 
 @dataclasses.dataclass(frozen=True)
