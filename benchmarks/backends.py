@@ -53,7 +53,8 @@ MOSAIC = [MosaicConfig(128, 128, 64, 3, mma_in_flight=1), MosaicConfig(128, 128,
           MosaicConfig(128, 64, 64, 3, schedule="pingpong"),
           MosaicConfig(128, 128, 64, 3, pipeline_across_items=True), MosaicConfig(128, 128, 64, 2),
           MosaicConfig(128, 128, 64, 2, pipeline_across_items=True), MosaicConfig(128, 64, 64, 4),
-          MosaicConfig(128, 64, 64, 4, pipeline_across_items=True)]
+          MosaicConfig(128, 64, 64, 4, pipeline_across_items=True), MosaicConfig(128, 128, 64, 4, out_buffer_rows=64),
+          MosaicConfig(128, 128, 64, 4, pipeline_across_items=True, out_buffer_rows=64)]
 
 
 def _jobs(shape, x, w, dy, gs, backends, kinds, variants):
@@ -105,7 +106,7 @@ def _jobs(shape, x, w, dy, gs, backends, kinds, variants):
 
 def _mname(c: MosaicConfig) -> str:
     options = ((f"f{c.mma_in_flight}" if c.mma_in_flight else "") + (f"e{c.epilogue_tile_m}" if c.epilogue_tile_m else "")
-               + ("pp" if c.schedule == "pingpong" else "") + ("a" if c.pipeline_across_items else ""))
+               + ("pp" if c.schedule == "pingpong" else "") + ("a" if c.pipeline_across_items else "") + (f"b{c.out_buffer_rows}" if c.out_buffer_rows else ""))
     return f"{c.tile_m}x{c.cta_n}x{c.tile_k}s{c.max_concurrent_steps}{options}"
 
 
@@ -158,17 +159,21 @@ def main(argv=None):
     p.add_argument("--no-check", action="store_true", help="skip the error check (it compiles every job twice)")
     p.add_argument("--jobs", default=None,
                    help="a regular expression: only the jobs whose key (e.g. 'fwd mosaic_gpu 128x128x64s2pp') it finds")
+    p.add_argument("--skews", default="balanced,zipf", help="comma-separated subset of balanced,zipf")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     backends = args.backends.split(",")
     kinds = args.kernels.split(",")
+    skews = args.skews.split(",")
+    if set(skews) - {"balanced", "zipf"}:
+        p.error(f"--skews {args.skews!r}: name balanced, zipf or both")
     import torch
 
     cases = []
     picked = S.PREFILL if args.shapes is None else [S.PREFILL[int(i)] for i in args.shapes.split(",")]
     for shape in (S.PREFILL[:1] if args.quick else picked):
         x, (w,), dy, _ = make_inputs(shape, S.balanced_counts(shape.m, shape.e))
-        for skew in ("balanced", "zipf"):
+        for skew in skews:
             counts = S.balanced_counts(shape.m, shape.e) if skew == "balanced" else S.zipf_counts(
                 shape.m, shape.e, cap=shape.tokens)
             jobs, configs = _jobs(shape, x, w, dy, jnp.asarray(counts, jnp.int32), backends, kinds, not args.no_variants)

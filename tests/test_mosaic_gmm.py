@@ -15,7 +15,7 @@ from tests.helpers import ON_GPU, lower_for_gpu
 SMALL = MosaicConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2)
 # The forward kernel's tuning options, alone and together (64-row sub-tiles: the smallest).
 OPTIONS = {"plain": {}, "in-flight": dict(mma_in_flight=1), "epilogue": dict(epilogue_tile_m=64),
-           "across-items": dict(pipeline_across_items=True),
+           "across-items": dict(pipeline_across_items=True), "half-buffer": dict(out_buffer_rows=64),
            "both": dict(mma_in_flight=1, epilogue_tile_m=64), "pingpong": dict(schedule="pingpong")}
 
 
@@ -36,7 +36,9 @@ def _inputs(seed, m, k, n, e, transpose_rhs=True):
     (True, (0, 0), 64, 128, 64),
     # a group of two full tiles of two sub-tiles each, more K steps than stages
     (True, (256, 0, 40), 320, 256, 128),
-], ids=["ragged-nt", "one-hot-nn", "all-empty", "full-tiles"])
+    # ragged groups in 128-row tiles: tiles' rows split unevenly between 64-row halves
+    (True, (70, 0, 33, 97), 200, 128, 128),
+], ids=["ragged-nt", "one-hot-nn", "all-empty", "full-tiles", "ragged-128"])
 def test_mosaic_gmm_matches_reference(transpose_rhs, sizes, m, k, tile_m, options):
     n = 128 if transpose_rhs else 256
     config = MosaicConfig(tile_m, SMALL.tile_n, SMALL.tile_k, SMALL.max_concurrent_steps, **options)
@@ -84,7 +86,9 @@ def test_mosaic_gmm_default_tiles_and_gradients_on_gpu():
     g = jax.random.normal(jax.random.PRNGKey(3), (m, n), jnp.bfloat16)
     configs = {"pingpong 128x128": MosaicConfig(128, 128, 64, 2, schedule="pingpong"),
                "pingpong 64x128": MosaicConfig(64, 128, 64, 3, schedule="pingpong"),
-               "across items": MosaicConfig(128, 128, 64, 2, pipeline_across_items=True)}
+               "across items": MosaicConfig(128, 128, 64, 2, pipeline_across_items=True),
+               "across items, 4 stages, 64-row buffers": MosaicConfig(128, 128, 64, 4, pipeline_across_items=True,
+                                                                      out_buffer_rows=64)}
     for name, config in configs.items():
         out = gmm(x_nan, w, gs, backend="mosaic_gpu", config=config)
         assert_close(out, gmm_reference(x, w, gs), jnp.bfloat16, f"forward, {name}")
@@ -110,6 +114,9 @@ H200_CONFIGS = {
     "across-items-2": MosaicConfig(128, 128, 64, 2, pipeline_across_items=True),
     "across-items-128x64-4": MosaicConfig(128, 64, 64, 4, pipeline_across_items=True),
     "across-items-epilogue": MosaicConfig(128, 128, 64, 2, epilogue_tile_m=64, pipeline_across_items=True),
+    # 4 stages of 128 x 256 x 64 fit beside 64-row output buffers, and divide every prefill K here
+    "across-items-4-half-buffer": MosaicConfig(128, 128, 64, 4, pipeline_across_items=True, out_buffer_rows=64),
+    "pingpong-half-buffer": MosaicConfig(128, 128, 64, 2, schedule="pingpong", out_buffer_rows=64),
 }
 
 
@@ -146,8 +153,12 @@ def test_mosaic_tgmm_lowers_for_h200():
     (dict(tile_m=64, epilogue_tile_m=128), r"MosaicConfig.epilogue_tile_m=128: .* in \[64, tile_m=64\]"),
     (dict(pipeline_across_items=True, mma_in_flight=1), r"pipeline_across_items=True needs .* mma_in_flight=0"),
     (dict(pipeline_across_items=True, schedule="pingpong"), r"pipeline_across_items=True needs schedule='cooperative'"),
+    (dict(out_buffer_rows=32), r"MosaicConfig.out_buffer_rows=32: must be None .* or a power of two in \[64, tile_m"),
+    (dict(tile_m=64, out_buffer_rows=128), r"MosaicConfig.out_buffer_rows=128: .* in \[64, tile_m=64\]"),
+    (dict(out_buffer_rows=64, epilogue_tile_m=64), r"out_buffer_rows and epilogue_tile_m are two epilogues"),
 ], ids=["in-flight-2", "in-flight-one-stage", "epilogue-32", "epilogue-96", "schedule-name", "pingpong-in-flight",
-         "epilogue-over-tile", "across-in-flight", "across-pingpong"])
+         "epilogue-over-tile", "across-in-flight", "across-pingpong", "buffer-32", "buffer-over-tile",
+         "buffer-and-epilogue"])
 def test_mosaic_config_rejects_bad_options(fields, message):
     with pytest.raises(ValueError, match=message):
         MosaicConfig(**fields)

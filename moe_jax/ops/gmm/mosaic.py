@@ -28,7 +28,8 @@ whose boxes start on any row; both views share each warpgroup's tile of shared m
 
 `pipeline_across_items=True` runs a CTA's items as one pipeline of pipelines (`pipeline_state`),
 so the next item's first stages load while this item's last MMAs and epilogue run (where the K
-steps are a multiple of the stages).
+steps are a multiple of the stages). `out_buffer_rows` stores each warpgroup's tile through a
+smaller buffer, in passes, so more stages fit.
 
 `schedule="pingpong"` (`_pingpong_body`) gives each compute warpgroup every other work item, a
 `tile_m x tile_n` tile and a ring of stages of its own, so one warpgroup's epilogue can run under
@@ -100,6 +101,11 @@ class MosaicConfig:
     while this item's last MMAs and its epilogue run, instead of filling and draining the stages
     at every item. It applies where the K steps are a multiple of the stages in use
     (`min(max_concurrent_steps, K / tile_k)`); other shapes run one pipeline per item.
+
+    `out_buffer_rows` (row-ladder epilogue): rows of each warpgroup's shared-memory output buffer,
+    None for `tile_m`; a power of two in `[64, tile_m]` stores the tile in `tile_m / out_buffer_rows`
+    passes through a smaller buffer, which leaves shared memory for more stages (128 x 256 x 64
+    tiles fit 4 stages with 64 rows).
     """
 
     tile_m: int = 128
@@ -110,6 +116,7 @@ class MosaicConfig:
     epilogue_tile_m: int | None = None
     schedule: str = "cooperative"
     pipeline_across_items: bool = False
+    out_buffer_rows: int | None = None
 
     @property
     def cta_n(self) -> int:
@@ -134,6 +141,14 @@ class MosaicConfig:
             raise ValueError(
                 f"MosaicConfig.mma_in_flight=1 releases each stage one step late, so it needs max_concurrent_steps "
                 f">= 2; got {self.max_concurrent_steps}. Raise max_concurrent_steps or set mma_in_flight=0.")
+        r = self.out_buffer_rows
+        if r is not None and (not isinstance(r, int) or r < EPILOGUE_ROWS or r & (r - 1) or r > self.tile_m):
+            raise ValueError(
+                f"MosaicConfig.out_buffer_rows={r!r}: must be None (a buffer of tile_m rows) or a power of two in "
+                f"[{EPILOGUE_ROWS}, tile_m={self.tile_m}] (the accumulator splits in {EPILOGUE_ROWS}-row blocks).")
+        if r is not None and self.epilogue_tile_m is not None:
+            raise ValueError("MosaicConfig.out_buffer_rows and epilogue_tile_m are two epilogues (the row ladder through "
+                             "a smaller buffer, the swizzled sub-tiles); set at most one of them.")
         e = self.epilogue_tile_m
         if e is not None and (not isinstance(e, int) or e < EPILOGUE_ROWS or e & (e - 1) or e > self.tile_m):
             raise ValueError(
@@ -150,7 +165,8 @@ def smem_bytes(config: MosaicConfig, dtype, out_dtype) -> int:
     swizzled sub-tiles alias)."""
     rings = 2 if config.schedule == "pingpong" else 1
     stages = rings * config.max_concurrent_steps * (config.tile_m + config.cta_n) * config.tile_k
-    return stages * jnp.dtype(dtype).itemsize + 2 * config.tile_m * config.tile_n * jnp.dtype(out_dtype).itemsize
+    out_rows = config.out_buffer_rows or config.tile_m
+    return stages * jnp.dtype(dtype).itemsize + 2 * out_rows * config.tile_n * jnp.dtype(out_dtype).itemsize
 
 
 def mosaic_supports(m: int, n: int, k: int, dtype, config: MosaicConfig = MosaicConfig(), out_dtype=None) -> bool:
@@ -211,23 +227,28 @@ def _num_sms(interpret: bool) -> int:
 
 def _store_rows(out, rows_smem, out_ref, *, start, end, a_start, cols):
     """Rows `[start, end)` of a warpgroup's `[tile_m, tile_n]` result `out` (which holds the rows
-    from `a_start`), through the row-major `rows_smem`, by one predicated TMA copy per set bit of
-    `end - start` (TMA boxes are static)."""
-    rows_smem[...] = out
-    plgpu.commit_smem()
-    count = end - start
-    src = start - a_start
-    dst = start
+    from `a_start`), through the row-major `rows_smem` of `R` rows, `tile_m / R` passes of `R` rows
+    (each pass waits for the previous one's copies to have read the buffer), each stored by one
+    predicated TMA copy per set bit of its row count (TMA boxes are static)."""
     height = rows_smem.shape[0]
-    while height >= 1:
-        part = count & height
+    for p in range(out.shape[0] // height):
+        if p:
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        rows_smem[...] = out[p * height:(p + 1) * height]
+        plgpu.commit_smem()
+        window = a_start + p * height
+        lo, hi = jnp.maximum(start, window), jnp.minimum(end, window + height)
+        count = jnp.maximum(hi - lo, 0)
+        src, dst, box = lo - window, lo, height
+        while box >= 1:
+            part = count & box
 
-        @pl.when(part != 0)
-        def _(src=src, dst=dst, height=height):
-            plgpu.copy_smem_to_gmem(rows_smem.at[pl.ds(src, height)], out_ref.at[pl.ds(dst, height), cols])
+            @pl.when(part != 0)
+            def _(src=src, dst=dst, box=box):
+                plgpu.copy_smem_to_gmem(rows_smem.at[pl.ds(src, box)], out_ref.at[pl.ds(dst, box), cols])
 
-        src, dst = src + part, dst + part
-        height //= 2
+            src, dst = src + part, dst + part
+            box //= 2
 
 
 def _operand_transforms(tile_k: int, dtype):
@@ -261,7 +282,7 @@ def _pingpong_body(meta_ref, a_ref, b_ref, out_ref, *, config: MosaicConfig, num
         pl.run_scoped,
         a_smem=plgpu.SMEM((2, steps, tile_m, tile_k), dtype, transforms=transforms),
         b_smem=plgpu.SMEM((2, steps, *b_block), dtype, transforms=transforms),
-        out_smem=plgpu.SMEM((2, tile_m, tile_n), out_dtype),
+        out_smem=plgpu.SMEM((2, config.out_buffer_rows or tile_m, tile_n), out_dtype),
         loaded=plgpu.Barrier(num_arrivals=2, num_barriers=2 * steps),  # the A and the B copy of a stage
         consumed=plgpu.Barrier(num_arrivals=1, num_barriers=2 * steps),
         collective_axes="wg",
@@ -388,7 +409,7 @@ def _body(meta_ref, group_tiles_ref, a_ref, b_ref, out_ref, *, config: MosaicCon
     # awaited, at the start of its next epilogue.
     epi_m = config.epilogue_tile_m
     if epi_m is None:
-        out_alloc = plgpu.SMEM((2, tile_m, tile_n), out_dtype)
+        out_alloc = plgpu.SMEM((2, config.out_buffer_rows or tile_m, tile_n), out_dtype)
     else:
         out_itemsize = jnp.dtype(out_dtype).itemsize
         out_swizzle = plgpu.find_swizzle(tile_n * out_itemsize * 8)
