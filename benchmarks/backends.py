@@ -106,7 +106,8 @@ def _jobs(shape, x, w, dy, gs, backends, kinds, variants):
 
 def _mname(c: MosaicConfig) -> str:
     options = ((f"f{c.mma_in_flight}" if c.mma_in_flight else "") + (f"e{c.epilogue_tile_m}" if c.epilogue_tile_m else "")
-               + ("pp" if c.schedule == "pingpong" else "") + ("a" if c.pipeline_across_items else "") + (f"b{c.out_buffer_rows}" if c.out_buffer_rows else ""))
+               + ("pp" if c.schedule == "pingpong" else "") + ("a" if c.pipeline_across_items else "")
+               + (f"b{c.out_buffer_rows}" if c.out_buffer_rows else ""))
     return f"{c.tile_m}x{c.cta_n}x{c.tile_k}s{c.max_concurrent_steps}{options}"
 
 
@@ -196,8 +197,9 @@ def main(argv=None):
         table.append(_row(rec, backends))
         print(table[-1], flush=True)
         if args.jobs:  # a chosen set of jobs: every one's rate, not only each backend's best
-            print("    " + " | ".join(f"{key} {flops * mult / s / 1e12:.0f}" for key, s in times.items() if s
-                                      for kind, mult in KINDS if key.split()[0] == kind), flush=True)
+            mult = dict(KINDS)
+            print("    " + " | ".join(f"{key} {flops * mult[key.split()[0]] / s / 1e12:.0f}"
+                                      for key, s in times.items() if s), flush=True)
         torch.cuda.empty_cache()
         summary = _summary(rows, backends)
         if args.json:  # after every row, so a run stopped by its time limit keeps what it measured
