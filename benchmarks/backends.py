@@ -46,7 +46,8 @@ TRITON_FWD = [
 TRITON_WGRAD = [TileConfig(64, 128, 128, 8, 4, 1), TileConfig(64, 256, 128, 8, 3, 1), TileConfig(128, 128, 64, 8, 3, 1),
                 TileConfig(32, 128, 128, 8, 4, 1), TileConfig(32, 256, 128, 8, 3, 1), TileConfig(32, 128, 256, 8, 3, 1),
                 TileConfig(64, 128, 256, 8, 3, 1), TileConfig(32, 128, 128, 4, 4, 1), TileConfig(16, 128, 128, 4, 5, 1)]
-MOSAIC = [MosaicConfig(128, 128, 64, 3, mma_in_flight=1), MosaicConfig(128, 128, 64, 3, epilogue_tile_m=64),
+MOSAIC = [MosaicConfig(),  # the 3-stage default, which `mosaic_config` runs at long K
+          MosaicConfig(128, 128, 64, 3, mma_in_flight=1), MosaicConfig(128, 128, 64, 3, epilogue_tile_m=64),
           MosaicConfig(128, 128, 64, 3, mma_in_flight=1, epilogue_tile_m=64),
           MosaicConfig(128, 64, 64, 4, mma_in_flight=1, epilogue_tile_m=64),
           MosaicConfig(128, 128, 64, 2, schedule="pingpong"), MosaicConfig(64, 128, 64, 3, schedule="pingpong"),

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from moe_jax.ops import gmm, gmm_reference, grouped_linear, tgmm, tgmm_reference
-from moe_jax.ops.gmm.mosaic import MosaicConfig, MosaicWgradConfig, mosaic_supports, mosaic_wgrad_supports
+from moe_jax.ops.gmm.mosaic import (SHORT_K, MosaicConfig, MosaicWgradConfig, mosaic_config, mosaic_supports,
+                                   mosaic_wgrad_supports)
 from moe_jax.testing import assert_close
 from tests.helpers import ON_GPU, lower_for_gpu
 
@@ -102,6 +103,7 @@ def test_mosaic_gmm_default_tiles_and_gradients_on_gpu():
 
 
 H200_CONFIGS = {
+    "rule": None,  # no config: `mosaic_config`'s, at this shape's 32 K steps `SHORT_K`
     "default": MosaicConfig(),
     "in-flight": MosaicConfig(128, 128, 64, 3, mma_in_flight=1),
     "epilogue": MosaicConfig(128, 128, 64, 3, epilogue_tile_m=64),
@@ -133,6 +135,17 @@ def test_mosaic_gmm_lowers_for_h200(transpose_rhs, config):
                          jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct(rhs, jnp.bfloat16),
                          jax.ShapeDtypeStruct((e,), jnp.int32))
     assert "mosaic_gpu" in text
+
+
+def test_mosaic_config_rule():
+    """Without a config the kernel runs `mosaic_config`'s choice: one pipeline across items with 4
+    stages where K has at most 32 steps of 64 that 4 divides and the tiles fit, else the 3-stage
+    default (the lowering test above runs it through `gmm`)."""
+    for k in (256, 768, 1536, 2048):
+        assert mosaic_config(k, jnp.bfloat16) == SHORT_K
+    for k in (640, 2048 + 256, 4096, 7168, 14336):  # 10 steps (4 does not divide), 36, 64, 112, 224
+        assert mosaic_config(k, jnp.bfloat16) == MosaicConfig()
+    assert mosaic_config(2048, jnp.bfloat16, jnp.float32) == MosaicConfig()  # fp32 buffers do not fit 4 stages
 
 
 def test_mosaic_tgmm_lowers_for_h200():

@@ -129,7 +129,7 @@ def mosaic_gmm(lhs, rhs, group_sizes, *, transpose_rhs, config, out_dtype, preci
     del precision  # bf16/fp16 only: wgmma accumulates in fp32
     # TMA copies boxes: Hopper's has no row gather, so the rows are gathered first.
     return gmm_mosaic(gathered(lhs, row_ids), rhs, group_sizes, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
-                      config=config if isinstance(config, MosaicConfig) else MosaicConfig(), interpret=interpret())
+                      config=config if isinstance(config, MosaicConfig) else None, interpret=interpret())
 
 
 @register("tgmm", "mosaic_gpu")

@@ -29,7 +29,8 @@ whose boxes start on any row; both views share each warpgroup's tile of shared m
 `pipeline_across_items=True` runs a CTA's items as one pipeline of pipelines (`pipeline_state`),
 so the next item's first stages load while this item's last MMAs and epilogue run (where the K
 steps are a multiple of the stages). `out_buffer_rows` stores each warpgroup's tile through a
-smaller buffer, in passes, so more stages fit.
+smaller buffer, in passes, so more stages fit. `mosaic_config` (the configuration run when none is
+passed) takes both, with 4 stages, where K has at most `SHORT_K_STEPS` steps.
 
 `schedule="pingpong"` (`_pingpong_body`) gives each compute warpgroup every other work item, a
 `tile_m x tile_n` tile and a ring of stages of its own, so one warpgroup's epilogue can run under
@@ -61,8 +62,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from moe_jax.ops.gmm.schedule import clamp_group_sizes
 
-__all__ = ["MosaicConfig", "MosaicWgradConfig", "ROW_ALIGN", "SMEM_BYTES", "aligned_tiles", "gmm_mosaic", "mosaic_supports",
-           "mosaic_wgrad_supports", "num_work_tiles", "smem_bytes", "tgmm_mosaic"]
+__all__ = ["MosaicConfig", "MosaicWgradConfig", "ROW_ALIGN", "SHORT_K", "SHORT_K_STEPS", "SMEM_BYTES", "aligned_tiles",
+           "gmm_mosaic", "mosaic_config", "mosaic_supports", "mosaic_wgrad_supports", "num_work_tiles", "smem_bytes",
+           "tgmm_mosaic"]
 
 H200_SMS = 132
 ROW_ALIGN = 8  # TMA boxes into the swizzled tiles start on a multiple of the 8-row tiling
@@ -169,10 +171,28 @@ def smem_bytes(config: MosaicConfig, dtype, out_dtype) -> int:
     return stages * jnp.dtype(dtype).itemsize + 2 * out_rows * config.tile_n * jnp.dtype(out_dtype).itemsize
 
 
-def mosaic_supports(m: int, n: int, k: int, dtype, config: MosaicConfig = MosaicConfig(), out_dtype=None) -> bool:
+# The most K steps at which `mosaic_config` runs one pipeline across items with 4 stages: on an H200
+# that gained 1-15% at 12-32 steps and lost 1-13% at 64-112 (docs/decisions.md, "Mosaic forward rule").
+SHORT_K_STEPS = 32
+SHORT_K = MosaicConfig(max_concurrent_steps=4, pipeline_across_items=True, out_buffer_rows=64)
+
+
+def mosaic_config(k: int, dtype, out_dtype=None) -> MosaicConfig:
+    """The configuration `gmm_mosaic` runs for a reduction width `k` when none is given: 128 x 256 x 64
+    tiles; where K has at most `SHORT_K_STEPS` steps, a multiple of 4, and the tiles fit, 4 stages
+    through 64-row output buffers in one pipeline across each CTA's items (`SHORT_K`), else 3 stages
+    per item (`MosaicConfig()`). Short reductions are where filling and draining the stages at every
+    item costs most of an item."""
+    steps = k // SHORT_K.tile_k
+    short = steps <= SHORT_K_STEPS and steps % SHORT_K.max_concurrent_steps == 0
+    return SHORT_K if short and smem_bytes(SHORT_K, dtype, out_dtype or dtype) <= SMEM_BYTES else MosaicConfig()
+
+
+def mosaic_supports(m: int, n: int, k: int, dtype, config: MosaicConfig | None = None, out_dtype=None) -> bool:
     """Whether the kernel takes this shape: bf16/fp16, `N` a multiple of the CTA width
     (`config.cta_n`), `K` of `tile_k`, at least `tile_m` rows and a multiple of `ROW_ALIGN`, and
-    tiles that fit in shared memory."""
+    tiles that fit in shared memory. `config=None` checks `mosaic_config`'s choice."""
+    config = mosaic_config(k, dtype, out_dtype) if config is None else config
     return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and n % config.cta_n == 0
             and k % config.tile_k == 0 and m >= config.tile_m and m % ROW_ALIGN == 0
             and smem_bytes(config, dtype, out_dtype or dtype) <= SMEM_BYTES)
@@ -517,10 +537,12 @@ def _body(meta_ref, group_tiles_ref, a_ref, b_ref, out_ref, *, config: MosaicCon
 
 
 def gmm_mosaic(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool, out_dtype,
-               config: MosaicConfig = MosaicConfig(), interpret: bool = False) -> jax.Array:
+               config: MosaicConfig | None = None, interpret: bool = False) -> jax.Array:
     """Launch the Mosaic GPU grouped GEMM on `group_sizes` `[E]` (clamped as
-    `schedule.clamp_group_sizes` does). Expects validated shapes that `mosaic_supports`."""
+    `schedule.clamp_group_sizes` does), with `config` or `mosaic_config`'s choice. Expects validated
+    shapes that `mosaic_supports`."""
     m, k = lhs.shape
+    config = mosaic_config(k, lhs.dtype, out_dtype) if config is None else config
     num_groups = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     if not mosaic_supports(m, n, k, lhs.dtype, config, out_dtype):
