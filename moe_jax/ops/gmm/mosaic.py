@@ -172,7 +172,7 @@ def smem_bytes(config: MosaicConfig, dtype, out_dtype) -> int:
 
 
 # The most K steps at which `mosaic_config` runs one pipeline across items with 4 stages: on an H200
-# that gained 1-15% at 12-32 steps and lost 1-13% at 64-112 (docs/decisions.md, "Mosaic forward rule").
+# that gained 1-15% on most cells at 12-32 steps and lost 2-12% at 64-112 (docs/decisions.md, "Mosaic forward rule").
 SHORT_K_STEPS = 32
 SHORT_K = MosaicConfig(max_concurrent_steps=4, pipeline_across_items=True, out_buffer_rows=64)
 
