@@ -52,6 +52,7 @@ MOSAIC = [MosaicConfig(),  # the 3-stage default, which `mosaic_config` runs at 
           MosaicConfig(128, 64, 64, 4, mma_in_flight=1, epilogue_tile_m=64),
           MosaicConfig(128, 128, 64, 2, schedule="pingpong"), MosaicConfig(64, 128, 64, 3, schedule="pingpong"),
           MosaicConfig(128, 64, 64, 3, schedule="pingpong"),
+          MosaicConfig(128, 128, 64, 3, schedule="pingpong", out_buffer_rows=64),
           MosaicConfig(128, 128, 64, 3, pipeline_across_items=True), MosaicConfig(128, 128, 64, 2),
           MosaicConfig(128, 128, 64, 2, pipeline_across_items=True), MosaicConfig(128, 64, 64, 4),
           MosaicConfig(128, 64, 64, 4, pipeline_across_items=True), MosaicConfig(128, 128, 64, 4, out_buffer_rows=64),

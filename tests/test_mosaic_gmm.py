@@ -87,6 +87,8 @@ def test_mosaic_gmm_default_tiles_and_gradients_on_gpu():
     g = jax.random.normal(jax.random.PRNGKey(3), (m, n), jnp.bfloat16)
     configs = {"pingpong 128x128": MosaicConfig(128, 128, 64, 2, schedule="pingpong"),
                "pingpong 64x128": MosaicConfig(64, 128, 64, 3, schedule="pingpong"),
+               "pingpong 128x128, 3 stages, 64-row buffers": MosaicConfig(128, 128, 64, 3, schedule="pingpong",
+                                                                          out_buffer_rows=64),
                "across items": MosaicConfig(128, 128, 64, 2, pipeline_across_items=True),
                "across items, 4 stages, 64-row buffers": MosaicConfig(128, 128, 64, 4, pipeline_across_items=True,
                                                                       out_buffer_rows=64)}
@@ -119,6 +121,8 @@ H200_CONFIGS = {
     # 4 stages of 128 x 256 x 64 fit beside 64-row output buffers, and divide every prefill K here
     "across-items-4-half-buffer": MosaicConfig(128, 128, 64, 4, pipeline_across_items=True, out_buffer_rows=64),
     "pingpong-half-buffer": MosaicConfig(128, 128, 64, 2, schedule="pingpong", out_buffer_rows=64),
+    # two rings of 3 stages fit beside the 64-row buffers (224 KiB)
+    "pingpong-3-half-buffer": MosaicConfig(128, 128, 64, 3, schedule="pingpong", out_buffer_rows=64),
 }
 
 
