@@ -143,9 +143,9 @@ def test_mosaic_gmm_lowers_for_h200(transpose_rhs, config):
 
 def test_mosaic_config_rule():
     """Without a config the kernel runs `mosaic_config`'s choice: one pipeline across items with 4
-    stages where K has at most 32 steps of 64 that 4 divides and the tiles fit, else the 3-stage
-    default (the lowering test above runs it through `gmm`)."""
-    for k in (256, 768, 1536, 2048):
+    stages where K has at most 32 steps of 64 that the option applies to and the tiles fit, else
+    the 3-stage default (the lowering test above runs it through `gmm`)."""
+    for k in (128, 256, 768, 1536, 2048):  # 2 steps: the pipeline shrinks to 2 stages, which divide them
         assert mosaic_config(k, jnp.bfloat16) == SHORT_K
     for k in (640, 2048 + 256, 4096, 7168, 14336):  # 10 steps (4 does not divide), 36, 64, 112, 224
         assert mosaic_config(k, jnp.bfloat16) == MosaicConfig()

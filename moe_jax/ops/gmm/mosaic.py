@@ -177,14 +177,21 @@ SHORT_K_STEPS = 32
 SHORT_K = MosaicConfig(max_concurrent_steps=4, pipeline_across_items=True, out_buffer_rows=64)
 
 
+def _runs_across_items(config: MosaicConfig, k_steps: int) -> bool:
+    """Whether `config.pipeline_across_items` applies at `k_steps` K steps. The pipeline shrinks its
+    stages to the K steps; passing stages from one item's pipeline to the next keeps each stage's
+    barrier phase only when every item uses all of them equally often."""
+    return config.pipeline_across_items and k_steps % min(config.max_concurrent_steps, k_steps) == 0
+
+
 def mosaic_config(k: int, dtype, out_dtype=None) -> MosaicConfig:
     """The configuration `gmm_mosaic` runs for a reduction width `k` when none is given: 128 x 256 x 64
-    tiles; where K has at most `SHORT_K_STEPS` steps, a multiple of 4, and the tiles fit, 4 stages
-    through 64-row output buffers in one pipeline across each CTA's items (`SHORT_K`), else 3 stages
-    per item (`MosaicConfig()`). Short reductions are where filling and draining the stages at every
-    item costs most of an item."""
+    tiles; where K has at most `SHORT_K_STEPS` steps, one pipeline across items applies to them (4,
+    or fewer than 4, divides them) and the tiles fit, 4 stages through 64-row output buffers in one
+    pipeline across each CTA's items (`SHORT_K`), else 3 stages per item (`MosaicConfig()`). Short
+    reductions are where filling and draining the stages at every item costs most of an item."""
     steps = k // SHORT_K.tile_k
-    short = steps <= SHORT_K_STEPS and steps % SHORT_K.max_concurrent_steps == 0
+    short = 0 < steps <= SHORT_K_STEPS and _runs_across_items(SHORT_K, steps)
     return SHORT_K if short and smem_bytes(SHORT_K, dtype, out_dtype or dtype) <= SMEM_BYTES else MosaicConfig()
 
 
@@ -402,9 +409,7 @@ def _body(meta_ref, group_tiles_ref, a_ref, b_ref, out_ref, *, config: MosaicCon
     # A single K step has no next wgmma to overlap, and with delay_release the pipeline would never
     # release its only stage: the memory warpgroup could refill it for the next item while it is read.
     in_flight = config.mma_in_flight if k_iters > 1 else 0
-    # The pipeline shrinks its stages to the K steps; passing stages from one item's pipeline to the
-    # next keeps each stage's barrier phase only when every item uses all of them equally often.
-    across = config.pipeline_across_items and k_iters % min(config.max_concurrent_steps, k_iters) == 0
+    across = _runs_across_items(config, k_iters)
     dtype, out_dtype = a_ref.dtype, out_ref.dtype
     transforms = _operand_transforms(tile_k, dtype)
     spec = functools.partial(plgpu.BlockSpec, transforms=transforms, memory_space=plgpu.SMEM, delay_release=in_flight)
