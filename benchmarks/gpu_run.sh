@@ -8,7 +8,7 @@
 #   them outside the lanes. Timings from two lanes at once share the host and its PCIe/NVLink.
 # Phases: env | tests | parity | tune | run | run-quick | layer-time | drop-in | example | ep-check |
 #         ep-bench | parity-ep | example-ep | routed | jax-triton | backends | layer |
-#         decode | decode-ncu   (each optionally :SECONDS)
+#         decode | decode-ncu | wgrad-ncu   (each optionally :SECONDS)
 # Env: NPROC (xdist workers), TESTS / PARITY (paths), STEPS (example), TUNE_ONLY (all|prefill|decode),
 #      ROUTED_SHAPES (routed: indices into benchmarks.routed_gmm's shapes; default all),
 #      WHEELS (jax-triton: the folder holding the jax_triton wheel, default .whl; the image has no registry),
@@ -54,6 +54,10 @@ for phase in "$@"; do
                   python3 -m benchmarks.decode kernels $( [ -f "$OUT/${L}decode.json" ] && echo --from "$OUT/${L}decode.json") --tokens ${NCU_TOKENS:-1,8} \
                   --labels "$OUT/${L}decode_ncu_labels.json" 2>&1 | tail -15
                 python3 -m benchmarks.decode ncu-table "$OUT/${L}decode_ncu.csv" --labels "$OUT/${L}decode_ncu_labels.json" 2>&1 | tail -60 ;;
+    wgrad-ncu) timeout "$limit" ncu --clock-control none --print-units base --csv --log-file "$OUT/${L}wgrad_ncu.csv" \
+                 --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__throughput.avg.pct_of_peak_sustained_elapsed,l1tex__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size,launch__block_size,launch__registers_per_thread,launch__shared_mem_per_block_dynamic \
+                 -k 'regex:tgmm|device_kernel' python3 -m benchmarks.wgrad_profile 2>&1 | tail -5
+               python3 -m benchmarks.wgrad_profile table "$OUT/${L}wgrad_ncu.csv" 2>&1 | tail -30 ;;
     layer) timeout "$limit" python3 -m benchmarks.layer ${LAYER_SHAPES:+--shapes $LAYER_SHAPES} ${LAYER_VARIANTS:+--variants $LAYER_VARIANTS} --json "$OUT/${L}layer.json" 2>&1 | tee "$OUT/${L}layer.log" | tail -20 ;;
     *) echo "unknown phase $name" ;;
   esac

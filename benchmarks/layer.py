@@ -9,7 +9,9 @@ top-2 of 8), DeepSeek-V3 (T=4096, D=7168, F=2048, top-8 of 256).
 Ours: `moe_jax.layers.MoE` (one variant per `--variants` entry: `auto` the default layer, whose
 `backend="auto"` picks per kernel (`moe_jax.ops.gmm.backend_table`); `pallas` all on
 `pallas_triton`; `static` that with `gemm_kernel="static"`; `triton` all GEMMs on `triton`; `mosaic` all on
-`mosaic_gpu`; `fused` / `separate` the default with `row_gather` forced either way), the gradient of
+`mosaic_gpu`; `mosaic-dgrad` / `mosaic-fwd-dgrad` the default's table (`moe_jax.ops.BackendTable`)
+with the prefill input gradient / forward and input gradient on `mosaic_gpu` where it takes the
+shapes; `fused` / `separate` the default with `row_gather` forced either way), the gradient of
 `sum(y**2)` with respect to the input and every parameter, jitted; device memory is the compiled
 step's footprint (`memory_analysis`: arguments + outputs + temporaries - aliased).
 Torch: the same weights and tokens through router (fp32 logits, softmax, top-k, renormalise), a
@@ -37,6 +39,7 @@ from flax import nnx
 from benchmarks.gmm import to_torch
 from benchmarks.timing import compile_jax, run_meta, time_compiled, time_torch
 from moe_jax.layers import MoE
+from moe_jax.ops import H200_BACKENDS
 from moe_jax.routing import SoftmaxTopK
 
 
@@ -60,9 +63,13 @@ SHAPES = (
     LayerShape("mixtral-8x7b", 8192, 4096, 14336, 8, 2),
     LayerShape("deepseek-v3", 4096, 7168, 2048, 256, 8),
 )
+MOSAIC_FIRST = ("mosaic_gpu", "triton", "pallas_triton")  # Mosaic where it takes the shapes, else as `auto`
 VARIANTS = {"auto": dict(), "pallas": dict(backend="pallas_triton"), "static": dict(backend="pallas_triton", gemm_kernel="static"),
             "triton": dict(backend="triton"), "separate": dict(row_gather="separate"),
-            "fused": dict(row_gather="fused"), "mosaic": dict(backend="mosaic_gpu")}
+            "fused": dict(row_gather="fused"), "mosaic": dict(backend="mosaic_gpu"),
+            "mosaic-dgrad": dict(backend=H200_BACKENDS.replace({("gmm_nn", "prefill"): MOSAIC_FIRST})),
+            "mosaic-fwd-dgrad": dict(backend=H200_BACKENDS.replace({("gmm_nt", "prefill"): MOSAIC_FIRST,
+                                                                    ("gmm_nn", "prefill"): MOSAIC_FIRST}))}
 
 
 def _layer(shape: LayerShape, **kw) -> MoE:

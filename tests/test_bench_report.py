@@ -41,3 +41,20 @@ def test_render_committed_result():
     md = render(json.loads(path.read_text()))
     assert "# Grouped GEMM on NVIDIA H200 — 2026-11-30" in md
     assert "- decode, fraction of copy bandwidth (target ≥ 0.7): " in md
+
+
+def test_wgrad_profile_table_reads_ncu_csv(tmp_path):
+    """`benchmarks.wgrad_profile table`: one line per profiled kernel run from ncu's CSV log, with
+    every metric; ncu's own note lines and CUTLASS's setup kernel left out."""
+    from benchmarks.wgrad_profile import table
+
+    head = '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"\n'
+    row = '"{i}","1","python3","h","{name}","1","7","(128, 1, 1)","(12288, 1, 1)","0","9.0","Command line profiler metrics","{m}","{u}","{v}"\n'
+    path = tmp_path / "ncu.csv"
+    path.write_text("==PROF== Connected to process 1\n" + head
+                    + row.format(i=0, name="tgmm_kernel", m="gpu__time_duration.sum", u="ns", v="295,040")
+                    + row.format(i=0, name="tgmm_kernel", m="dram__bytes_read.sum", u="byte", v="184,565,248")
+                    + row.format(i=1, name="void at::prepare_grouped_gemm_data<x>", m="gpu__time_duration.sum", u="ns", v="2,496")
+                    + row.format(i=2, name="void cutlass::device_kernel<y>", m="gpu__time_duration.sum", u="ns", v="258,656"))
+    assert table(str(path)) == ["0 tgmm_kernel: gpu__time_duration=295,040 | dram__bytes_read=184,565,248",
+                                "2 void cutlass::device_kernel<y>: gpu__time_duration=258,656"]

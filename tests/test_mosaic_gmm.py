@@ -182,7 +182,7 @@ def test_mosaic_config_rejects_bad_options(fields, message):
 
 
 def test_aligned_tiles_cover_every_row_once():
-    from moe_jax.ops.gmm.mosaic import ROW_ALIGN, aligned_tiles
+    from moe_jax.ops.gmm.mosaic import ROW_ALIGN, aligned_tiles, group_tiles
 
     rng = np.random.default_rng(3)
     for m, tile_m in ((200, 64), (1024, 128), (64, 64)):
@@ -205,6 +205,63 @@ def test_aligned_tiles_cover_every_row_once():
             n_real, n_fill = int(real.sum()), int(fill.sum())
             assert real[:n_real].all() and fill[n_real:n_real + n_fill].all()
             assert (lo[n_real + n_fill:] == hi[n_real + n_fill:]).all()
+            tiles_G = np.asarray(group_tiles(jnp.asarray(sizes, jnp.int32), num_rows=m, tile_m=tile_m))
+            np.testing.assert_array_equal(tiles_G[:-1], np.bincount(group[real], minlength=e))
+            assert tiles_G[-1] == n_fill
+
+
+def test_layer_telemetry_counts_the_mosaic_tiles():
+    """On the mosaic_gpu backend the layer's gate/up telemetry is the rows of the kernel's own
+    aligned tiles (`group_tiles`), not a Pallas candidate's: no `CANDIDATES` member is named."""
+    from moe_jax.layers.routed import ExpertStage
+    from moe_jax.ops.gmm.mosaic import ROW_ALIGN
+
+    stage = ExpertStage(num_experts=4, d_in=256, d_ff=256, fused_gate_up=False, backend="mosaic_gpu", precision=None,
+                        kernel="auto")
+    sizes = np.array([0, 130, 3, 250])  # groups start at rows 0, 130 (aligned down to 128) and 133
+    gemm = stage.telemetry(jnp.asarray(sizes, jnp.int32), 512, jnp.bfloat16)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    bases = starts // ROW_ALIGN * ROW_ALIGN
+    tiles = sum(-(-(s + n - b) // 128) for s, n, b in zip(starts, sizes, bases) if n)
+    assert tiles == 1 + 1 + 2 + 1  # 130 rows from 0: 2 tiles; 3 rows; 250 rows from 128: 2 tiles (plus one)
+    assert int(gemm.executed_rows) == int(gemm.executed_rows_max) == 128 * tiles
+    assert int(gemm.useful_rows) == sizes.sum() and not np.any(gemm.kernel_counts_C)
+
+
+def test_layer_with_a_backend_table_lowers_for_h200():
+    """`MoE(backend=BackendTable)`: lowered for an H200, forward and every gradient run the table's
+    choice per kernel: the input gradients on Mosaic GPU, the forward on Pallas Triton and the
+    weight gradients as `auto` runs them (`triton` where jax_triton imports, else Pallas Triton)."""
+    import re
+
+    from flax import nnx
+
+    from moe_jax.layers import MoE
+    from moe_jax.ops import H200_BACKENDS
+    from moe_jax.ops.gmm.backend_table import have_jax_triton
+
+    def lowered(backend):
+        layer = MoE(256, 256, 4, 2, backend=backend, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        graph, state = nnx.split(layer)
+
+        def grads(state, x):
+            def loss(state, x):
+                y, _ = nnx.merge(graph, state)(x)
+                return jnp.sum(y.astype(jnp.float32) ** 2)
+            return jax.grad(loss, argnums=(0, 1))(state, x)
+
+        avals = (jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state),
+                 jax.ShapeDtypeStruct((256, 256), jnp.bfloat16))
+        text = lower_for_gpu(grads, *avals)
+        names = re.findall(r'name = "(moe_jax_\w+)"', text)
+        return text.count("custom_call @mosaic_gpu"), {n for n in names if n.startswith("moe_jax_gmm")}, names.count("moe_jax_tgmm")
+
+    table = H200_BACKENDS.replace({("gmm_nn", "prefill"): ("mosaic_gpu", "triton", "pallas_triton")})
+    mosaic_table, pallas_fwd_table, wgrads_table = lowered(table)
+    mosaic_auto, pallas_fwd_auto, wgrads_auto = lowered("auto")
+    assert mosaic_auto == 0 and mosaic_table == 3  # the input gradients of gate, up and down
+    assert pallas_fwd_table and pallas_fwd_table == pallas_fwd_auto  # the forwards: the Pallas selector's kernels
+    assert wgrads_table == wgrads_auto == (0 if have_jax_triton() else 3)  # `triton` runs them where it imports
 
 
 def test_mosaic_shape_support_and_clear_errors():

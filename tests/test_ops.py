@@ -529,15 +529,17 @@ def test_auto_backend_per_kernel_table():
     with pytest.raises(ValueError, match="kernel='gmm'"):
         gemm_backend("gmm", "auto", 8, 8)
     bf16, fp32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+    assert {cls for _, cls in H200_BACKENDS} == {"decode", "prefill"}
+    assert {kernel for kernel, _ in H200_BACKENDS} == set(KERNELS)
     with jax.sharding.use_abstract_mesh(h200_mesh((1,), ("ep",))):
         for (kernel, cls), choices in H200_BACKENDS.items():
             rows = 64 * 128 if cls == "decode" else 64 * 128 + 8
+            operands = (2048, 1536, bf16, bf16)
             assert choices[-1] == "pallas_triton"
-            picked = gemm_backend(kernel, "auto", rows, 128, operands=(2048, 1536, bf16, bf16), triton_available=True)
+            picked = gemm_backend(kernel, "auto", rows, 128, operands=operands, triton_available=True)
             assert picked == choices[0]
             without_triton = [c for c in choices if c != "triton"][0]
-            assert gemm_backend(kernel, "auto", rows, 128, operands=(2048, 1536, bf16, bf16),
-                                triton_available=False) == without_triton
+            assert gemm_backend(kernel, "auto", rows, 128, operands=operands, triton_available=False) == without_triton
         # A table preferring Mosaic: it runs where it takes the operands, else the next choice does.
         table = {("gmm_nn", "prefill"): ("mosaic_gpu", "triton", "pallas_triton")}
         picked = gemm_backend("gmm_nn", "auto", 32768, 128, operands=(2048, 1536, bf16, bf16), table=table)
@@ -547,6 +549,42 @@ def test_auto_backend_per_kernel_table():
             assert picked == "triton"
     assert H200_BACKENDS[("gmm_nt", "prefill")] == ("pallas_triton",)
     assert H200_BACKENDS[("gmm_nn", "prefill")] == ("triton", "pallas_triton")
+
+
+def test_backend_table_is_auto_with_a_table_of_its_own():
+    """A `BackendTable` passed as `backend` is `auto` with that table: every op resolves it as
+    `auto`, and the grouped GEMMs, compiling for an H200, run its choices per kernel and shape
+    class. It is hashable (it sits in the custom VJP's static options) and checked when built."""
+    from moe_jax.ops import H200_BACKENDS, BackendTable, gemm_backend
+
+    mosaic_dgrad = H200_BACKENDS.replace({("gmm_nn", "prefill"): ("mosaic_gpu", "triton", "pallas_triton")})
+    assert mosaic_dgrad[("gmm_nn", "prefill")] == ("mosaic_gpu", "triton", "pallas_triton")
+    assert {k: v for k, v in mosaic_dgrad.items() if k != ("gmm_nn", "prefill")} == {
+        k: v for k, v in H200_BACKENDS.items() if k != ("gmm_nn", "prefill")}
+    assert mosaic_dgrad == BackendTable.of(dict(mosaic_dgrad)) and hash(mosaic_dgrad) == hash(BackendTable.of(dict(mosaic_dgrad)))
+    assert mosaic_dgrad != H200_BACKENDS
+    assert resolve_backend(mosaic_dgrad) == ("pallas_triton" if ON_GPU else "xla")
+    if not ON_GPU:
+        assert gemm_backend("gmm_nn", mosaic_dgrad, 32768, 128) == "xla"
+    bf16 = jnp.dtype(jnp.bfloat16)
+    with jax.sharding.use_abstract_mesh(h200_mesh((1,), ("ep",))):
+        operands = (2048, 1536, bf16, bf16)
+        assert gemm_backend("gmm_nn", mosaic_dgrad, 32768, 128, operands=operands) == "mosaic_gpu"
+        assert gemm_backend("gmm_nn", mosaic_dgrad, 32768, 128, operands=(2000, 1536, bf16, bf16),
+                            triton_available=False) == "pallas_triton"  # N past Mosaic's tiles: the next choice
+        assert gemm_backend("gmm_nn", mosaic_dgrad, 4096, 128, operands=operands) == "pallas_triton"  # decode
+        assert gemm_backend("gmm_nt", mosaic_dgrad, 32768, 128, operands=operands) == "pallas_triton"
+        partial = BackendTable.of({("gmm_nt", "prefill"): ("pallas_triton",)})
+        with pytest.raises(ValueError, match=r"no entry for \('tgmm', 'prefill'\)"):
+            gemm_backend("tgmm", partial, 32768, 128)
+    for table, message in [({("gmm_nt", "training"): ("xla",)}, r"key \('gmm_nt', 'training'\)"),
+                           ({("gmm_nt", "decode"): ()}, r"non-empty tuple of backends"),
+                           ({("gmm_nt", "decode"): ("auto",)}, r"non-empty tuple of backends"),
+                           ({"gmm_nt": ("xla",)}, r"use \(kernel, shape class\)")]:
+        with pytest.raises(ValueError, match=message):
+            BackendTable.of(table)
+    with pytest.raises(ValueError, match="appears twice"):
+        BackendTable(((("gmm_nt", "decode"), ("xla",)), (("gmm_nt", "decode"), ("pallas_triton",))))
 
 
 def test_auto_backend_follows_the_mesh_platform(monkeypatch):

@@ -42,7 +42,7 @@ from moe_jax.layers.checks import (
 from moe_jax.layers.dense import SwiGLU, expert_init, init, linear, param
 from moe_jax.layers.routed import ExpertStage, routed_on_mesh, single_device
 from moe_jax.layers.stats import MoEStats, moe_stats
-from moe_jax.ops import resolve_backend
+from moe_jax.ops import BackendTable, resolve_backend
 from moe_jax.parallel import AxisRules, EPOptions
 from moe_jax.parallel.transports import check_strategy
 from moe_jax.validation import check_bool, check_int
@@ -92,7 +92,9 @@ class MoE(nnx.Module):
         XLA elsewhere), `"pallas_triton"`, `"triton"` (official Triton through jax_triton, GPU
         only), `"mosaic_gpu"` (Pallas Mosaic GPU grouped GEMMs) or `"xla"`; the row
         gathers and EP's send plan use it too (on `pallas_triton` where the backend has no kernel
-        of its own).
+        of its own). A `moe_jax.ops.BackendTable` is `"auto"` with a per-kernel table of its own,
+        e.g. `H200_BACKENDS.replace({("gmm_nn", "prefill"): ("mosaic_gpu", "triton", "pallas_triton")})`
+        to run the input gradient on Mosaic GPU where it takes the shapes.
       gemm_kernel: how the Pallas backend picks each grouped GEMM's kernel: `"auto"` (default),
         the per-device tuned selector (`moe_jax.ops.gmm.selector`: from the packed rows and, where
         the table says it pays, the routing histogram, on device); `"static"`, the shape table
@@ -144,7 +146,7 @@ class MoE(nnx.Module):
         fused_gate_up: bool = False,
         dtype=None,
         param_dtype=jnp.float32,
-        backend: str = "auto",
+        backend: str | BackendTable = "auto",
         gemm_kernel: str = "auto",
         row_gather: str = "auto",
         precision: lax.Precision | None = None,

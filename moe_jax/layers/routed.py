@@ -32,6 +32,8 @@ from moe_jax.experts import swiglu_experts, swiglu_experts_fused
 from moe_jax.ops import (AUTO_FUSED_GATHER, CANDIDATES, candidate_index, gemm_backend, gmm_config, select,
                          selector_table, triton_candidate)
 from moe_jax.ops.gmm import histogram_features
+from moe_jax.ops.gmm.mosaic import group_tiles, mosaic_config
+from moe_jax.ops.platform import BackendTable
 from moe_jax.ops.sharding import vary_to_union
 from moe_jax.parallel import AxisRules, EPOptions, ep_moe, is_explicit
 from moe_jax.parallel.capacity import resolve_capacity
@@ -78,7 +80,7 @@ class ExpertStage:
     d_in: int  # the experts' input/output width (D, or L with a latent)
     d_ff: int
     fused_gate_up: bool
-    backend: str
+    backend: str | BackendTable  # a backend name or `auto` with a table of its own
     precision: lax.Precision | None
 
     kernel: str  # "auto" (the tuned on-device selector) or "static" (the shape table)
@@ -91,26 +93,39 @@ class ExpertStage:
         return fn(x_MD, group_sizes, *weights, backend=self.backend, precision=self.precision,
                   kernel="auto" if self.kernel == "auto" else None, rows=rows)
 
-    def fuses_gather(self, num_rows: int) -> bool:
+    def gate_up_backend(self, num_rows: int, num_groups: int, dtype) -> str:
+        """The backend of the gate/up GEMM (`gmm_nt`) on `num_rows` packed `dtype` rows."""
+        cols = 2 * self.d_ff if self.fused_gate_up else self.d_ff
+        return gemm_backend("gmm_nt", self.backend, num_rows, num_groups,
+                            operands=(cols, self.d_in, jnp.dtype(dtype), jnp.dtype(dtype)))
+
+    def fuses_gather(self, num_rows: int, dtype) -> bool:
         """Whether the gate/up GEMM reads the token rows through the packing's ids (no packed
         copy): always with `row_gather="fused"`, never with `"separate"`; with `"auto"` where
         the gate/up GEMM's backend is one of `AUTO_FUSED_GATHER` (measured faster fused)."""
         if self.row_gather != "auto":
             return self.row_gather == "fused"
-        return gemm_backend("gmm_nt", self.backend, num_rows, self.num_experts) in AUTO_FUSED_GATHER
+        return self.gate_up_backend(num_rows, self.num_experts, dtype) in AUTO_FUSED_GATHER
 
-    def telemetry(self, group_sizes, num_rows: int) -> GemmTelemetry:
-        """One device's gate/up GEMM: on the Pallas backend the candidate that runs (the selector's
-        pick, or the shape table's) and its executed rows; on the triton backend its row-tile
-        candidate (`triton_candidate`); on the xla backend the useful rows and no candidate (XLA's
-        tiling is its own, so no tile padding is claimed)."""
+    def telemetry(self, group_sizes, num_rows: int, dtype) -> GemmTelemetry:
+        """One device's gate/up GEMM on `dtype` rows: on the Pallas backend the candidate that runs
+        (the selector's pick, or the shape table's) and its executed rows; on the triton backend
+        its row-tile candidate (`triton_candidate`); on the mosaic_gpu backend the rows of its
+        aligned tiles and no candidate (its tiles are its own); on the xla backend the useful rows
+        and no candidate (XLA's tiling is its own, so no tile padding is claimed)."""
         num_c = len(CANDIDATES)
         num_groups = group_sizes.shape[0]
-        backend = gemm_backend("gmm_nt", self.backend, num_rows, num_groups)
+        gate_up_cols = 2 * self.d_ff if self.fused_gate_up else self.d_ff
+        backend = self.gate_up_backend(num_rows, num_groups, dtype)
+        no_candidate = jnp.zeros((num_c,), jnp.int32)
         if backend == "xla":
             useful = jnp.sum(group_sizes, dtype=jnp.int32)
-            return GemmTelemetry(useful, useful, useful, useful, jnp.zeros((num_c,), jnp.int32))
-        gate_up_cols = 2 * self.d_ff if self.fused_gate_up else self.d_ff
+            return GemmTelemetry(useful, useful, useful, useful, no_candidate)
+        if backend == "mosaic_gpu":
+            useful = histogram_features(group_sizes, num_rows).useful_rows
+            tile_m = mosaic_config(self.d_in, dtype).tile_m
+            executed = tile_m * jnp.sum(group_tiles(group_sizes, num_rows=num_rows, tile_m=tile_m)[:-1])
+            return GemmTelemetry(executed, executed, useful, useful, no_candidate)
         if backend == "triton":
             features = histogram_features(group_sizes, num_rows)
             chosen = candidate_index(triton_candidate(num_rows, gate_up_cols, self.d_in, num_groups))
@@ -128,12 +143,12 @@ class ExpertStage:
 def _local(stage: ExpertStage, x_TD, idx_TK, w_TK, mask_T, weights):
     """Pack, grouped SwiGLU and combine on one device's tokens with all E experts."""
     packing = pack(idx_TK, stage.num_experts, mask_T=mask_T)
-    if stage.fuses_gather(idx_TK.size):
+    if stage.fuses_gather(idx_TK.size, x_TD.dtype):
         y_RD = stage.experts(x_TD, packing.group_sizes_E, weights, rows=packed_row_source(x_TD, packing))
     else:
         y_RD = stage.experts(pack_rows(x_TD, packing, backend=stage.backend), packing.group_sizes_E, weights)
     y_TD = combine(y_RD, w_TK, packing)  # pack(mask_T=...) already left masked routes out
-    return y_TD, stage.telemetry(packing.group_sizes_E, idx_TK.size)
+    return y_TD, stage.telemetry(packing.group_sizes_E, idx_TK.size, x_TD.dtype)
 
 
 def single_device(stage: ExpertStage, x_TD, idx_TK, w_TK, mask_T, weights) -> Routed:
@@ -176,9 +191,9 @@ def routed_on_mesh(stage: ExpertStage, mesh, rules: AxisRules, options: EPOption
             x_TD, idx_TK, w_TK, lambda x, sizes_El, rows=None: stage.experts(x, sizes_El, weights, rows=rows),
             num_experts=stage.num_experts, axis_name=rules.experts, strategy=options.strategy,
             capacity=capacity, mask_T=mask_T, backend=stage.backend, transport=options.transport,
-            fuse_regroup=stage.fuses_gather(packed_rows),
+            fuse_regroup=stage.fuses_gather(packed_rows, x_TD.dtype),
         )
-        gemm = stage.telemetry(stats.group_sizes_El, ep * stats.capacity).reduce(rules.tokens)
+        gemm = stage.telemetry(stats.group_sizes_El, ep * stats.capacity, x_TD.dtype).reduce(rules.tokens)
         # stats.dropped is already the ep-group total; the groups of the replicas add up.
         return (y_TD, gemm, lax.psum(stats.dropped, rules.expert_replicas), lax.psum(stats.kept_E, rules.tokens))
 

@@ -32,7 +32,7 @@ from moe_jax.ops.gmm import (
     triton_tgmm_config,
     tgmm_reference,
 )
-from moe_jax.ops.platform import BACKENDS, BackendName, resolve_backend
+from moe_jax.ops.platform import BACKENDS, BackendName, BackendTable, resolve_backend
 
 __all__ = [
     "AUTO_FUSED_GATHER",
@@ -48,6 +48,7 @@ __all__ = [
     "BACKENDS",
     "FAMILIES",
     "BackendName",
+    "BackendTable",
     "GmmConfig",
     "GroupMetadata",
     "SUPPORTED_DTYPES",

@@ -15,6 +15,9 @@ with `implementation(op, backend)`. Backend names:
 - `xla`: plain XLA (`jax.lax.ragged_dot_general`, `jnp` indexing).
 - `auto`: `pallas_triton` when compiling for a GPU, else `xla`; logged once per platform. The
   grouped GEMMs refine it per kernel on a GPU (`moe_jax.ops.gmm.backend_table`).
+- a `BackendTable`: `auto` with a per-kernel table of one's own for the grouped GEMMs (to run,
+  say, one kernel on another backend while the rest stay as `auto` picks them); every other op
+  reads it as `auto`.
 
 The platform is the one being compiled for (`compile_platform`): the abstract mesh's device when
 one is set (inside `shard_map`, or lowering ahead of time for a GPU from a CPU host), else JAX's
@@ -23,8 +26,9 @@ default backend. A mesh of CPU devices in a GPU process therefore counts as CPU.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Literal
 
 import jax
@@ -32,6 +36,8 @@ import jax
 __all__ = [
     "BACKENDS",
     "BackendName",
+    "BackendTable",
+    "SHAPE_CLASSES",
     "GPU_PLATFORMS",
     "compile_platform",
     "implementation",
@@ -44,10 +50,56 @@ __all__ = [
 BACKENDS = ("pallas_triton", "triton", "mosaic_gpu", "xla")
 BackendName = Literal["auto", "pallas_triton", "triton", "mosaic_gpu", "xla"]
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+SHAPE_CLASSES = ("decode", "prefill")
 
 _log = logging.getLogger("moe_jax")
 _REGISTRY: dict[str, dict[str, Callable]] = {}
 _announced: set[tuple[str, str]] = set()
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendTable(Mapping):
+    """`backend="auto"` with its own table: for each `(kernel, shape class)` of the grouped GEMMs
+    (kernels `gmm_nt`, `gmm_nn`, `tgmm`; classes `SHAPE_CLASSES`), the backends to try in order
+    on a GPU (`moe_jax.ops.gmm.backend_table.gemm_backend` runs the first that runs the call).
+    Pass it wherever a backend name goes (`MoE(backend=...)`, `gmm`, `tgmm`, `grouped_linear`);
+    ops without per-kernel choices (row gathers, EP's send plan) and every op off GPU read it as
+    `"auto"`. A read-only mapping, hashable (it sits in jit-static options); build it from a dict
+    (`BackendTable.of`) or from another table (`replace`).
+    """
+
+    entries: tuple[tuple[tuple[str, str], tuple[str, ...]], ...]
+
+    def __post_init__(self):
+        for key, choices in self.entries:
+            if not (isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str) and key[1] in SHAPE_CLASSES):
+                raise ValueError(f"BackendTable key {key!r}: use (kernel, shape class) with a class in {SHAPE_CLASSES}.")
+            if not (isinstance(choices, tuple) and choices and all(c in BACKENDS for c in choices)):
+                raise ValueError(f"BackendTable[{key!r}] = {choices!r}: use a non-empty tuple of backends from "
+                                 f"{BACKENDS}.")
+        if len({key for key, _ in self.entries}) != len(self.entries):
+            raise ValueError("BackendTable: a (kernel, shape class) key appears twice.")
+
+    @classmethod
+    def of(cls, table: Mapping) -> "BackendTable":
+        """A table from a mapping `{(kernel, shape class): (backend, ...)}`."""
+        return cls(tuple((tuple(k), tuple(v)) for k, v in table.items()))
+
+    def replace(self, updates: Mapping) -> "BackendTable":
+        """This table with the entries of `updates` added or replaced."""
+        return BackendTable.of({**dict(self.entries), **{tuple(k): tuple(v) for k, v in updates.items()}})
+
+    def __getitem__(self, key):
+        for k, choices in self.entries:
+            if k == key:
+                return choices
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator:
+        return (k for k, _ in self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
 
 
 def compile_platform() -> str:
@@ -66,11 +118,11 @@ def interpret() -> bool:
     return not on_gpu()
 
 
-def resolve_backend(backend: str) -> str:
-    """The backend `backend` stands for: `auto` is `pallas_triton` on GPU, else `xla` (logged once
-    per platform on the `moe_jax` logger, INFO); ValueError naming the choices otherwise, and for
-    `triton` off GPU."""
-    if backend == "auto":
+def resolve_backend(backend: "str | BackendTable") -> str:
+    """The backend `backend` stands for: `auto` (and a `BackendTable`) is `pallas_triton` on GPU,
+    else `xla` (logged once per platform on the `moe_jax` logger, INFO); ValueError naming the
+    choices otherwise, and for `triton` off GPU."""
+    if isinstance(backend, BackendTable) or backend == "auto":
         platform = compile_platform()
         picked = "pallas_triton" if platform in GPU_PLATFORMS else "xla"
         if (platform, picked) not in _announced:
@@ -80,7 +132,7 @@ def resolve_backend(backend: str) -> str:
     if backend not in BACKENDS:
         raise ValueError(
             f"backend={backend!r} is not a moe_jax backend; use one of 'auto', "
-            + ", ".join(repr(b) for b in BACKENDS) + "."
+            + ", ".join(repr(b) for b in BACKENDS) + " or a BackendTable."
         )
     if backend == "triton" and not on_gpu():
         raise ValueError(

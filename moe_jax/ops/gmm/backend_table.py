@@ -20,18 +20,17 @@ from __future__ import annotations
 
 import functools
 import logging
-import types
 
 from moe_jax.ops.gmm.mosaic import mosaic_supports
 from moe_jax.ops.gmm.triton_launch import import_jax_triton
-from moe_jax.ops.platform import on_gpu, resolve_backend
+from moe_jax.ops.platform import BackendTable, on_gpu, resolve_backend
 
 __all__ = ["AUTO_FUSED_GATHER", "H200_BACKENDS", "KERNELS", "gemm_backend", "have_jax_triton", "shape_class"]
 
 KERNELS = ("gmm_nt", "gmm_nn", "tgmm")
 DECODE_ROWS_PER_GROUP = 64
 
-H200_BACKENDS: types.MappingProxyType[tuple[str, str], tuple[str, ...]] = types.MappingProxyType({
+H200_BACKENDS = BackendTable.of({
     ("gmm_nt", "decode"): ("pallas_triton",),
     ("gmm_nt", "prefill"): ("pallas_triton",),
     ("gmm_nn", "decode"): ("pallas_triton",),
@@ -62,19 +61,25 @@ def shape_class(num_rows: int, num_groups: int) -> str:
     return "decode" if num_rows <= DECODE_ROWS_PER_GROUP * max(num_groups, 1) else "prefill"
 
 
-def gemm_backend(kernel: str, backend: str, num_rows: int, num_groups: int, *, operands=None,
+def gemm_backend(kernel: str, backend: str | BackendTable, num_rows: int, num_groups: int, *, operands=None,
                  table=H200_BACKENDS, triton_available: bool | None = None) -> str:
     """The backend that runs `kernel` (one of `KERNELS`) for `backend`: an explicit name as
     `platform.resolve_backend` checks it; `auto` off GPU is `xla`, on GPU the first of `table`'s
-    choices for the shape class that runs here: `triton` only where jax_triton imports (or
-    `triton_available` says so), `mosaic_gpu` only for `operands = (N, K, dtype, out_dtype)` that
-    `mosaic.mosaic_supports` (never without them); `pallas_triton` runs everything. Logged once
-    per choice on the `moe_jax` logger (INFO)."""
+    choices for the shape class that runs here (a `BackendTable` passed as `backend` is `auto`
+    with that table): `triton` only where jax_triton imports (or `triton_available` says so),
+    `mosaic_gpu` only for `operands = (N, K, dtype, out_dtype)` that `mosaic.mosaic_supports`
+    (never without them); `pallas_triton` runs everything. Logged once per choice on the
+    `moe_jax` logger (INFO)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r}: use one of {KERNELS}.")
+    if isinstance(backend, BackendTable):
+        table, backend = backend, "auto"
     if backend != "auto" or not on_gpu():
         return resolve_backend(backend)
     cls = shape_class(num_rows, num_groups)
+    if (kernel, cls) not in table:
+        raise ValueError(f"the backend table has no entry for ({kernel!r}, {cls!r}); add one, e.g. start from "
+                         f"H200_BACKENDS.replace({{...}}), which has every kernel and shape class.")
     triton_ok = have_jax_triton() if triton_available is None else triton_available
     mosaic_ok = operands is not None and mosaic_supports(num_rows, *operands[:3], out_dtype=operands[3])
     runs = {"triton": triton_ok, "mosaic_gpu": mosaic_ok}
