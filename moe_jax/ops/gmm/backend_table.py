@@ -11,7 +11,9 @@ on average, where the Pallas group-major and split-K kernels live) and `prefill`
 the on-device selector chooses among its candidates (0.95x vs 0.90x). Each entry lists backends
 in order of preference; `auto` runs the first that runs the call (`gemm_backend`). `mosaic_gpu`
 is in no entry: its input gradient beats `triton` on the Qwen3-30B-A3B and Mixtral rows but loses
-on DeepSeek-V3's, and the whole layer with it was no faster (the results file's "Mosaic in auto").
+on DeepSeek-V3's, and the whole layer with it was no faster (the results file's "Mosaic in auto";
+with the Mosaic rule, `2026-12-03-h200-backend-table-layer.md`: 3-7% faster at Qwen3-30B-A3B,
+5-9% slower at DeepSeek-V3). A `BackendTable` passed as `backend` replaces this table per call.
 It is applied on every GPU: it is the only one measured. Where jax_triton is not installed,
 `triton` choices run on `pallas_triton`. Off GPU, `auto` is `xla` for every kernel.
 """
