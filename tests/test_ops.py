@@ -563,6 +563,8 @@ def test_backend_table_is_auto_with_a_table_of_its_own():
         k: v for k, v in H200_BACKENDS.items() if k != ("gmm_nn", "prefill")}
     assert mosaic_dgrad == BackendTable.of(dict(mosaic_dgrad)) and hash(mosaic_dgrad) == hash(BackendTable.of(dict(mosaic_dgrad)))
     assert mosaic_dgrad != H200_BACKENDS
+    reordered = BackendTable.of(dict(reversed(list(mosaic_dgrad.items()))))  # key order carries no meaning
+    assert reordered == mosaic_dgrad and hash(reordered) == hash(mosaic_dgrad)
     assert resolve_backend(mosaic_dgrad) == ("pallas_triton" if ON_GPU else "xla")
     if not ON_GPU:
         assert gemm_backend("gmm_nn", mosaic_dgrad, 32768, 128) == "xla"

@@ -93,11 +93,15 @@ class ExpertStage:
         return fn(x_MD, group_sizes, *weights, backend=self.backend, precision=self.precision,
                   kernel="auto" if self.kernel == "auto" else None, rows=rows)
 
+    @property
+    def gate_up_cols(self) -> int:
+        """Output columns of the gate/up GEMM: 2F fused, F for each of the two otherwise."""
+        return 2 * self.d_ff if self.fused_gate_up else self.d_ff
+
     def gate_up_backend(self, num_rows: int, num_groups: int, dtype) -> str:
         """The backend of the gate/up GEMM (`gmm_nt`) on `num_rows` packed `dtype` rows."""
-        cols = 2 * self.d_ff if self.fused_gate_up else self.d_ff
         return gemm_backend("gmm_nt", self.backend, num_rows, num_groups,
-                            operands=(cols, self.d_in, jnp.dtype(dtype), jnp.dtype(dtype)))
+                            operands=(self.gate_up_cols, self.d_in, jnp.dtype(dtype), jnp.dtype(dtype)))
 
     def fuses_gather(self, num_rows: int, dtype) -> bool:
         """Whether the gate/up GEMM reads the token rows through the packing's ids (no packed
@@ -115,7 +119,7 @@ class ExpertStage:
         and no candidate (XLA's tiling is its own, so no tile padding is claimed)."""
         num_c = len(CANDIDATES)
         num_groups = group_sizes.shape[0]
-        gate_up_cols = 2 * self.d_ff if self.fused_gate_up else self.d_ff
+        gate_up_cols = self.gate_up_cols
         backend = self.gate_up_backend(num_rows, num_groups, dtype)
         no_candidate = jnp.zeros((num_c,), jnp.int32)
         if backend == "xla":

@@ -79,6 +79,8 @@ class BackendTable(Mapping):
                                  f"{BACKENDS}.")
         if len({key for key, _ in self.entries}) != len(self.entries):
             raise ValueError("BackendTable: a (kernel, shape class) key appears twice.")
+        # Key order carries no meaning: equal mappings are equal (and hash equal) tables.
+        object.__setattr__(self, "entries", tuple(sorted(self.entries)))
 
     @classmethod
     def of(cls, table: Mapping) -> "BackendTable":

@@ -216,8 +216,7 @@ def aligned_tiles(group_sizes: jax.Array, *, num_rows: int, tile_m: int) -> jax.
     zero-fill pseudo-group's; tiles past the list have `lo == hi == M`.
     """
     num_groups = group_sizes.shape[0]
-    starts_G, ends_G, bases_G = _group_spans(group_sizes, num_rows)
-    tiles_G = group_tiles(group_sizes, num_rows=num_rows, tile_m=tile_m)
+    starts_G, ends_G, bases_G, tiles_G = _group_spans(group_sizes, num_rows, tile_m)
     tile_ends_G = jnp.cumsum(tiles_G).astype(jnp.int32)
     w = num_work_tiles(num_rows, num_groups, tile_m)
     t_W = jnp.arange(w, dtype=jnp.int32)
@@ -231,19 +230,20 @@ def aligned_tiles(group_sizes: jax.Array, *, num_rows: int, tile_m: int) -> jax.
     return jnp.stack([jnp.where(in_use, g_W, num_groups), lo_W, hi_W, read_W]).astype(jnp.int32)
 
 
-def _group_spans(group_sizes: jax.Array, num_rows: int):
-    """`[E + 1]` first row, one-past-last row and aligned first read of each group and of the
-    zero-fill pseudo-group (the rows past the last group)."""
-    offsets = clamp_group_sizes(group_sizes, num_rows)
-    ends_G = jnp.concatenate([offsets[1:], jnp.array([num_rows], jnp.int32)])
-    return offsets, ends_G, offsets // ROW_ALIGN * ROW_ALIGN
+def _group_spans(group_sizes: jax.Array, num_rows: int, tile_m: int):
+    """`[E + 1]` first row, one-past-last row, aligned first read and tile count of each group and
+    of the zero-fill pseudo-group (the rows past the last group)."""
+    starts_G = clamp_group_sizes(group_sizes, num_rows)
+    ends_G = jnp.concatenate([starts_G[1:], jnp.array([num_rows], jnp.int32)])
+    bases_G = starts_G // ROW_ALIGN * ROW_ALIGN
+    tiles_G = jnp.where(ends_G > starts_G, (ends_G - bases_G + tile_m - 1) // tile_m, 0).astype(jnp.int32)
+    return starts_G, ends_G, bases_G, tiles_G
 
 
 def group_tiles(group_sizes: jax.Array, *, num_rows: int, tile_m: int) -> jax.Array:
     """`[E + 1]` int32: each group's tiles in `aligned_tiles`' list, the zero-fill pseudo-group's
     last; `tile_m * sum(group_tiles(...)[:-1])` are the rows the kernel multiplies."""
-    starts_G, ends_G, bases_G = _group_spans(group_sizes, num_rows)
-    return jnp.where(ends_G > starts_G, (ends_G - bases_G + tile_m - 1) // tile_m, 0).astype(jnp.int32)
+    return _group_spans(group_sizes, num_rows, tile_m)[3]
 
 
 def num_work_tiles(num_rows: int, num_groups: int, tile_m: int) -> int:
