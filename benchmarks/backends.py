@@ -9,8 +9,9 @@ decode buckets, times on the same inputs in one process:
 - input gradient (`gmm` with `transpose_rhs=False`): both backends; torch's is the same call as
   its forward on the transposed weight view;
 - weight gradient `tgmm`: both backends, at the table's tiles and each of `TRITON_WGRAD`, and the
-  persistent Triton kernel (`tgmm_triton(programs=)`, keys `wgrad triton-persistent ...`) at a few
-  tiles and program counts;
+  persistent Triton kernel (`tgmm_triton(programs=)`, keys `wgrad triton-persistent ...`) at the
+  tiles and program counts of `TRITON_WGRAD_PERSISTENT`; the table's Triton kernel launched from
+  torch by Triton's runtime (`wgrad triton-via-torch`: the kernel without jax_triton and XLA);
   `torch._grouped_mm(dy^T, x, offs)` (what torch autograd runs);
 - forward + backward `grouped_linear`: both backends; torch autograd.
 Every backend's output is checked against `pallas_triton`'s (relative error in the records).
@@ -37,7 +38,7 @@ from benchmarks.gmm import (attempt, compile_all, encode_config, make_inputs, re
 from benchmarks.timing import run_meta, time_compiled, time_torch
 from moe_jax.ops import TileConfig, gmm, gmm_config, grouped_linear, tgmm, tgmm_config, triton_tgmm_config
 from moe_jax.ops.gmm.mosaic import MosaicConfig, mosaic_supports
-from moe_jax.ops.gmm.triton_launch import tgmm_triton
+from moe_jax.ops.gmm.triton_launch import tgmm_index, tgmm_launch, tgmm_triton
 
 TRITON_FWD = [
     TileConfig(128, 256, 64, 8, 3, 8), TileConfig(128, 128, 64, 4, 4, 8), TileConfig(256, 128, 64, 8, 3, 8),
@@ -57,6 +58,9 @@ MOSAIC = [MosaicConfig(),  # the 3-stage default, which `mosaic_config` runs at 
           MosaicConfig(128, 128, 64, 2, pipeline_across_items=True), MosaicConfig(128, 64, 64, 4),
           MosaicConfig(128, 64, 64, 4, pipeline_across_items=True), MosaicConfig(128, 128, 64, 4, out_buffer_rows=64),
           MosaicConfig(128, 128, 64, 4, pipeline_across_items=True, out_buffer_rows=64)]
+# (tiles, programs) of the persistent weight gradient; None: `triton_tgmm_config`'s tiles.
+TRITON_WGRAD_PERSISTENT = [(None, 132), (None, 264), (TileConfig(16, 128, 128, 4, 5, 1), 264),
+                           (TileConfig(16, 128, 128, 4, 5, 1), 396), (TileConfig(64, 128, 128, 4, 3, 1), 264)]
 
 
 def _jobs(shape, x, w, dy, gs, backends, kinds, variants):
@@ -86,8 +90,8 @@ def _jobs(shape, x, w, dy, gs, backends, kinds, variants):
             jobs[f"wgrad triton {_name(t)}"] = (lambda x, d, gs, t=t: tgmm(x, d, gs, backend="triton", config=t),
                                                 (x, dy, gs), wreps)
         table = triton_tgmm_config(shape.m, shape.n, shape.k, shape.e)
-        for t, programs in [(table, 132), (table, 264), (TileConfig(16, 128, 128, 4, 5, 1), 264),
-                            (TileConfig(16, 128, 128, 4, 5, 1), 396)]:
+        for t, programs in TRITON_WGRAD_PERSISTENT:
+            t = t or table
             jobs[f"wgrad triton-persistent {programs}p {_name(t)}"] = (
                 lambda x, d, gs, t=t, p=programs: tgmm_triton(x, d, gs, tiles=t, out_dtype=x.dtype, precision=None,
                                                               programs=p), (x, dy, gs), wreps)
@@ -136,12 +140,31 @@ def _check(jobs) -> dict:
     return errs
 
 
-def _torch_times(shape, x, w, dy, counts, reps):
+def _triton_wgrad_from_torch(shape, tx, tdy, counts):
+    """A call of the `triton` backend's weight-gradient kernel at `triton_tgmm_config`'s tiles,
+    launched by Triton's own runtime on the torch tensors (the same kernel as `wgrad triton`, without
+    jax_triton and XLA around it)."""
+    import torch
+
+    from moe_jax.ops.gmm.triton_kernels import tgmm_kernel
+
+    launch = tgmm_launch(m=shape.m, n=shape.n, k=shape.k, num_groups=shape.e, dtype=jnp.bfloat16, precision=None,
+                         interpret=False, tiles=triton_tgmm_config(shape.m, shape.n, shape.k, shape.e))
+    sizes = to_torch(tgmm_index(jnp.asarray(counts, jnp.int32), shape.m, None))
+    out = torch.empty((shape.e, shape.n, shape.k), dtype=tx.dtype, device="cuda")
+    return lambda: tgmm_kernel[launch.grid](sizes, sizes, tx, tdy, out, num_warps=launch.num_warps,
+                                            num_stages=launch.num_stages, **launch.constants)
+
+
+def _torch_times(shape, x, w, dy, counts, reps, backends):
     import torch
 
     tx, tw, tdy = (to_torch(a) for a in (x, w, dy))
     offs = torch_offsets(counts)
     t = {}
+    if "triton" in backends:
+        t["wgrad triton-via-torch"] = attempt(time_torch, _triton_wgrad_from_torch(shape, tx, tdy, counts), [()],
+                                              reps=max(2, reps // 2))
     t["fwd torch"] = time_torch(lambda: torch._grouped_mm(tx, tw.transpose(-2, -1), offs=offs), [()], reps=reps)
     t["dgrad torch"] = time_torch(lambda: torch._grouped_mm(tdy, tw, offs=offs), [()], reps=reps)
     t["wgrad torch"] = attempt(time_torch, lambda: torch._grouped_mm(tdy.t(), tx, offs=offs), [()],
@@ -191,7 +214,7 @@ def main(argv=None):
         for key in jobs:
             b = next(built)
             times[key] = None if isinstance(b, Exception) else attempt(time_compiled, *b, trials=5)
-        times.update(_torch_times(shape, x, w, dy, counts, reps_for(shape.m * shape.n * 2, cap=10)))
+        times.update(_torch_times(shape, x, w, dy, counts, reps_for(shape.m * shape.n * 2, cap=10), backends))
         flops = 2 * int(counts.sum()) * shape.n * shape.k
         rec = dict(shape=shape.name, skew=skew, m=shape.m, e=shape.e, k=shape.k, n=shape.n, flops=flops,
                    configs=configs, times=times, rel_err_vs_pallas=errs)

@@ -100,6 +100,19 @@ def test_tgmm_kernel_gathers_rows():
     assert (fused[1] == 0).all()
 
 
+def test_tgmm_kernel_clamps_sizes_in_the_program():
+    """The kernel computes its group's rows from the raw sizes: negative sizes are empty, and
+    sizes past the rows end at `M`, as `schedule.clamp_group_sizes` (and the reference) clamp."""
+    m, k, n = 40, 24, 16
+    x, _ = _inputs(4, m, k, n, 1)
+    d = np.random.default_rng(7).standard_normal((m, n)).astype(np.float32)
+    sizes = (15, -4, 30, 9, 2)
+    got = tgmm_torch(_t(x), _t(d), torch.tensor(sizes, dtype=torch.int32, device=DEVICE), tiles=TILES[1],
+                     precision=HI).cpu().numpy()
+    assert (got[1] == 0).all() and (got[3:] == 0).all()
+    assert_close(got, tgmm_reference(jnp.asarray(x), jnp.asarray(d), jnp.asarray(sizes)), jnp.float32, "clamped")
+
+
 def test_gmm_kernel_bf16_rounds_like_the_reference():
     m, k, n = 50, 64, 32
     x, w = _inputs(3, m, k, n, 3)
@@ -188,12 +201,14 @@ def test_tgmm_persistent_kernel_equals_the_per_tile_kernel(programs, tiles, size
 
 
 def test_tgmm_launch_sizes_the_grid_by_tiles_or_programs():
-    kw = dict(n=24, k=40, num_groups=5, tiles=TILES[0], dtype=np.float32, precision=HI, interpret=True)
+    kw = dict(m=70, n=24, k=40, num_groups=5, tiles=TILES[0], dtype=np.float32, precision=HI, interpret=True)
     per_tile = tgmm_launch(**kw)
     assert per_tile.grid == (5 * 2 * 3,) and "PROGRAMS" not in per_tile.constants
+    assert (per_tile.constants["M"], per_tile.constants["E"], per_tile.constants["E_LANES"]) == (70, 5, 16)
     persistent = tgmm_launch(**kw, programs=264)
     assert persistent.grid == (264,)
-    assert persistent.constants == per_tile.constants | dict(E=5, E_LANES=16, PROGRAMS=264)
+    # The persistent kernel reads offsets, not sizes: it takes no M.
+    assert persistent.constants == {key: v for key, v in per_tile.constants.items() if key != "M"} | dict(PROGRAMS=264)
     with pytest.raises(ValueError, match="programs"):
         tgmm_launch(**kw, programs=0)
 

@@ -47,7 +47,7 @@ def main() -> None:
     fwd = gmm_config(M, N, K, E).tiles
     wgrad = triton_tgmm_config(M, N, K, E)
     gmm_ptrs = [("sizes_ptr", "i32"), ("rows_ptr", "i32"), ("a_ptr", "bf16"), ("b_ptr", "bf16"), ("c_ptr", "bf16")]
-    tgmm_ptrs = [("offsets_ptr", "i32"), ("rows_ptr", "i32"), ("a_ptr", "bf16"), ("d_ptr", "bf16"), ("o_ptr", "bf16")]
+    tgmm_ptrs = [("rows_ptr", "i32"), ("a_ptr", "bf16"), ("d_ptr", "bf16"), ("o_ptr", "bf16")]
     for gather in (False, True):
         source = T if gather else None
         for transpose_rhs in (True, False):
@@ -55,11 +55,11 @@ def main() -> None:
                                 tiles=fwd, dtype=jnp.bfloat16, precision=None, interpret=False)
             print(json.dumps(dict(kernel="gmm", gather=gather, transpose_rhs=transpose_rhs,
                                   **_compile(gmm_kernel, gmm_ptrs, launch))), flush=True)
-        for programs, kernel in ((None, tgmm_kernel), (PROGRAMS, tgmm_persistent_kernel)):
-            launch = tgmm_launch(n=N, k=K, num_groups=E, tiles=wgrad, dtype=jnp.bfloat16, precision=None,
+        for programs, kernel, index in ((None, tgmm_kernel, "sizes_ptr"), (PROGRAMS, tgmm_persistent_kernel, "offsets_ptr")):
+            launch = tgmm_launch(m=M, n=N, k=K, num_groups=E, tiles=wgrad, dtype=jnp.bfloat16, precision=None,
                                  interpret=False, source_rows=source, programs=programs)
             print(json.dumps(dict(kernel="tgmm", gather=gather, programs=programs,
-                                  **_compile(kernel, tgmm_ptrs, launch))), flush=True)
+                                  **_compile(kernel, [(index, "i32"), *tgmm_ptrs], launch))), flush=True)
 
 
 if __name__ == "__main__":

@@ -10,12 +10,14 @@ Both kernels keep the contracts of the `pallas_triton` kernels (`row_tile`, `wgr
   the zero-fill pseudo-group store zeros for the rows past the last group, so `c` needs no memset.
   With `GATHER`, packed row r is read from `a[rows[r]]` (`a` is `[T, K]`): the row gather of the
   layer's packing happens in the A-operand load instead of a separate pass through memory.
-- `tgmm_kernel`: `o[E, N, K]`, `o[e] = d_e^T @ a_e`, one program per (group, N block, K block);
-  an empty group stores exact zeros; one writer per element (no atomics), so repeated runs give
-  the same bits. `GATHER` reads `a`'s rows through row ids here too.
+- `tgmm_kernel`: `o[E, N, K]`, `o[e] = d_e^T @ a_e`, one program per (group, N block, K block),
+  its group's rows computed in the program from the raw sizes; an empty group stores exact zeros;
+  one writer per element (no atomics), so repeated runs give the same bits. `GATHER` reads `a`'s
+  rows through row ids here too.
 - `tgmm_persistent_kernel`: `tgmm_kernel`'s tiles, bit for bit, from a fixed number of programs,
   each walking every `PROGRAMS`-th tile in one flat loop of row steps, so the pipeliner overlaps
-  the next tile's first loads with the current tile's epilogue.
+  the next tile's first loads with the current tile's epilogue; it reads the clamped offsets
+  (`schedule.clamp_group_sizes`), computed before the launch, one group's at each tile.
 Products accumulate in fp32; `PRECISION` is `tl.dot`'s `input_precision` ("ieee" for fp32 inputs
 at `Precision.HIGHEST`, else "tf32"; bf16/fp16 ignore it).
 
@@ -59,6 +61,19 @@ def _row_ids(rows_ptr, r0, end, BLOCK_M: tl.constexpr, GATHER: tl.constexpr):
 
 
 @triton.jit
+def _group_spans(sizes_ptr, M: tl.constexpr, E: tl.constexpr, E_LANES: tl.constexpr):
+    """(lanes, first rows, one-past-last rows), int32 `[E_LANES]`, of the groups whose sizes
+    `sizes_ptr` holds (`[E_LANES]`, lanes past E ignored): `schedule.clamp_group_sizes`'s offsets,
+    sizes clipped to [0, M] and the running total saturating at M, exact while E * M < 2**31 (the
+    launchers' contract; `tile.lane_sizes` clamps exactly first beyond it)."""
+    lanes = tl.arange(0, E_LANES)
+    sizes = tl.load(sizes_ptr + lanes, mask=lanes < E, other=0)
+    sizes = tl.minimum(tl.maximum(sizes, 0), M)
+    inclusive = tl.cumsum(sizes, 0)
+    return lanes, tl.minimum(inclusive - sizes, M), tl.minimum(inclusive, M)
+
+
+@triton.jit
 def gmm_kernel(
     sizes_ptr, rows_ptr, a_ptr, b_ptr, c_ptr,
     M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, E: tl.constexpr, E_LANES: tl.constexpr,
@@ -82,14 +97,8 @@ def gmm_kernel(
     tile = first + local % height
     n_blk = local // height
 
-    # The schedule (`schedule.make_group_metadata`'s tiles) from the sizes vector: sizes clipped
-    # to [0, M], the running total saturating at M (E * M < 2**31, the launcher's contract).
-    lanes = tl.arange(0, E_LANES)
-    sizes = tl.load(sizes_ptr + lanes, mask=lanes < E, other=0)
-    sizes = tl.minimum(tl.maximum(sizes, 0), M)
-    inclusive = tl.cumsum(sizes, 0)
-    ends = tl.minimum(inclusive, M)
-    starts = tl.minimum(inclusive - sizes, M)
+    # The schedule (`schedule.make_group_metadata`'s tiles) from the sizes vector.
+    lanes, starts, ends = _group_spans(sizes_ptr, M, E, E_LANES)
     tiles_e = (ends - starts + BLOCK_M - 1) // BLOCK_M
     tile_ends = tl.cumsum(tiles_e, 0)
     group_tiles = tl.sum(tiles_e, 0)
@@ -157,14 +166,15 @@ def _tgmm_store(o_ptr, group, ns, ks, acc, N: tl.constexpr, K: tl.constexpr):
 
 @triton.jit
 def tgmm_kernel(
-    offsets_ptr, rows_ptr, a_ptr, d_ptr, o_ptr,
-    N: tl.constexpr, K: tl.constexpr, T: tl.constexpr,
+    sizes_ptr, rows_ptr, a_ptr, d_ptr, o_ptr,
+    M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, E: tl.constexpr, E_LANES: tl.constexpr, T: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GATHER: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """One `[BLOCK_N, BLOCK_K]` block of `o[g] = d_g^T @ a_g`. `offsets_ptr`: int32 `[E + 1]`
-    clamped offsets (`schedule.clamp_group_sizes`). With `GATHER`, row r of `a` is `a[rows[r]]`
-    (`a` is `[T, K]`, ids outside `[0, T)` read zeros), as in `gmm_kernel`."""
+    """One `[BLOCK_N, BLOCK_K]` block of `o[g] = d_g^T @ a_g` for `d` `[M, N]`. `sizes_ptr`: int32
+    `[E_LANES]` sizes, lanes past E ignored, as `gmm_kernel` reads them (the group's rows follow
+    from them in the program, so nothing runs before the kernel). With `GATHER`, row r of `a` is
+    `a[rows[r]]` (`a` is `[T, K]`, ids outside `[0, T)` read zeros), as in `gmm_kernel`."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     num_k = tl.cdiv(K, BLOCK_K)
@@ -172,8 +182,9 @@ def tgmm_kernel(
     rest = pid % (num_n * num_k)
     ns = (rest // num_k) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = (rest % num_k) * BLOCK_K + tl.arange(0, BLOCK_K)
-    start = tl.load(offsets_ptr + group)
-    end = tl.load(offsets_ptr + group + 1)
+    lanes, starts, ends = _group_spans(sizes_ptr, M, E, E_LANES)
+    start = tl.sum(tl.where(lanes == group, starts, 0), 0)
+    end = tl.sum(tl.where(lanes == group, ends, 0), 0)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     # Each step's row ids are loaded a step ahead and carried: Triton's pipeliner gives every load
     # `(num_stages - 1) // (levels + 1)` stages, a load feeding another load's addresses in the

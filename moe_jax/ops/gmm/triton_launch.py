@@ -23,8 +23,8 @@ from moe_jax.ops.pallas_triton import cdiv, next_pow2
 from moe_jax.ops.sharding import varying_like
 from moe_jax.validation import check_int
 
-__all__ = ["Launch", "gmm_launch", "import_jax_triton", "gmm_triton", "gmm_torch", "tgmm_launch", "tgmm_triton",
-           "tgmm_torch"]
+__all__ = ["Launch", "gmm_launch", "import_jax_triton", "gmm_triton", "gmm_torch", "tgmm_index", "tgmm_launch",
+           "tgmm_triton", "tgmm_torch"]
 
 
 def _precision(dtype, precision) -> str:
@@ -60,22 +60,31 @@ def gmm_launch(*, m: int, n: int, k: int, num_groups: int, transpose_rhs: bool, 
     return Launch((num_tiles * cdiv(n, tiles.block_n),), tiles.num_warps, tiles.num_stages, constants)
 
 
-def tgmm_launch(*, n: int, k: int, num_groups: int, tiles: TileConfig, dtype, precision, interpret: bool,
+def tgmm_launch(*, m: int, n: int, k: int, num_groups: int, tiles: TileConfig, dtype, precision, interpret: bool,
                 source_rows: int | None = None, programs: int | None = None) -> Launch:
-    """The launch of `tgmm_kernel` for a gradient `[E, N, K]`, one program per output tile; with
-    `programs`, of `tgmm_persistent_kernel` on that many programs (each walking every
-    `programs`-th tile; those past the tile count do nothing). With `source_rows = T`, `lhs` is
-    the `[T, K]` rows read through row ids. Needs `N, K > 0`."""
-    constants = dict(N=n, K=k, T=source_rows or 1, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-                     BLOCK_K=tiles.block_k, GATHER=source_rows is not None, PRECISION=_precision(dtype, precision),
-                     INTERPRET=interpret)
+    """The launch of `tgmm_kernel` for a gradient `[E, N, K]` over `M = m` packed rows, one
+    program per output tile, reading the `[E_LANES]` sizes (`tile.lane_sizes`); with `programs`,
+    of `tgmm_persistent_kernel` on that many programs (each walking every `programs`-th tile;
+    those past the tile count do nothing), reading the `[E + 1]` clamped offsets. With
+    `source_rows = T`, `lhs` is the `[T, K]` rows read through row ids. Needs `N, K > 0`."""
+    constants = dict(N=n, K=k, E=num_groups, E_LANES=max(16, next_pow2(num_groups)), T=source_rows or 1,
+                     BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+                     GATHER=source_rows is not None, PRECISION=_precision(dtype, precision), INTERPRET=interpret)
     if programs is None:
+        constants |= dict(M=m)
         grid = (num_groups * cdiv(n, tiles.block_n) * cdiv(k, tiles.block_k),)
     else:
-        programs = check_int("tgmm (triton backend): programs", programs)
-        constants |= dict(E=num_groups, E_LANES=max(16, next_pow2(num_groups)), PROGRAMS=programs)
-        grid = (programs,)
+        constants |= dict(PROGRAMS=check_int("tgmm (triton backend): programs", programs))
+        grid = (constants["PROGRAMS"],)
     return Launch(grid, tiles.num_warps, tiles.num_stages, constants)
+
+
+def tgmm_index(group_sizes, m: int, programs: int | None):
+    """What the weight-gradient kernel of `tgmm_launch(programs=programs)` reads of `group_sizes`
+    (a jax array `[E]`): the `[E_LANES]` sizes for `tgmm_kernel` (nothing runs before it where E is
+    a power of two >= 16 and E * M < 2**31), the `[E + 1]` clamped offsets for the persistent
+    kernel."""
+    return lane_sizes(group_sizes, m) if programs is None else clamp_group_sizes(group_sizes, m)
 
 
 def _tgmm_kernel(programs: int | None):
@@ -137,12 +146,12 @@ def tgmm_triton(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, tile
     m, k = dout.shape[0], lhs.shape[1]
     n = dout.shape[1]
     num_groups = group_sizes.shape[0]
-    launch = tgmm_launch(n=n, k=k, num_groups=num_groups, tiles=tiles, dtype=lhs.dtype, precision=precision,
+    launch = tgmm_launch(m=m, n=n, k=k, num_groups=num_groups, tiles=tiles, dtype=lhs.dtype, precision=precision,
                          interpret=False, source_rows=None if row_ids is None else lhs.shape[0], programs=programs)
-    offsets = clamp_group_sizes(group_sizes, m)
-    # Without row ids the kernel never reads its row-id pointer; the offsets stand in for it.
-    rows = offsets if row_ids is None else row_ids.astype(jnp.int32)
-    return _triton_call(_tgmm_kernel(programs), (offsets, rows, lhs, dout),
+    index = tgmm_index(group_sizes, m, programs)
+    # Without row ids the kernel never reads its row-id pointer; the index vector stands in for it.
+    rows = index if row_ids is None else row_ids.astype(jnp.int32)
+    return _triton_call(_tgmm_kernel(programs), (index, rows, lhs, dout),
                         jax.ShapeDtypeStruct((num_groups, n, k), out_dtype), launch, "moe_jax_tgmm_triton")
 
 
@@ -207,14 +216,14 @@ def tgmm_torch(lhs, dout, group_sizes, *, tiles: TileConfig, precision=None, row
     m, k = dout.shape[0], lhs.shape[1]
     n = dout.shape[1]
     num_groups = group_sizes.shape[0]
-    launch = tgmm_launch(n=n, k=k, num_groups=num_groups, tiles=tiles, dtype=_np_dtype(lhs.dtype),
+    launch = tgmm_launch(m=m, n=n, k=k, num_groups=num_groups, tiles=tiles, dtype=_np_dtype(lhs.dtype),
                          precision=precision, interpret=interpret,
                          source_rows=None if row_ids is None else lhs.shape[0], programs=programs)
-    offsets = torch.from_numpy(np.array(clamp_group_sizes(jnp.asarray(group_sizes.cpu().numpy()), m))).to(lhs.device)
-    rows = offsets if row_ids is None else row_ids.to(torch.int32)
+    index = torch.from_numpy(np.array(tgmm_index(jnp.asarray(group_sizes.cpu().numpy()), m, programs))).to(lhs.device)
+    rows = index if row_ids is None else row_ids.to(torch.int32)
     if out is None:
         out = torch.empty((num_groups, n, k), dtype=lhs.dtype, device=lhs.device)
-    return _run_torch(_tgmm_kernel(programs), launch, (offsets, rows), (lhs, dout), out, interpret)
+    return _run_torch(_tgmm_kernel(programs), launch, (index, rows), (lhs, dout), out, interpret)
 
 
 def _np_dtype(torch_dtype):
