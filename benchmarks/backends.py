@@ -8,10 +8,9 @@ decode buckets, times on the same inputs in one process:
   jax_triton) at the table's tiles and at each tile of `TRITON_FWD`; `torch._grouped_mm`;
 - input gradient (`gmm` with `transpose_rhs=False`): both backends; torch's is the same call as
   its forward on the transposed weight view;
-- weight gradient `tgmm`: both backends, at the table's tiles and each of `TRITON_WGRAD`, and the
-  persistent Triton kernel (`tgmm_triton(programs=)`, keys `wgrad triton-persistent ...`) at the
-  tiles and program counts of `TRITON_WGRAD_PERSISTENT`; the table's Triton kernel launched from
-  torch by Triton's runtime (`wgrad triton-via-torch`: the kernel without jax_triton and XLA);
+- weight gradient `tgmm`: both backends, at the table's tiles and each of `TRITON_WGRAD`; the
+  table's Triton kernel launched from torch by Triton's runtime (`wgrad triton-via-torch`: the
+  kernel without jax_triton and XLA);
   `torch._grouped_mm(dy^T, x, offs)` (what torch autograd runs);
 - forward + backward `grouped_linear`: both backends; torch autograd.
 Every backend's output is checked against `pallas_triton`'s (relative error in the records).
@@ -36,9 +35,10 @@ from benchmarks import shapes as S
 from benchmarks.gmm import (attempt, compile_all, encode_config, make_inputs, reps_for, to_torch,
                             torch_forward_backward, torch_offsets)
 from benchmarks.timing import run_meta, time_compiled, time_torch
-from moe_jax.ops import TileConfig, gmm, gmm_config, grouped_linear, tgmm, tgmm_config, triton_tgmm_config
-from moe_jax.ops.gmm.mosaic import MosaicConfig, mosaic_supports
-from moe_jax.ops.gmm.triton_launch import tgmm_index, tgmm_launch, tgmm_triton
+from moe_jax.ops import MosaicConfig, TileConfig, gmm, gmm_config, grouped_linear, tgmm, tgmm_config
+from moe_jax.ops.gmm.schedule import lane_sizes
+from moe_jax.ops.gmm.triton import tgmm_tiles as triton_tgmm_tiles
+from moe_jax.ops.gmm.triton.launch import tgmm_launch
 
 TRITON_FWD = [
     TileConfig(128, 256, 64, 8, 3, 8), TileConfig(128, 128, 64, 4, 4, 8), TileConfig(256, 128, 64, 8, 3, 8),
@@ -48,19 +48,19 @@ TRITON_WGRAD = [TileConfig(64, 128, 128, 8, 4, 1), TileConfig(64, 256, 128, 8, 3
                 TileConfig(32, 128, 128, 8, 4, 1), TileConfig(32, 256, 128, 8, 3, 1), TileConfig(32, 128, 256, 8, 3, 1),
                 TileConfig(64, 128, 256, 8, 3, 1), TileConfig(32, 128, 128, 4, 4, 1), TileConfig(16, 128, 128, 4, 5, 1)]
 MOSAIC = [MosaicConfig(),  # the 3-stage default, which `mosaic_config` runs at long K
-          MosaicConfig(128, 128, 64, 3, mma_in_flight=1), MosaicConfig(128, 128, 64, 3, epilogue_tile_m=64),
-          MosaicConfig(128, 128, 64, 3, mma_in_flight=1, epilogue_tile_m=64),
-          MosaicConfig(128, 64, 64, 4, mma_in_flight=1, epilogue_tile_m=64),
-          MosaicConfig(128, 128, 64, 2, schedule="pingpong"), MosaicConfig(64, 128, 64, 3, schedule="pingpong"),
-          MosaicConfig(128, 64, 64, 3, schedule="pingpong"),
-          MosaicConfig(128, 128, 64, 3, schedule="pingpong", out_buffer_rows=64),
           MosaicConfig(128, 128, 64, 3, pipeline_across_items=True), MosaicConfig(128, 128, 64, 2),
           MosaicConfig(128, 128, 64, 2, pipeline_across_items=True), MosaicConfig(128, 64, 64, 4),
           MosaicConfig(128, 64, 64, 4, pipeline_across_items=True), MosaicConfig(128, 128, 64, 4, out_buffer_rows=64),
           MosaicConfig(128, 128, 64, 4, pipeline_across_items=True, out_buffer_rows=64)]
-# (tiles, programs) of the persistent weight gradient; None: `triton_tgmm_config`'s tiles.
-TRITON_WGRAD_PERSISTENT = [(None, 132), (None, 264), (TileConfig(16, 128, 128, 4, 5, 1), 264),
-                           (TileConfig(16, 128, 128, 4, 5, 1), 396), (TileConfig(64, 128, 128, 4, 3, 1), 264)]
+
+
+def _mosaic_takes(m, n, k, dtype, config) -> bool:
+    """Whether the `mosaic_gpu` backend supports the forward `[m, k] x [E, n, k]` with `config`."""
+    from moe_jax.ops.gmm.mosaic_gpu.config import shape_support, smem_bytes
+    from moe_jax.ops.platform import device_facts
+
+    return (shape_support(m, n, k, dtype, config) is None
+            and smem_bytes(config, dtype, dtype) <= device_facts().smem_per_block)
 
 
 def _jobs(shape, x, w, dy, gs, backends, kinds, variants):
@@ -89,31 +89,23 @@ def _jobs(shape, x, w, dy, gs, backends, kinds, variants):
         for t in TRITON_WGRAD:
             jobs[f"wgrad triton {_name(t)}"] = (lambda x, d, gs, t=t: tgmm(x, d, gs, backend="triton", config=t),
                                                 (x, dy, gs), wreps)
-        table = triton_tgmm_config(shape.m, shape.n, shape.k, shape.e)
-        for t, programs in TRITON_WGRAD_PERSISTENT:
-            t = t or table
-            jobs[f"wgrad triton-persistent {programs}p {_name(t)}"] = (
-                lambda x, d, gs, t=t, p=programs: tgmm_triton(x, d, gs, tiles=t, out_dtype=x.dtype, precision=None,
-                                                              programs=p), (x, dy, gs), wreps)
     if "mosaic_gpu" in backends:
         for c in MOSAIC:
-            if mosaic_supports(shape.m, shape.n, shape.k, x.dtype, c):
+            if _mosaic_takes(shape.m, shape.n, shape.k, x.dtype, c):
                 jobs[f"fwd mosaic_gpu {_mname(c)}"] = (
                     lambda x, w, gs, c=c: gmm(x, w, gs, backend="mosaic_gpu", config=c), (x, w, gs), reps)
-            if mosaic_supports(shape.m, shape.k, shape.n, x.dtype, c):
+            if _mosaic_takes(shape.m, shape.k, shape.n, x.dtype, c):
                 jobs[f"dgrad mosaic_gpu {_mname(c)}"] = (
                     lambda d, w, gs, c=c: gmm(d, w, gs, transpose_rhs=False, backend="mosaic_gpu", config=c),
                     (dy, w, gs), reps)
     configs = {"fwd": encode_config(fwd), "dgrad": encode_config(dgrad), "wgrad": encode_config(wgrad),
-               "wgrad_triton": encode_config(triton_tgmm_config(shape.m, shape.n, shape.k, shape.e))}
+               "wgrad_triton": encode_config(triton_tgmm_tiles(shape.m, shape.n, shape.k, shape.e))}
     jobs = {key: job for key, job in jobs.items() if key.split()[0] in kinds and (variants or len(key.split()) == 2)}
     return jobs, configs
 
 
 def _mname(c: MosaicConfig) -> str:
-    options = ((f"f{c.mma_in_flight}" if c.mma_in_flight else "") + (f"e{c.epilogue_tile_m}" if c.epilogue_tile_m else "")
-               + ("pp" if c.schedule == "pingpong" else "") + ("a" if c.pipeline_across_items else "")
-               + (f"b{c.out_buffer_rows}" if c.out_buffer_rows else ""))
+    options = ("a" if c.pipeline_across_items else "") + (f"b{c.out_buffer_rows}" if c.out_buffer_rows else "")
     return f"{c.tile_m}x{c.cta_n}x{c.tile_k}s{c.max_concurrent_steps}{options}"
 
 
@@ -141,16 +133,16 @@ def _check(jobs) -> dict:
 
 
 def _triton_wgrad_from_torch(shape, tx, tdy, counts):
-    """A call of the `triton` backend's weight-gradient kernel at `triton_tgmm_config`'s tiles,
+    """A call of the `triton` backend's weight-gradient kernel at its rule's tiles,
     launched by Triton's own runtime on the torch tensors (the same kernel as `wgrad triton`, without
     jax_triton and XLA around it)."""
     import torch
 
-    from moe_jax.ops.gmm.triton_kernels import tgmm_kernel
+    from moe_jax.ops.gmm.triton.kernels import tgmm_kernel
 
     launch = tgmm_launch(m=shape.m, n=shape.n, k=shape.k, num_groups=shape.e, dtype=jnp.bfloat16, precision=None,
-                         interpret=False, tiles=triton_tgmm_config(shape.m, shape.n, shape.k, shape.e))
-    sizes = to_torch(tgmm_index(jnp.asarray(counts, jnp.int32), shape.m, None))
+                         interpret=False, tiles=triton_tgmm_tiles(shape.m, shape.n, shape.k, shape.e))
+    sizes = to_torch(lane_sizes(jnp.asarray(counts, jnp.int32), shape.m))
     out = torch.empty((shape.e, shape.n, shape.k), dtype=tx.dtype, device="cuda")
     return lambda: tgmm_kernel[launch.grid](sizes, sizes, tx, tdy, out, num_warps=launch.num_warps,
                                             num_stages=launch.num_stages, **launch.constants)
@@ -184,7 +176,7 @@ def main(argv=None):
     p.add_argument("--no-variants", action="store_true", help="each backend at its default tiles only")
     p.add_argument("--no-check", action="store_true", help="skip the error check (it compiles every job twice)")
     p.add_argument("--jobs", default=None,
-                   help="a regular expression: only the jobs whose key (e.g. 'fwd mosaic_gpu 128x128x64s2pp') it finds")
+                   help="a regular expression: only the jobs whose key (e.g. 'fwd mosaic_gpu 128x256x64s2a') it finds")
     p.add_argument("--skews", default="balanced,zipf", help="comma-separated subset of balanced,zipf")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)

@@ -37,7 +37,7 @@ import numpy as np
 from benchmarks import shapes as S
 from benchmarks.timing import compile_jax, time_compiled, time_torch
 from moe_jax.ops import GmmConfig, TileConfig, gmm, gmm_config, grouped_linear, tgmm
-from moe_jax.ops.gmm.row_tile import gmm_row_tile_pallas
+from moe_jax.ops.gmm.pallas_triton.row_tile import gmm_row_tile_pallas
 from moe_jax.testing import rel_err
 
 RAGGED_DOT_MAX_BYTES = 32 << 30

@@ -8,7 +8,10 @@
 #   them outside the lanes. Timings from two lanes at once share the host and its PCIe/NVLink.
 # Phases: env | tests | parity | tune | run | run-quick | layer-time | drop-in | example | ep-check |
 #         ep-bench | parity-ep | example-ep | routed | jax-triton | backends | layer |
-#         decode | decode-ncu | wgrad-ncu   (each optionally :SECONDS)
+#         decode | decode-ncu | wgrad-ncu | accept-tests | accept-example | accept-layers |
+#         accept-compiled | accept-ncu | accept-summary   (each optionally :SECONDS)
+# The GPU acceptance run (docs/acceptance.md) is `accept`: every accept-* phase in order, after
+# env and jax-triton; `accept-summary` writes $OUT/accept_summary.md (COMMIT names the commit).
 # Env: NPROC (xdist workers), TESTS / PARITY (paths), STEPS (example), TUNE_ONLY (all|prefill|decode),
 #      ROUTED_SHAPES (routed: indices into benchmarks.routed_gmm's shapes; default all),
 #      WHEELS (jax-triton: the folder holding the jax_triton wheel, default .whl; the image has no registry),
@@ -24,7 +27,15 @@ set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 L=${LANE:+$LANE-}
+phases=()
 for phase in "$@"; do
+  if [ "$phase" = accept ]; then
+    phases+=(env jax-triton accept-tests:540 accept-example:240 accept-layers:420 accept-compiled:300 accept-ncu:420 accept-summary)
+  else
+    phases+=("$phase")
+  fi
+done
+for phase in "${phases[@]}"; do
   name=${phase%%:*}; limit=${phase#*:}; [ "$limit" = "$phase" ] && limit=300
   echo "=== $name (limit ${limit}s) $(date -u +%T)"
   case $name in
@@ -58,6 +69,21 @@ for phase in "$@"; do
                  --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__throughput.avg.pct_of_peak_sustained_elapsed,l1tex__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size,launch__block_size,launch__registers_per_thread,launch__shared_mem_per_block_dynamic \
                  -k 'regex:tgmm|device_kernel' python3 -m benchmarks.wgrad_profile 2>&1 | tail -5
                python3 -m benchmarks.wgrad_profile table "$OUT/${L}wgrad_ncu.csv" 2>&1 | tail -30 ;;
+    accept-tests) timeout "$limit" python3 -m pytest tests parity -q -n ${NPROC:-14} -p no:cacheprovider 2>&1 | tee "$OUT/${L}tests.log" | tail -25 ;;
+    accept-example) for dt in float32 bfloat16; do  # the README's command with its defaults (fp32), then bf16
+                      timeout $((limit / 2)) python3 examples/train_moe.py $([ $dt = bfloat16 ] && echo --dtype $dt) --out "$OUT/${L}example_$dt" 2>&1 \
+                        | tr '\r' '\n' | grep -v '^ *$' > "$OUT/${L}example_$dt.log"
+                      echo "exit ${PIPESTATUS[0]}" >> "$OUT/${L}example_$dt.log"; tail -4 "$OUT/${L}example_$dt.log"
+                    done ;;
+    accept-layers) timeout "$limit" python3 -m benchmarks.accept layers --json "$OUT/${L}accept_layers.json" 2>&1 | tee "$OUT/${L}accept_layers.log" | tail -14 ;;
+    accept-compiled) timeout "$limit" env -u TRITON_INTERPRET python3 -m tests.compiled_resources --jobs ${NPROC:-14} > "$OUT/${L}compiled.jsonl" 2> "$OUT/${L}compiled.err"
+                     python3 -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]; print(len(r), 'compiled; model below the compiler on', sum(x['compiled']>x['model'] for x in r), '; exact on', sum(x['compiled']==x['model'] for x in r))" "$OUT/${L}compiled.jsonl" ;;
+    accept-ncu) timeout "$limit" ncu --clock-control none --print-units base --csv --log-file "$OUT/${L}accept_ncu.csv" \
+                  --metrics launch__shared_mem_per_block_dynamic,launch__shared_mem_per_block_static -k 'regex:moe_jax|mosaic|_body' \
+                  python3 -m benchmarks.accept launch --labels "$OUT/${L}accept_labels.json" 2>&1 | tail -5
+                python3 -m benchmarks.accept ncu-table "$OUT/${L}accept_ncu.csv" --labels "$OUT/${L}accept_labels.json" \
+                  --out "$OUT/${L}accept_resources.json" 2>&1 | tee "$OUT/${L}accept_resources.log" | tail -30 ;;
+    accept-summary) python3 -m benchmarks.accept summary "$OUT" --commit "${COMMIT:-unknown}" | tail -60 ;;
     layer) timeout "$limit" python3 -m benchmarks.layer ${LAYER_SHAPES:+--shapes $LAYER_SHAPES} ${LAYER_VARIANTS:+--variants $LAYER_VARIANTS} --json "$OUT/${L}layer.json" 2>&1 | tee "$OUT/${L}layer.log" | tail -20 ;;
     *) echo "unknown phase $name" ;;
   esac

@@ -7,7 +7,7 @@ Qwen3-30B-A3B (T=4096, D=2048, F=768, top-8 of 128), Mixtral-8x7B (T=8192, D=409
 top-2 of 8), DeepSeek-V3 (T=4096, D=7168, F=2048, top-8 of 256).
 
 Ours: `moe_jax.layers.MoE` (one variant per `--variants` entry: `auto` the default layer, whose
-`backend="auto"` picks per kernel (`moe_jax.ops.gmm.backend_table`); `pallas` all on
+`backend="auto"` picks per kernel (`moe_jax.ops.gmm.plan`); `pallas` all on
 `pallas_triton`; `static` that with `gemm_kernel="static"`; `triton` all GEMMs on `triton`; `mosaic` all on
 `mosaic_gpu`; `mosaic-dgrad` / `mosaic-fwd-dgrad` the default's table (`moe_jax.ops.BackendTable`)
 with the prefill input gradient / forward and input gradient on `mosaic_gpu` where it takes the

@@ -19,16 +19,51 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moe_jax.ops import RowGather, gmm_reference, grouped_linear
+from typing import NamedTuple
+
+from moe_jax.ops import LinearPlan, RowGather, gmm_reference, grouped_linear, plan_linear
 from moe_jax.ops.platform import BackendName
 
 __all__ = [
+    "ExpertPlans",
+    "expert_plans",
     "fuse_gate_up",
     "split_gate_up",
     "swiglu_experts",
     "swiglu_experts_fused",
     "swiglu_experts_reference",
 ]
+
+
+class ExpertPlans(NamedTuple):
+    """The grouped GEMMs' plans of one SwiGLU expert stage: the gate and up projections (one plan
+    for both, or for the fused one) and the down projection (`moe_jax.ops.plan_linear`)."""
+
+    gate_up: LinearPlan
+    down: LinearPlan
+
+
+def expert_plans(num_rows: int, d_in: int, d_ff: int, num_experts: int, dtype, *, fused_gate_up: bool,
+                 backend: BackendName = "auto", precision: jax.lax.Precision | None = None, kernel: str | None = None,
+                 gather: bool = False) -> ExpertPlans:
+    """Plans of `swiglu_experts` (`fused_gate_up=False`) or `swiglu_experts_fused` on `num_rows`
+    packed rows of width `d_in` (`gather`: the gate/up GEMMs read them through row ids); `kernel` as
+    for `swiglu_experts`."""
+    common = dict(backend=backend, precision=precision, fwd_config=kernel, dgrad_config=kernel)
+    up_rows = 2 * d_ff if fused_gate_up else d_ff
+    return ExpertPlans(plan_linear(num_rows, (num_experts, up_rows, d_in), dtype, gather=gather, **common),
+                       plan_linear(num_rows, (num_experts, d_in, d_ff), dtype, **common))
+
+
+def _plans(plans, x_MD, rows, hidden: int, num_experts: int, fused: bool, **options) -> ExpertPlans:
+    if plans is not None:
+        if not isinstance(plans, ExpertPlans):
+            raise TypeError(f"plans must be a moe_jax.experts.ExpertPlans (from expert_plans) or None; got "
+                            f"{type(plans).__name__}.")
+        return plans
+    num_rows = x_MD.shape[0] if rows is None else rows.ids_M.shape[0]
+    return expert_plans(num_rows, x_MD.shape[1], hidden, num_experts, x_MD.dtype, fused_gate_up=fused,
+                        gather=rows is not None, **options)
 
 
 def fuse_gate_up(w_gate_EFD: jax.Array, w_up_EFD: jax.Array) -> jax.Array:
@@ -91,12 +126,14 @@ def swiglu_experts(
     precision: jax.lax.Precision | None = None,
     kernel: str | None = None,
     rows: RowGather | None = None,
+    plans: ExpertPlans | None = None,
 ) -> jax.Array:
     """SwiGLU experts with separate gate and up weights: `y_MD` `[M, D]` in `x_MD.dtype`.
 
-    All arrays must share one float dtype (cast weights to the compute dtype first). `backend`,
-    `precision` and `kernel` (the forward and input-gradient GEMMs' `config`: `"auto"` for the
-    tuned on-device selector, None for the static shape table) go to every `grouped_linear`.
+    All arrays must share one float dtype (cast weights to the compute dtype first). The grouped
+    GEMMs run `plans` (`expert_plans` for these shapes), or the plans of `backend`, `precision` and
+    `kernel` (the forward and input-gradient GEMMs' `config`: `"auto"` for the backend's on-device
+    choice, None for its static one).
     `rows` (a `moe_jax.ops.RowGather`): `x_MD` is then the `[T, D]` source and the gate and up
     GEMMs read the packed rows `x_MD[rows.ids_M]` through the ids (M = `rows.ids_M.shape[0]`).
     """
@@ -107,11 +144,11 @@ def swiglu_experts(
         )
     num_experts, hidden, _ = w_gate_EFD.shape
     _check_down(x_MD, w_down_EDF, num_experts, hidden)
-    opts = dict(backend=backend, precision=precision, fwd_config=kernel, dgrad_config=kernel)
-    gate_MF = grouped_linear(x_MD, w_gate_EFD, group_sizes_E, rows=rows, **opts)
-    up_MF = grouped_linear(x_MD, w_up_EFD, group_sizes_E, rows=rows, **opts)
+    plans = _plans(plans, x_MD, rows, hidden, num_experts, False, backend=backend, precision=precision, kernel=kernel)
+    gate_MF = grouped_linear(x_MD, w_gate_EFD, group_sizes_E, rows=rows, plans=plans.gate_up)
+    up_MF = grouped_linear(x_MD, w_up_EFD, group_sizes_E, rows=rows, plans=plans.gate_up)
     h_MF = _swiglu(gate_MF, up_MF)
-    return grouped_linear(h_MF, w_down_EDF, group_sizes_E, **opts)
+    return grouped_linear(h_MF, w_down_EDF, group_sizes_E, plans=plans.down)
 
 
 def swiglu_experts_fused(
@@ -124,20 +161,22 @@ def swiglu_experts_fused(
     precision: jax.lax.Precision | None = None,
     kernel: str | None = None,
     rows: RowGather | None = None,
+    plans: ExpertPlans | None = None,
 ) -> jax.Array:
     """SwiGLU experts with fused gate/up weights `[E, 2F, D]` (`[:F]` gate, `[F:]` up).
 
     One grouped GEMM computes gate and up together (`x_MD` is read once); equal to
-    `swiglu_experts` on `split_gate_up(w_gate_up_E2FD)`. `kernel`, `rows`: as for
-    `swiglu_experts`.
+    `swiglu_experts` on `split_gate_up(w_gate_up_E2FD)`. `kernel`, `rows`, `plans`: as for
+    `swiglu_experts` (`expert_plans(..., fused_gate_up=True)`).
     """
     _check_gate_up(x_MD, w_gate_up_E2FD, "w_gate_up_E2FD")
     hidden = _fused_hidden(w_gate_up_E2FD)
     _check_down(x_MD, w_down_EDF, w_gate_up_E2FD.shape[0], hidden)
-    opts = dict(backend=backend, precision=precision, fwd_config=kernel, dgrad_config=kernel)
-    gate_up_M2F = grouped_linear(x_MD, w_gate_up_E2FD, group_sizes_E, rows=rows, **opts)
+    plans = _plans(plans, x_MD, rows, hidden, w_gate_up_E2FD.shape[0], True, backend=backend, precision=precision,
+                   kernel=kernel)
+    gate_up_M2F = grouped_linear(x_MD, w_gate_up_E2FD, group_sizes_E, rows=rows, plans=plans.gate_up)
     h_MF = _swiglu(gate_up_M2F[:, :hidden], gate_up_M2F[:, hidden:])
-    return grouped_linear(h_MF, w_down_EDF, group_sizes_E, **opts)
+    return grouped_linear(h_MF, w_down_EDF, group_sizes_E, plans=plans.down)
 
 
 def swiglu_experts_reference(

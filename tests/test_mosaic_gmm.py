@@ -7,17 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_jax.ops import gmm, gmm_reference, grouped_linear, tgmm, tgmm_reference
-from moe_jax.ops.gmm.mosaic import (SHORT_K, MosaicConfig, MosaicWgradConfig, mosaic_config, mosaic_supports,
-                                   mosaic_wgrad_supports)
+from moe_jax.ops import gmm, gmm_reference, grouped_linear, plan, resolved_problem
+from moe_jax.ops.gmm.mosaic_gpu.config import ROW_ALIGN, SHORT_K, MosaicConfig, mosaic_config, shape_support
 from moe_jax.testing import assert_close
 from tests.helpers import ON_GPU, lower_for_gpu
 
 SMALL = MosaicConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2)
-# The forward kernel's tuning options, alone and together (64-row sub-tiles: the smallest).
-OPTIONS = {"plain": {}, "in-flight": dict(mma_in_flight=1), "epilogue": dict(epilogue_tile_m=64),
-           "across-items": dict(pipeline_across_items=True), "half-buffer": dict(out_buffer_rows=64),
-           "both": dict(mma_in_flight=1, epilogue_tile_m=64), "pingpong": dict(schedule="pingpong")}
+# The forward kernel's options, alone and together.
+OPTIONS = {"plain": {}, "across-items": dict(pipeline_across_items=True), "half-buffer": dict(out_buffer_rows=64),
+           "both": dict(pipeline_across_items=True, out_buffer_rows=64)}
 
 
 def _inputs(seed, m, k, n, e, transpose_rhs=True):
@@ -54,26 +52,6 @@ def test_mosaic_gmm_matches_reference(transpose_rhs, sizes, m, k, tile_m, option
     assert_close(out[:total], gmm_reference(x[:total], w, gs, transpose_rhs=transpose_rhs), jnp.float32, "mosaic gmm")
 
 
-@pytest.mark.parametrize("sizes", [(70, 0, 33, 80), (0, 0, 0, 0), (256, 0, 0, 0)], ids=["ragged", "all-empty", "one-hot"])
-def test_mosaic_tgmm_matches_reference(sizes):
-    """Weight gradient: rows of other groups and rows past the last group (NaN here) never enter
-    a group's gradient, empty groups are exact zeros, and two runs give the same bits."""
-    m, k, n = 256, 128, 64
-    x, _ = _inputs(2, m, k, 8, 1)
-    dy = jax.random.normal(jax.random.PRNGKey(3), (m, n), jnp.float32).astype(jnp.bfloat16)
-    total = sum(sizes)
-    x, dy = x.at[total:].set(jnp.nan), dy.at[total:].set(jnp.nan)
-    gs = jnp.asarray(sizes, jnp.int32)
-    run = jax.jit(lambda x, dy, gs: tgmm(x, dy, gs, backend="mosaic_gpu", config=MosaicWgradConfig(64, 64, 64, 2),
-                                         preferred_element_type=jnp.float32))
-    dw = run(x, dy, gs)
-    np.testing.assert_array_equal(dw, run(x, dy, gs))
-    for e, s in enumerate(sizes):
-        if s == 0:
-            assert (np.asarray(dw[e]) == 0).all()
-    assert_close(dw, tgmm_reference(jnp.nan_to_num(x), jnp.nan_to_num(dy), gs), jnp.float32, "mosaic tgmm")
-
-
 @pytest.mark.skipif(not ON_GPU, reason="a larger shape, compiled: the interpreted cases above cover the CPU")
 def test_mosaic_gmm_default_tiles_and_gradients_on_gpu():
     m, k, n, e = 4096, 1024, 768 * 2, 16
@@ -81,15 +59,10 @@ def test_mosaic_gmm_default_tiles_and_gradients_on_gpu():
     gs = jnp.asarray(np.random.default_rng(0).multinomial(m - 100, np.ones(e) / e), jnp.int32)
     out = gmm(x, w, gs, backend="mosaic_gpu")
     assert_close(out, gmm_reference(x, w, gs), jnp.bfloat16, "forward")
-    # The ping-pong schedule and one pipeline across items, forward and input-gradient layouts;
-    # rows past the groups hold NaN.
+    # One pipeline across items, forward and input-gradient layouts; rows past the groups hold NaN.
     x_nan = jnp.where(jnp.arange(m)[:, None] < gs.sum(), x, jnp.nan)
     g = jax.random.normal(jax.random.PRNGKey(3), (m, n), jnp.bfloat16)
-    configs = {"pingpong 128x128": MosaicConfig(128, 128, 64, 2, schedule="pingpong"),
-               "pingpong 64x128": MosaicConfig(64, 128, 64, 3, schedule="pingpong"),
-               "pingpong 128x128, 3 stages, 64-row buffers": MosaicConfig(128, 128, 64, 3, schedule="pingpong",
-                                                                          out_buffer_rows=64),
-               "across items": MosaicConfig(128, 128, 64, 2, pipeline_across_items=True),
+    configs = {"across items": MosaicConfig(128, 128, 64, 2, pipeline_across_items=True),
                "across items, 4 stages, 64-row buffers": MosaicConfig(128, 128, 64, 4, pipeline_across_items=True,
                                                                       out_buffer_rows=64)}
     for name, config in configs.items():
@@ -97,6 +70,7 @@ def test_mosaic_gmm_default_tiles_and_gradients_on_gpu():
         assert_close(out, gmm_reference(x, w, gs), jnp.bfloat16, f"forward, {name}")
         dx = gmm(g, w, gs, transpose_rhs=False, backend="mosaic_gpu", config=config)
         assert_close(dx, gmm_reference(g, w, gs, transpose_rhs=False), jnp.bfloat16, f"input gradient, {name}")
+    # The weight gradient has no Mosaic kernel: `auto`'s choice runs it.
     dy = jax.random.normal(jax.random.PRNGKey(2), (m, n), jnp.bfloat16)
     _, vjp = jax.vjp(lambda x, w: grouped_linear(x, w, gs, backend="mosaic_gpu"), x, w)
     _, vjp_ref = jax.vjp(lambda x, w: grouped_linear(x, w, gs, backend="pallas_triton"), x, w)
@@ -107,22 +81,10 @@ def test_mosaic_gmm_default_tiles_and_gradients_on_gpu():
 H200_CONFIGS = {
     "rule": None,  # no config: `mosaic_config`'s, at this shape's 32 K steps `SHORT_K`
     "default": MosaicConfig(),
-    "in-flight": MosaicConfig(128, 128, 64, 3, mma_in_flight=1),
-    "epilogue": MosaicConfig(128, 128, 64, 3, epilogue_tile_m=64),
-    "both": MosaicConfig(128, 128, 64, 3, mma_in_flight=1, epilogue_tile_m=64),
-    "both-one-subtile": MosaicConfig(128, 128, 64, 3, mma_in_flight=1, epilogue_tile_m=128),
-    "both-128x64-4": MosaicConfig(128, 64, 64, 4, mma_in_flight=1, epilogue_tile_m=64),
-    "both-64x128-4": MosaicConfig(64, 128, 64, 4, mma_in_flight=1, epilogue_tile_m=64),
-    "pingpong-128x128-2": MosaicConfig(128, 128, 64, 2, schedule="pingpong"),
-    "pingpong-64x128-3": MosaicConfig(64, 128, 64, 3, schedule="pingpong"),
     "across-items-2": MosaicConfig(128, 128, 64, 2, pipeline_across_items=True),
     "across-items-128x64-4": MosaicConfig(128, 64, 64, 4, pipeline_across_items=True),
-    "across-items-epilogue": MosaicConfig(128, 128, 64, 2, epilogue_tile_m=64, pipeline_across_items=True),
     # 4 stages of 128 x 256 x 64 fit beside 64-row output buffers, and divide every prefill K here
     "across-items-4-half-buffer": MosaicConfig(128, 128, 64, 4, pipeline_across_items=True, out_buffer_rows=64),
-    "pingpong-half-buffer": MosaicConfig(128, 128, 64, 2, schedule="pingpong", out_buffer_rows=64),
-    # two rings of 3 stages fit beside the 64-row buffers (224 KiB)
-    "pingpong-3-half-buffer": MosaicConfig(128, 128, 64, 3, schedule="pingpong", out_buffer_rows=64),
 }
 
 
@@ -132,7 +94,7 @@ def test_mosaic_gmm_lowers_for_h200(transpose_rhs, config):
     """The default tiles and the tuning options at a Qwen3-30B-A3B-like shape go through Mosaic
     GPU's lowering, layout inference and shared-memory budget for an H200, from this host."""
     m, k, n, e = 4096, 2048, 1536, 128
-    assert mosaic_supports(m, n, k, jnp.bfloat16, config)
+    assert shape_support(m, n, k, jnp.bfloat16, config or SHORT_K) is None
     rhs = (e, n, k) if transpose_rhs else (e, k, n)
     text = lower_for_gpu(lambda x, w, gs: gmm(x, w, gs, transpose_rhs=transpose_rhs, backend="mosaic_gpu",
                                               config=config),
@@ -152,37 +114,19 @@ def test_mosaic_config_rule():
     assert mosaic_config(2048, jnp.bfloat16, jnp.float32) == MosaicConfig()  # fp32 buffers do not fit 4 stages
 
 
-def test_mosaic_tgmm_lowers_for_h200():
-    m, k, n, e = 4096, 2048, 1536, 128
-    text = lower_for_gpu(lambda x, dy, gs: tgmm(x, dy, gs, backend="mosaic_gpu"),
-                         jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
-                         jax.ShapeDtypeStruct((e,), jnp.int32))
-    assert "mosaic_gpu" in text
-
-
 @pytest.mark.parametrize("fields,message", [
-    (dict(mma_in_flight=2), r"MosaicConfig.mma_in_flight=2: must be 0 .* or 1"),
-    (dict(mma_in_flight=1, max_concurrent_steps=1), r"mma_in_flight=1 .* needs max_concurrent_steps >= 2"),
-    (dict(epilogue_tile_m=32), r"MosaicConfig.epilogue_tile_m=32: must be None .* or a power of two in \[64, tile_m"),
-    (dict(epilogue_tile_m=96), r"MosaicConfig.epilogue_tile_m=96: must be None"),
-    (dict(schedule="ping-pong"), r"MosaicConfig.schedule='ping-pong': use one of \('cooperative', 'pingpong'\)"),
-    (dict(schedule="pingpong", mma_in_flight=1), r"schedule='pingpong'\) takes neither mma_in_flight"),
-    (dict(tile_m=64, epilogue_tile_m=128), r"MosaicConfig.epilogue_tile_m=128: .* in \[64, tile_m=64\]"),
-    (dict(pipeline_across_items=True, mma_in_flight=1), r"pipeline_across_items=True needs .* mma_in_flight=0"),
-    (dict(pipeline_across_items=True, schedule="pingpong"), r"pipeline_across_items=True needs schedule='cooperative'"),
+    (dict(tile_m=48), r"MosaicConfig.tile_m=48: must be a power of two >= 64"),
+    (dict(max_concurrent_steps=9), r"max_concurrent_steps=9: must be in \[1, 8\]"),
     (dict(out_buffer_rows=32), r"MosaicConfig.out_buffer_rows=32: must be None .* or a power of two in \[64, tile_m"),
     (dict(tile_m=64, out_buffer_rows=128), r"MosaicConfig.out_buffer_rows=128: .* in \[64, tile_m=64\]"),
-    (dict(out_buffer_rows=64, epilogue_tile_m=64), r"out_buffer_rows and epilogue_tile_m are two epilogues"),
-], ids=["in-flight-2", "in-flight-one-stage", "epilogue-32", "epilogue-96", "schedule-name", "pingpong-in-flight",
-         "epilogue-over-tile", "across-in-flight", "across-pingpong", "buffer-32", "buffer-over-tile",
-         "buffer-and-epilogue"])
+], ids=["tile-48", "steps-9", "buffer-32", "buffer-over-tile"])
 def test_mosaic_config_rejects_bad_options(fields, message):
     with pytest.raises(ValueError, match=message):
         MosaicConfig(**fields)
 
 
 def test_aligned_tiles_cover_every_row_once():
-    from moe_jax.ops.gmm.mosaic import ROW_ALIGN, aligned_tiles, group_tiles
+    from moe_jax.ops.gmm.mosaic_gpu.kernel import aligned_tiles, group_tiles
 
     rng = np.random.default_rng(3)
     for m, tile_m in ((200, 64), (1024, 128), (64, 64)):
@@ -214,12 +158,13 @@ def test_layer_telemetry_counts_the_mosaic_tiles():
     """On the mosaic_gpu backend the layer's gate/up telemetry is the rows of the kernel's own
     aligned tiles (`group_tiles`), not a Pallas candidate's: no `CANDIDATES` member is named."""
     from moe_jax.layers.routed import ExpertStage
-    from moe_jax.ops.gmm.mosaic import ROW_ALIGN
 
     stage = ExpertStage(num_experts=4, d_in=256, d_ff=256, fused_gate_up=False, backend="mosaic_gpu", precision=None,
                         kernel="auto")
     sizes = np.array([0, 130, 3, 250])  # groups start at rows 0, 130 (aligned down to 128) and 133
-    gemm = stage.telemetry(jnp.asarray(sizes, jnp.int32), 512, jnp.bfloat16)
+    plans = stage.plans(512, jnp.bfloat16)
+    assert plans.gate_up.fwd.backend == "mosaic_gpu" and plans.gate_up.wgrad.backend != "mosaic_gpu"
+    gemm = stage.telemetry(plans, jnp.asarray(sizes, jnp.int32))
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     bases = starts // ROW_ALIGN * ROW_ALIGN
     tiles = sum(-(-(s + n - b) // 128) for s, n, b in zip(starts, sizes, bases) if n)
@@ -238,7 +183,7 @@ def test_layer_with_a_backend_table_lowers_for_h200():
 
     from moe_jax.layers import MoE
     from moe_jax.ops import H200_BACKENDS
-    from moe_jax.ops.gmm.backend_table import have_jax_triton
+    from moe_jax.ops.gmm.triton import have_jax_triton
 
     def lowered(backend):
         layer = MoE(256, 256, 4, 2, backend=backend, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
@@ -265,22 +210,21 @@ def test_layer_with_a_backend_table_lowers_for_h200():
 
 
 def test_mosaic_shape_support_and_clear_errors():
-    assert mosaic_supports(4096, 1536, 2048, jnp.bfloat16)
-    assert not mosaic_supports(4096, 1536, 2048, jnp.float32)
-    assert not mosaic_supports(4096, 1000, 2048, jnp.bfloat16)
-    with pytest.raises(ValueError, match="backend='mosaic_gpu' takes bf16/fp16 with N % 256"):
+    def planned(m, n, k, dtype, config=None):
+        return plan(resolved_problem("gmm_nt", m, n, k, 16, dtype), "mosaic_gpu", config)
+
+    assert planned(4096, 1536, 2048, jnp.bfloat16).backend == "mosaic_gpu"
+    with pytest.raises(ValueError, match="mosaic_gpu multiplies bf16/fp16 only"):
+        planned(4096, 1536, 2048, jnp.float32)
+    with pytest.raises(ValueError, match=r"mosaic_gpu needs N % 256 == 0 and K % 64 == 0; got N=1000"):
+        planned(4096, 1000, 2048, jnp.bfloat16)
+    with pytest.raises(ValueError, match="mosaic_gpu needs N % 256 == 0"):
         gmm(jnp.ones((128, 64), jnp.bfloat16), jnp.ones((2, 100, 64), jnp.bfloat16), jnp.array([64, 64]),
             backend="mosaic_gpu")
-    with pytest.raises(ValueError, match="power of two >= 64"):
-        MosaicConfig(tile_m=48)
-    # Four stages of 128 x (2 x 128) x 64 leave too little for the two warpgroups' output tiles.
-    assert not mosaic_supports(4096, 1536, 2048, jnp.bfloat16, MosaicConfig(128, 128, 64, 4, 1, 64))
-    # Ping-pong: a work item is one warpgroup's tile_n columns, and each warpgroup has its own ring.
-    assert not mosaic_supports(4096, 1152, 2048, jnp.bfloat16)
-    assert mosaic_supports(4096, 1152, 2048, jnp.bfloat16, MosaicConfig(128, 128, 64, 2, schedule="pingpong"))
-    assert not mosaic_supports(4096, 1536, 2048, jnp.bfloat16, MosaicConfig(128, 128, 64, 3, schedule="pingpong"))
-    assert mosaic_wgrad_supports(4096, 1536, 2048, jnp.bfloat16)
-    assert not mosaic_wgrad_supports(4100, 1536, 2048, jnp.bfloat16)
-    with pytest.raises(ValueError, match="weight gradients of bf16/fp16 with M % 64 == 0"):
-        tgmm(jnp.ones((100, 128), jnp.bfloat16), jnp.ones((100, 128), jnp.bfloat16), jnp.array([50, 50]),
-             backend="mosaic_gpu")
+    # Four stages of 128 x (2 x 128) x 64 leave too little for the two warpgroups' 128-row output tiles:
+    # an explicit config that does not fit raises before anything is launched, naming the bytes.
+    with pytest.raises(ValueError, match=r"needs 262208 B of shared memory .* over the 232448 B per block"):
+        planned(4096, 1536, 2048, jnp.bfloat16, MosaicConfig(128, 128, 64, 4))
+    # The weight gradient has no Mosaic kernel: `auto`'s choice runs it, and the plan says so.
+    wgrad = plan(resolved_problem("tgmm", 4096, 1536, 2048, 16, jnp.bfloat16), "mosaic_gpu")
+    assert wgrad.backend != "mosaic_gpu" and "mosaic_gpu has no tgmm kernel" in wgrad.why[0]

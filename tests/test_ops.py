@@ -27,9 +27,9 @@ from moe_jax.ops import (
     resolve_backend,
     tgmm,
     tgmm_config,
-    triton_tgmm_config,
     tgmm_reference,
 )
+from moe_jax.ops.gmm.triton import tgmm_tiles as triton_tgmm_tiles
 from moe_jax.testing import assert_close, rel_err
 from tests.helpers import ON_GPU, h200_mesh, lower_for_gpu, sharded_aval
 
@@ -39,6 +39,11 @@ DTYPES = [jnp.float32, jnp.bfloat16]
 SMALL = TileConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2, group_m=2)
 CFG = None if ON_GPU else SMALL
 WCFG = None if ON_GPU else TileConfig(block_m=16, block_n=32, block_k=32, num_warps=4, num_stages=2, group_m=1)
+
+
+def _on(backend, config):
+    """`config` where `backend` takes tiles (the Triton-compiled backends); xla takes none."""
+    return config if backend in ("pallas_triton", "triton") else None
 # (M, K, N): deliberately not multiples of the tiles.
 SHAPE = (1000, 200, 300) if ON_GPU else (150, 72, 80)
 
@@ -148,7 +153,7 @@ def test_gmm_matches_reference(backend, dtype, transpose_rhs):
     e = 6
     x, w = _inputs(0, m, k, n, e, dtype, transpose_rhs)
     sizes = _split(m - 7, e, seed=1, zeros=(2,))  # an empty group and 7 rows past the last group
-    out = gmm(x, w, sizes, transpose_rhs=transpose_rhs, backend=backend, config=CFG)
+    out = gmm(x, w, sizes, transpose_rhs=transpose_rhs, backend=backend, config=_on(backend, CFG))
     assert out.dtype == dtype and out.shape == (m, n)
     assert_close(out, gmm_reference(x, w, sizes, transpose_rhs=transpose_rhs), dtype, "gmm")
     assert (np.asarray(out[m - 7 :], np.float32) == 0).all()
@@ -169,7 +174,7 @@ def test_gmm_edge_groupings(backend, sizes):
     m, k, n = 150, 40, 48
     x, w = _inputs(1, m, k, n, 4, jnp.float32)
     gs = _sizes(*sizes)
-    out = gmm(x, w, gs, backend=backend, config=None if ON_GPU else SMALL)
+    out = gmm(x, w, gs, backend=backend, config=_on(backend, CFG))
     assert_close(out, gmm_reference(x, w, gs), jnp.float32, f"gmm {sizes}")
     assert (np.asarray(out[sum(sizes) :]) == 0).all()
 
@@ -192,12 +197,12 @@ def test_gmm_nan_rows_past_groups_do_not_leak(backend):
     x, w = _inputs(2, m, k, n, 3, jnp.float32)
     gs = _sizes(20, 0, 50)
     x = x.at[70:].set(jnp.nan)
-    out = gmm(x, w, gs, backend=backend, config=CFG)
+    out = gmm(x, w, gs, backend=backend, config=_on(backend, CFG))
     assert np.isfinite(np.asarray(out)).all()
     assert (np.asarray(out[70:]) == 0).all()
     assert_close(out[:70], gmm_reference(x[:70], w, gs), jnp.float32, "valid rows")
     dy = jnp.ones((m, n), jnp.float32).at[70:].set(jnp.nan)
-    dw = tgmm(x, dy, gs, backend=backend, config=WCFG)
+    dw = tgmm(x, dy, gs, backend=backend, config=_on(backend, WCFG))
     assert np.isfinite(np.asarray(dw)).all()
     assert (np.asarray(dw[1]) == 0).all()
 
@@ -225,9 +230,9 @@ def test_gmm_tile_configs(config):
 def test_every_output_element_is_written(sizes, m):
     """Each kernel writes every element of its output: launched into a NaN-filled buffer (aliased
     as the output), the result has no NaN and matches the reference."""
-    from moe_jax.ops.gmm.group_major import gmm_group_major_pallas
-    from moe_jax.ops.gmm.row_tile import gmm_row_tile_pallas
-    from moe_jax.ops.gmm.wgrad import tgmm_pallas
+    from moe_jax.ops.gmm.pallas_triton.group_major import gmm_group_major_pallas
+    from moe_jax.ops.gmm.pallas_triton.row_tile import gmm_row_tile_pallas
+    from moe_jax.ops.gmm.pallas_triton.wgrad import tgmm_pallas
 
     k, n, e = 40, 24, len(sizes)
     x, w = _inputs(14, m, k, n, e, jnp.float32)
@@ -271,7 +276,7 @@ def test_split_k_matches_reference(dtype, transpose_rhs, sizes, k, splits):
 
 def test_split_k_writes_every_partial():
     """Launched into NaN-filled partial planes, every element of every plane is written."""
-    from moe_jax.ops.gmm.group_major import gmm_group_major_pallas
+    from moe_jax.ops.gmm.pallas_triton.group_major import gmm_group_major_pallas
 
     sizes, k, n, splits = (4, 0, 11, 2), 56, 24, 3
     m = sum(sizes) + 5
@@ -304,7 +309,7 @@ def test_tgmm_matches_reference(backend, dtype):
     x, _ = _inputs(4, m, k, n, e, dtype)
     dy = jax.random.normal(jax.random.PRNGKey(5), (m, n), jnp.float32).astype(dtype)
     sizes = _split(m - 3, e, seed=2, zeros=(0, 3))
-    dw = tgmm(x, dy, sizes, backend=backend, config=WCFG)
+    dw = tgmm(x, dy, sizes, backend=backend, config=_on(backend, WCFG))
     assert dw.dtype == dtype and dw.shape == (e, n, k)
     assert_close(dw, tgmm_reference(x, dy, sizes), dtype, "tgmm")
     assert (np.asarray(dw[0], np.float32) == 0).all() and (np.asarray(dw[3], np.float32) == 0).all()
@@ -326,7 +331,7 @@ def test_grouped_linear_gradients(backend, dtype):
     x, w = _inputs(6, m, k, n, e, dtype)
     gs = _split(m - 5, e, seed=3, zeros=(1,))
     ct = jax.random.normal(jax.random.PRNGKey(7), (m, n), jnp.float32)
-    cfg = {} if ON_GPU else dict(fwd_config=SMALL, dgrad_config=SMALL, wgrad_config=WCFG)
+    cfg = {} if ON_GPU or backend == "xla" else dict(fwd_config=SMALL, dgrad_config=SMALL, wgrad_config=WCFG)
 
     def loss(x, w):
         return jnp.sum(grouped_linear(x, w, gs, backend=backend, **cfg).astype(jnp.float32) * ct)
@@ -347,7 +352,7 @@ def test_grouped_linear_gradients(backend, dtype):
 def test_grouped_linear_check_grads(backend):
     x, w = _inputs(8, 40, 24, 20, 3, jnp.float32)
     gs = _sizes(12, 0, 25)
-    cfg = {} if ON_GPU else dict(fwd_config=SMALL, dgrad_config=SMALL, wgrad_config=WCFG)
+    cfg = {} if ON_GPU or backend == "xla" else dict(fwd_config=SMALL, dgrad_config=SMALL, wgrad_config=WCFG)
     f = lambda x, w: grouped_linear(x, w, gs, backend=backend, **cfg)
     jax.test_util.check_grads(f, (x, w), order=1, modes=["rev"], atol=1e-2, rtol=1e-2, eps=1e-2)
 
@@ -359,7 +364,7 @@ def test_jit_with_traced_sizes_and_scan(backend):
     layers, e = 3, 4
     x, _ = _inputs(10, m, k, k, e, jnp.float32)
     ws = jax.random.normal(jax.random.PRNGKey(11), (layers, e, k, k)) / np.sqrt(k)
-    cfg = {} if ON_GPU else dict(fwd_config=SMALL, dgrad_config=SMALL, wgrad_config=WCFG)
+    cfg = {} if ON_GPU or backend == "xla" else dict(fwd_config=SMALL, dgrad_config=SMALL, wgrad_config=WCFG)
 
     @jax.jit
     def run(x, ws, gs):
@@ -478,8 +483,8 @@ def test_config_table_and_validation():
     assert tgmm_config(32768, 1536, 2048, 128).block_n >= 64
     # The Triton weight gradient's own rule: 32-row steps on 4 warps while groups are small, 64-row
     # steps over 128 x 256 blocks from 768 rows per group.
-    assert triton_tgmm_config(32768, 1536, 2048, 128) == TileConfig(32, 128, 128, 4, 4, 1)
-    assert triton_tgmm_config(16384, 14336, 4096, 8) == TileConfig(64, 128, 256, 8, 3, 1)
+    assert triton_tgmm_tiles(32768, 1536, 2048, 128) == TileConfig(32, 128, 128, 4, 4, 1)
+    assert triton_tgmm_tiles(16384, 14336, 4096, 8) == TileConfig(64, 128, 256, 8, 3, 1)
     with pytest.raises(ValueError, match="block_m"):
         TileConfig(block_m=48)
     with pytest.raises(ValueError, match="block_k"):
@@ -496,110 +501,10 @@ def test_config_table_and_validation():
     with pytest.raises(ValueError, match="the split_k family takes splits >= 2, the others splits=1"):
         GmmConfig("row_tile", splits=2)
     assert GmmConfig("split_k", splits=4).name.startswith("split_k4 ")
-    with pytest.raises(TypeError, match="config must be a GmmConfig or TileConfig or SelectorTable or MosaicConfig, 'auto'"):
+    with pytest.raises(ValueError, match=r"config='row_tile': use None \(the backend's static choice\), 'auto'"):
         gmm(jnp.ones((4, 8)), jnp.ones((2, 4, 8)), _sizes(2, 2), config="row_tile")
-    with pytest.raises(TypeError, match="config must be a TileConfig"):
+    with pytest.raises(TypeError, match=r"is no configuration of a tgmm kernel; pallas_triton takes TileConfig"):
         tgmm(jnp.ones((4, 8)), jnp.ones((4, 4)), _sizes(2, 2), config=GmmConfig())
-
-
-def test_backend_resolution():
-    assert resolve_backend("auto") == ("pallas_triton" if ON_GPU else "xla")
-    assert resolve_backend("xla") == "xla"
-    with pytest.raises(ValueError, match="backend='cutlass'"):
-        resolve_backend("cutlass")
-
-
-def test_triton_backend_needs_a_gpu():
-    if ON_GPU:
-        assert resolve_backend("triton") == "triton"
-    else:
-        with pytest.raises(ValueError, match="backend='triton'.*needs a CUDA GPU"):
-            resolve_backend("triton")
-
-
-def test_auto_backend_per_kernel_table():
-    """`auto` resolves per kernel: xla off GPU; compiling for an H200, the first of the table's
-    choices for the kernel and shape class that runs there: triton only with jax_triton,
-    mosaic_gpu only for operands it takes (bf16, N % 256, K % 64, ...), else the next one."""
-    from moe_jax.ops import H200_BACKENDS, KERNELS, gemm_backend
-
-    if not ON_GPU:
-        assert {gemm_backend(k, "auto", 32768, 128) for k in KERNELS} == {"xla"}
-    assert gemm_backend("tgmm", "xla", 32768, 128) == "xla"
-    with pytest.raises(ValueError, match="kernel='gmm'"):
-        gemm_backend("gmm", "auto", 8, 8)
-    bf16, fp32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
-    assert {cls for _, cls in H200_BACKENDS} == {"decode", "prefill"}
-    assert {kernel for kernel, _ in H200_BACKENDS} == set(KERNELS)
-    with jax.sharding.use_abstract_mesh(h200_mesh((1,), ("ep",))):
-        for (kernel, cls), choices in H200_BACKENDS.items():
-            rows = 64 * 128 if cls == "decode" else 64 * 128 + 8
-            operands = (2048, 1536, bf16, bf16)
-            assert choices[-1] == "pallas_triton"
-            picked = gemm_backend(kernel, "auto", rows, 128, operands=operands, triton_available=True)
-            assert picked == choices[0]
-            without_triton = [c for c in choices if c != "triton"][0]
-            assert gemm_backend(kernel, "auto", rows, 128, operands=operands, triton_available=False) == without_triton
-        # A table preferring Mosaic: it runs where it takes the operands, else the next choice does.
-        table = {("gmm_nn", "prefill"): ("mosaic_gpu", "triton", "pallas_triton")}
-        picked = gemm_backend("gmm_nn", "auto", 32768, 128, operands=(2048, 1536, bf16, bf16), table=table)
-        assert picked == "mosaic_gpu"
-        for operands in [(2048, 1536, fp32, fp32), (2000, 1536, bf16, bf16), None]:
-            picked = gemm_backend("gmm_nn", "auto", 32768, 128, operands=operands, table=table, triton_available=True)
-            assert picked == "triton"
-    assert H200_BACKENDS[("gmm_nt", "prefill")] == ("pallas_triton",)
-    assert H200_BACKENDS[("gmm_nn", "prefill")] == ("triton", "pallas_triton")
-
-
-def test_backend_table_is_auto_with_a_table_of_its_own():
-    """A `BackendTable` passed as `backend` is `auto` with that table: every op resolves it as
-    `auto`, and the grouped GEMMs, compiling for an H200, run its choices per kernel and shape
-    class. It is hashable (it sits in the custom VJP's static options) and checked when built."""
-    from moe_jax.ops import H200_BACKENDS, BackendTable, gemm_backend
-
-    mosaic_dgrad = H200_BACKENDS.replace({("gmm_nn", "prefill"): ("mosaic_gpu", "triton", "pallas_triton")})
-    assert mosaic_dgrad[("gmm_nn", "prefill")] == ("mosaic_gpu", "triton", "pallas_triton")
-    assert {k: v for k, v in mosaic_dgrad.items() if k != ("gmm_nn", "prefill")} == {
-        k: v for k, v in H200_BACKENDS.items() if k != ("gmm_nn", "prefill")}
-    assert mosaic_dgrad == BackendTable.of(dict(mosaic_dgrad)) and hash(mosaic_dgrad) == hash(BackendTable.of(dict(mosaic_dgrad)))
-    assert mosaic_dgrad != H200_BACKENDS
-    reordered = BackendTable.of(dict(reversed(list(mosaic_dgrad.items()))))  # key order carries no meaning
-    assert reordered == mosaic_dgrad and hash(reordered) == hash(mosaic_dgrad)
-    assert resolve_backend(mosaic_dgrad) == ("pallas_triton" if ON_GPU else "xla")
-    if not ON_GPU:
-        assert gemm_backend("gmm_nn", mosaic_dgrad, 32768, 128) == "xla"
-    bf16 = jnp.dtype(jnp.bfloat16)
-    with jax.sharding.use_abstract_mesh(h200_mesh((1,), ("ep",))):
-        operands = (2048, 1536, bf16, bf16)
-        assert gemm_backend("gmm_nn", mosaic_dgrad, 32768, 128, operands=operands) == "mosaic_gpu"
-        assert gemm_backend("gmm_nn", mosaic_dgrad, 32768, 128, operands=(2000, 1536, bf16, bf16),
-                            triton_available=False) == "pallas_triton"  # N past Mosaic's tiles: the next choice
-        assert gemm_backend("gmm_nn", mosaic_dgrad, 4096, 128, operands=operands) == "pallas_triton"  # decode
-        assert gemm_backend("gmm_nt", mosaic_dgrad, 32768, 128, operands=operands) == "pallas_triton"
-        partial = BackendTable.of({("gmm_nt", "prefill"): ("pallas_triton",)})
-        with pytest.raises(ValueError, match=r"no entry for \('tgmm', 'prefill'\)"):
-            gemm_backend("tgmm", partial, 32768, 128)
-    for table, message in [({("gmm_nt", "training"): ("xla",)}, r"key \('gmm_nt', 'training'\)"),
-                           ({("gmm_nt", "decode"): ()}, r"non-empty tuple of backends"),
-                           ({("gmm_nt", "decode"): ("auto",)}, r"non-empty tuple of backends"),
-                           ({"gmm_nt": ("xla",)}, r"use \(kernel, shape class\)")]:
-        with pytest.raises(ValueError, match=message):
-            BackendTable.of(table)
-    with pytest.raises(ValueError, match="appears twice"):
-        BackendTable(((("gmm_nt", "decode"), ("xla",)), (("gmm_nt", "decode"), ("pallas_triton",))))
-
-
-def test_auto_backend_follows_the_mesh_platform(monkeypatch):
-    """In a GPU process, code traced for a mesh of CPU devices (a CPU EP mesh on a one-GPU host,
-    as `parity/` builds) must not get Pallas: its interpreter cannot run inside shard_map."""
-    from moe_jax.ops import platform
-
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert resolve_backend("auto") == "pallas_triton"
-    cpu_mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:1]), ("ep",))
-    with jax.sharding.use_abstract_mesh(cpu_mesh.abstract_mesh):
-        assert resolve_backend("auto") == "xla"
-        assert not platform.on_gpu()
 
 
 def test_vmap_over_a_leading_axis(backend="xla"):

@@ -11,7 +11,7 @@ import pytest
 from benchmarks import routed_gmm as R
 from benchmarks import shapes as S
 from moe_jax.ops import CANDIDATES, SelectorTable
-from moe_jax.ops.gmm.selector import histogram_features
+from moe_jax.ops.gmm.pallas_triton.selector import histogram_features
 from moe_jax.padding.cli import main as padding_main
 
 

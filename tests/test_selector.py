@@ -1,4 +1,4 @@
-"""The on-device kernel selector (`moe_jax.ops.gmm.selector`): features, table, the gated chain.
+"""The on-device kernel selector (`moe_jax.ops.gmm.pallas_triton.selector`): features, table, the gated chain.
 
 The same bodies run compiled on a GPU and interpreted on CPU; the lowering test checks the
 gated chain for an H200 from any host.
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from moe_jax.ops import CANDIDATES, SelectorTable, gmm, gmm_reference, grouped_linear, select, selector_table
-from moe_jax.ops.gmm.selector import histogram_features
-from moe_jax.ops.gmm.selector_tables import TABLES
-from moe_jax.ops.gmm.tile import Gate
+from moe_jax.ops.gmm.pallas_triton.selector import histogram_features
+from moe_jax.ops.gmm.pallas_triton.tables import TABLES
+from moe_jax.ops.gmm.pallas_triton.tile import Gate
 from moe_jax.testing import assert_close
 from tests.helpers import ON_GPU, lower_for_gpu
 
@@ -123,8 +123,8 @@ def test_gradients_through_the_selected_path():
 def test_gated_launch_leaves_the_output_alone_unless_chosen():
     """A gated launch whose index is not the choice writes nothing (the NaN buffer survives); the
     chosen one writes every element."""
-    from moe_jax.ops.gmm.group_major import gmm_group_major_pallas
-    from moe_jax.ops.gmm.row_tile import gmm_row_tile_pallas
+    from moe_jax.ops.gmm.pallas_triton.group_major import gmm_group_major_pallas
+    from moe_jax.ops.gmm.pallas_triton.row_tile import gmm_row_tile_pallas
 
     m, k, n = 30, 40, 24
     x, w = _inputs(7, m, k, n, 4)
@@ -156,7 +156,7 @@ def test_tuned_tables_and_validation():
         SelectorTable(shape=(8, 8, 2), choice=(("gm16x32",), ("gm16x32", "gm16x64")))
     with pytest.raises(ValueError, match="shape"):
         SelectorTable(shape=(8, 0, 2), choice=(("gm16x32",),))
-    with pytest.raises(TypeError, match="'auto'"):
+    with pytest.raises(ValueError, match="config='fastest': use None .*'auto'"):
         gmm(jnp.ones((4, 8)), jnp.ones((2, 4, 8)), jnp.asarray([2, 2], jnp.int32), config="fastest")
     assert TABLE.candidates_for(40) == ("gm16x64", "rt16x64", "rt64x128")
     assert TABLE.candidates_for(8) == ("gm16x32",)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from moe_jax.ops import TileConfig, gmm_reference, tgmm_reference
-from moe_jax.ops.gmm.triton_launch import gmm_launch, gmm_torch, tgmm_launch, tgmm_torch
+from moe_jax.ops.gmm.triton.launch import gmm_launch, gmm_torch, tgmm_launch, tgmm_torch
 from moe_jax.testing import assert_close
 from tests.helpers import ON_GPU
 
@@ -151,66 +151,11 @@ def test_tgmm_kernel_matches_reference(sizes, dtype):
     assert_close(got, want, jnp.bfloat16 if dtype == torch.bfloat16 else jnp.float32, "tgmm_kernel")
 
 
-# (programs, tiles): one program for every tile; 3 programs over the 30 tiles of `TILES[0]`; more
-# programs than tiles (those past the tile count do nothing).
-PERSISTENT = [(1, TILES[1]), (3, TILES[0]), (64, TILES[0])]
-
-
-@pytest.mark.parametrize("programs,tiles", PERSISTENT, ids=["p1", "p3", "p64-past-the-tiles"])
-@pytest.mark.parametrize("sizes", [(0, 17, 30, 0, 13), (0, 0, 77, 0, 5), (0, 0, 0, 0, 0)],
-                         ids=["ragged", "hot", "all-empty"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("gather", [False, True], ids=["packed", "gather"])
-def test_tgmm_persistent_kernel_equals_the_per_tile_kernel(programs, tiles, sizes, dtype, gather):
-    """The persistent weight gradient equals the one-program-per-tile kernel bit for bit (the same
-    accumulation order per tile) and the reference: every element written (NaN-poisoned output),
-    empty groups exactly zero, the rows past the groups (NaN here) never read; groups, N and K not
-    multiples of the tiles; with row ids, ids outside `[0, T)` read zeros."""
-    m, t, k, n = 90, 37, 40, 24
-    total = sum(sizes)
-    rng = np.random.default_rng(7)
-    d = rng.standard_normal((m, n)).astype(np.float32)
-    d[total:] = np.nan
-    if gather:
-        x = rng.standard_normal((t + 1, k)).astype(np.float32)
-        x[t] = np.nan  # the source row of the packed rows past the groups
-        ids = rng.integers(0, t, m).astype(np.int32)
-        ids[[2, 50]], ids[20] = -1, t + 1
-        ids[total:] = t
-        row_ids = torch.from_numpy(ids).to(DEVICE)
-    else:
-        x = rng.standard_normal((m, k)).astype(np.float32)
-        x[total:] = np.nan
-        row_ids = None
-    xt, dt = _t(x, dtype), _t(d, dtype)
-    gs = torch.tensor(sizes, dtype=torch.int32, device=DEVICE)
-    out = torch.full((len(sizes), n, k), float("nan"), device=DEVICE, dtype=dtype)
-    dw = tgmm_torch(xt, dt, gs, tiles=tiles, precision=HI, row_ids=row_ids, programs=programs, out=out)
-    got = dw.float().cpu().numpy()
-    assert np.isfinite(got).all()
-    assert torch.equal(dw, tgmm_torch(xt, dt, gs, tiles=tiles, precision=HI, row_ids=row_ids))
-    for e, s in enumerate(sizes):
-        if s == 0:
-            assert (got[e] == 0).all()
-    rows = xt.float().cpu().numpy()
-    if gather:
-        rows = np.where(((ids >= 0) & (ids <= t))[:, None], rows[np.clip(ids, 0, t)], 0)
-    want = tgmm_reference(jnp.nan_to_num(jnp.asarray(rows)), jnp.nan_to_num(jnp.asarray(dt.float().cpu().numpy())),
-                          jnp.asarray(sizes))
-    assert_close(got, want, jnp.bfloat16 if dtype == torch.bfloat16 else jnp.float32, "tgmm_persistent_kernel")
-
-
-def test_tgmm_launch_sizes_the_grid_by_tiles_or_programs():
-    kw = dict(m=70, n=24, k=40, num_groups=5, tiles=TILES[0], dtype=np.float32, precision=HI, interpret=True)
-    per_tile = tgmm_launch(**kw)
-    assert per_tile.grid == (5 * 2 * 3,) and "PROGRAMS" not in per_tile.constants
-    assert (per_tile.constants["M"], per_tile.constants["E"], per_tile.constants["E_LANES"]) == (70, 5, 16)
-    persistent = tgmm_launch(**kw, programs=264)
-    assert persistent.grid == (264,)
-    # The persistent kernel reads offsets, not sizes: it takes no M.
-    assert persistent.constants == {key: v for key, v in per_tile.constants.items() if key != "M"} | dict(PROGRAMS=264)
-    with pytest.raises(ValueError, match="programs"):
-        tgmm_launch(**kw, programs=0)
+def test_tgmm_launch_sizes_the_grid_by_tiles():
+    launch = tgmm_launch(m=70, n=24, k=40, num_groups=5, tiles=TILES[0], dtype=np.float32, precision=HI,
+                         interpret=True)
+    assert launch.grid == (5 * 2 * 3,)
+    assert (launch.constants["M"], launch.constants["E"], launch.constants["E_LANES"]) == (70, 5, 16)
 
 
 def test_gmm_launch_refuses_int32_overflow_and_sizes_the_grid():
@@ -230,7 +175,7 @@ def test_importing_jax_triton_keeps_the_triton_cache_dir(tmp_path, monkeypatch, 
     """jax_triton 0.3.1 blanks TRITON_CACHE_DIR when imported, which breaks every later Triton
     launch in the process; the backend's import puts the variable back, whether the import
     succeeds or (off GPU) raises. A stand-in module with jax_triton's import-time behaviour."""
-    from moe_jax.ops.gmm.triton_launch import import_jax_triton
+    from moe_jax.ops.gmm.triton.launch import import_jax_triton
 
     (tmp_path / "jax_triton.py").write_text(
         "import os\nos.environ['TRITON_CACHE_DIR'] = ''\n" + ("raise ImportError('needs a CUDA jaxlib')\n" if fails else ""))
@@ -251,7 +196,7 @@ def test_importing_jax_triton_keeps_the_triton_cache_dir(tmp_path, monkeypatch, 
 
 
 def test_kernels_compile_for_h200_with_wgmma_and_pipelined_loads():
-    """The kernels (the weight gradient per tile and persistent), with and without the row gather,
+    """The kernels, with and without the row gather,
     at the tiles the tables give them, compile ahead of time for sm_90 to a cubin (on any host:
     Triton ships its own ptxas), use Hopper's wgmma, pipeline their loads (cp.async, waited for
     with loads still in flight; the gathered weight gradients as deep as the packed ones) and fit in
@@ -261,15 +206,14 @@ def test_kernels_compile_for_h200_with_wgmma_and_pipelined_loads():
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert len(records) == 8, out.stdout
-    assert sum(rec.get("programs") is not None for rec in records) == 2, out.stdout
+    assert len(records) == 6, out.stdout
     for rec in records:
         assert rec["wgmma"] and rec["cp_async"] and rec["max_wait_group"] > 0 and rec["cubin"] > 0, rec
         assert rec["shared"] <= 227 * 1024, rec
     # The gathered weight gradients pipeline as deep as the packed ones, with their shared buffers:
     # their row ids are carried a step ahead, not loaded in the step that reads the rows.
-    plain = {rec["programs"]: rec for rec in records if rec["kernel"] == "tgmm" and not rec["gather"]}
+    plain = next(rec for rec in records if rec["kernel"] == "tgmm" and not rec["gather"])
     for rec in records:
         if rec["kernel"] == "tgmm" and rec["gather"]:
-            assert rec["max_wait_group"] == plain[rec["programs"]]["max_wait_group"], (rec, plain)
-            assert rec["shared"] >= plain[rec["programs"]]["shared"], (rec, plain)
+            assert rec["max_wait_group"] == plain["max_wait_group"], (rec, plain)
+            assert rec["shared"] >= plain["shared"], (rec, plain)

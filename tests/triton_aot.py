@@ -7,7 +7,7 @@ ahead of their use: the loop is pipelined), shared memory.
 
 Run in a process without `TRITON_INTERPRET` (under it `triton.jit` gives interpreted functions,
 which do not compile); `tests/test_triton_kernels.py` starts it so. The launch constants come from
-`triton_launch.gmm_launch` / `tgmm_launch`, as on the GPU; pointer arguments carry the 16-byte
+`moe_jax.ops.gmm.triton.launch` (`gmm_launch`, `tgmm_launch`), as on the GPU; pointer arguments carry the 16-byte
 divisibility that jax_triton passes for JAX buffers (without it Triton cannot vectorize the loads,
 so it does not pipeline them).
 """
@@ -22,14 +22,13 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from moe_jax.ops.gmm.config import gmm_config, triton_tgmm_config
-from moe_jax.ops.gmm.triton_kernels import gmm_kernel, tgmm_kernel, tgmm_persistent_kernel
-from moe_jax.ops.gmm.triton_launch import gmm_launch, tgmm_launch
+from moe_jax.ops.gmm.triton.kernels import gmm_kernel, tgmm_kernel
+from moe_jax.ops.gmm.triton.launch import gmm_launch, tgmm_launch
+from moe_jax.ops.gmm.triton.rules import gmm_tiles, tgmm_tiles
 
 H200 = GPUTarget("cuda", 90, 32)
 # Qwen3-30B-A3B gate+up at prefill: 32768 packed rows of 4096 tokens, 128 experts.
 M, T, N, K, E = 32768, 4096, 1536, 2048, 128
-PROGRAMS = 264  # the persistent weight gradient: two programs per H200 SM
 
 
 def _compile(kernel, pointers: list[str], launch) -> dict:
@@ -44,10 +43,10 @@ def _compile(kernel, pointers: list[str], launch) -> dict:
 
 
 def main() -> None:
-    fwd = gmm_config(M, N, K, E).tiles
-    wgrad = triton_tgmm_config(M, N, K, E)
+    fwd = gmm_tiles(M, N, K, E)
+    wgrad = tgmm_tiles(M, N, K, E)
     gmm_ptrs = [("sizes_ptr", "i32"), ("rows_ptr", "i32"), ("a_ptr", "bf16"), ("b_ptr", "bf16"), ("c_ptr", "bf16")]
-    tgmm_ptrs = [("rows_ptr", "i32"), ("a_ptr", "bf16"), ("d_ptr", "bf16"), ("o_ptr", "bf16")]
+    tgmm_ptrs = [("sizes_ptr", "i32"), ("rows_ptr", "i32"), ("a_ptr", "bf16"), ("d_ptr", "bf16"), ("o_ptr", "bf16")]
     for gather in (False, True):
         source = T if gather else None
         for transpose_rhs in (True, False):
@@ -55,11 +54,9 @@ def main() -> None:
                                 tiles=fwd, dtype=jnp.bfloat16, precision=None, interpret=False)
             print(json.dumps(dict(kernel="gmm", gather=gather, transpose_rhs=transpose_rhs,
                                   **_compile(gmm_kernel, gmm_ptrs, launch))), flush=True)
-        for programs, kernel, index in ((None, tgmm_kernel, "sizes_ptr"), (PROGRAMS, tgmm_persistent_kernel, "offsets_ptr")):
-            launch = tgmm_launch(m=M, n=N, k=K, num_groups=E, tiles=wgrad, dtype=jnp.bfloat16, precision=None,
-                                 interpret=False, source_rows=source, programs=programs)
-            print(json.dumps(dict(kernel="tgmm", gather=gather, programs=programs,
-                                  **_compile(kernel, [(index, "i32"), *tgmm_ptrs], launch))), flush=True)
+        launch = tgmm_launch(m=M, n=N, k=K, num_groups=E, tiles=wgrad, dtype=jnp.bfloat16, precision=None,
+                             interpret=False, source_rows=source)
+        print(json.dumps(dict(kernel="tgmm", gather=gather, **_compile(tgmm_kernel, tgmm_ptrs, launch))), flush=True)
 
 
 if __name__ == "__main__":

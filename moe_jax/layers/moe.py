@@ -96,7 +96,7 @@ class MoE(nnx.Module):
         e.g. `H200_BACKENDS.replace({("gmm_nn", "prefill"): ("mosaic_gpu", "triton", "pallas_triton")})`
         to run the input gradient on Mosaic GPU where it takes the shapes.
       gemm_kernel: how the Pallas backend picks each grouped GEMM's kernel: `"auto"` (default),
-        the per-device tuned selector (`moe_jax.ops.gmm.selector`: from the packed rows and, where
+        the per-device tuned selector (`moe_jax.ops.gmm.pallas_triton.selector`: from the packed rows and, where
         the table says it pays, the routing histogram, on device); `"static"`, the shape table
         (`moe_jax.ops.gmm_config`; reproducible across histograms). `MoEStats.kernel_counts_C`
         says which ran.

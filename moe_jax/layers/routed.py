@@ -21,6 +21,7 @@ weights and are left alone.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -28,11 +29,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from moe_jax.experts import swiglu_experts, swiglu_experts_fused
-from moe_jax.ops import (AUTO_FUSED_GATHER, CANDIDATES, candidate_index, gemm_backend, gmm_config, select,
-                         selector_table, triton_candidate)
-from moe_jax.ops.gmm import histogram_features
-from moe_jax.ops.gmm.mosaic import group_tiles, mosaic_config
+from moe_jax.experts import ExpertPlans, expert_plans, swiglu_experts, swiglu_experts_fused
+from moe_jax.ops import AUTO_FUSED_GATHER, CANDIDATES, executed
 from moe_jax.ops.platform import BackendTable
 from moe_jax.ops.sharding import vary_to_union
 from moe_jax.parallel import AxisRules, EPOptions, ep_moe, is_explicit
@@ -86,73 +84,48 @@ class ExpertStage:
     kernel: str  # "auto" (the tuned on-device selector) or "static" (the shape table)
     row_gather: str = "auto"  # "fused", "separate" or "auto" (`fuses_gather`)
 
-    def experts(self, x_MD, group_sizes, weights, rows=None):
+    def plans(self, num_rows: int, dtype, num_experts: int | None = None) -> ExpertPlans:
+        """The grouped GEMMs' plans on `num_rows` packed `dtype` rows of `num_experts` experts (the
+        local experts of an ep rank; default all), decided once per call site:
+        the experts run them and the telemetry reads the gate/up forward plan. The gate/up GEMMs
+        read the token rows through the packing's ids (no packed copy) with `row_gather="fused"`,
+        never with `"separate"`, and with `"auto"` where the gate/up GEMM's backend is one of
+        `AUTO_FUSED_GATHER` (measured faster fused)."""
+        make = functools.partial(expert_plans, num_rows, self.d_in, self.d_ff, num_experts or self.num_experts, dtype,
+                                 fused_gate_up=self.fused_gate_up, backend=self.backend, precision=self.precision,
+                                 kernel="auto" if self.kernel == "auto" else None)
+        if self.row_gather == "auto":
+            separate = make(gather=False)
+            return make(gather=True) if separate.gate_up.fwd.backend in AUTO_FUSED_GATHER else separate
+        return make(gather=self.row_gather == "fused")
+
+    def experts(self, x_MD, group_sizes, weights, plans: ExpertPlans, rows=None):
         """The SwiGLU experts on packed rows `x_MD`, or with `rows` (a `RowGather`) on the
-        token rows `x_MD` `[T, D]` read through `rows.ids_M`."""
+        token rows `x_MD` `[T, D]` read through `rows.ids_M`, running `plans`."""
         fn = swiglu_experts_fused if self.fused_gate_up else swiglu_experts
-        return fn(x_MD, group_sizes, *weights, backend=self.backend, precision=self.precision,
-                  kernel="auto" if self.kernel == "auto" else None, rows=rows)
+        return fn(x_MD, group_sizes, *weights, rows=rows, plans=plans)
 
-    @property
-    def gate_up_cols(self) -> int:
-        """Output columns of the gate/up GEMM: 2F fused, F for each of the two otherwise."""
-        return 2 * self.d_ff if self.fused_gate_up else self.d_ff
-
-    def gate_up_backend(self, num_rows: int, num_groups: int, dtype) -> str:
-        """The backend of the gate/up GEMM (`gmm_nt`) on `num_rows` packed `dtype` rows."""
-        return gemm_backend("gmm_nt", self.backend, num_rows, num_groups,
-                            operands=(self.gate_up_cols, self.d_in, jnp.dtype(dtype), jnp.dtype(dtype)))
-
-    def fuses_gather(self, num_rows: int, dtype) -> bool:
-        """Whether the gate/up GEMM reads the token rows through the packing's ids (no packed
-        copy): always with `row_gather="fused"`, never with `"separate"`; with `"auto"` where
-        the gate/up GEMM's backend is one of `AUTO_FUSED_GATHER` (measured faster fused)."""
-        if self.row_gather != "auto":
-            return self.row_gather == "fused"
-        return self.gate_up_backend(num_rows, self.num_experts, dtype) in AUTO_FUSED_GATHER
-
-    def telemetry(self, group_sizes, num_rows: int, dtype) -> GemmTelemetry:
-        """One device's gate/up GEMM on `dtype` rows: on the Pallas backend the candidate that runs
-        (the selector's pick, or the shape table's) and its executed rows; on the triton backend
-        its row-tile candidate (`triton_candidate`); on the mosaic_gpu backend the rows of its
-        aligned tiles and no candidate (its tiles are its own); on the xla backend the useful rows
-        and no candidate (XLA's tiling is its own, so no tile padding is claimed)."""
-        num_c = len(CANDIDATES)
-        num_groups = group_sizes.shape[0]
-        gate_up_cols = self.gate_up_cols
-        backend = self.gate_up_backend(num_rows, num_groups, dtype)
-        no_candidate = jnp.zeros((num_c,), jnp.int32)
-        if backend == "xla":
-            useful = jnp.sum(group_sizes, dtype=jnp.int32)
-            return GemmTelemetry(useful, useful, useful, useful, no_candidate)
-        if backend == "mosaic_gpu":
-            useful = histogram_features(group_sizes, num_rows).useful_rows
-            tile_m = mosaic_config(self.d_in, dtype).tile_m
-            executed = tile_m * jnp.sum(group_tiles(group_sizes, num_rows=num_rows, tile_m=tile_m)[:-1])
-            return GemmTelemetry(executed, executed, useful, useful, no_candidate)
-        if backend == "triton":
-            features = histogram_features(group_sizes, num_rows)
-            chosen = candidate_index(triton_candidate(num_rows, gate_up_cols, self.d_in, num_groups))
-        elif self.kernel == "auto":
-            pick = select(group_sizes, num_rows, selector_table(gate_up_cols, self.d_in, num_groups))
-            features, chosen = pick.features, pick.candidate
-        else:
-            features = histogram_features(group_sizes, num_rows)
-            chosen = candidate_index(gmm_config(num_rows, gate_up_cols, self.d_in, num_groups))
-        executed, useful = features.executed_C[chosen], features.useful_rows
-        counts_C = (jnp.arange(num_c) == chosen).astype(jnp.int32)
-        return GemmTelemetry(executed, executed, useful, useful, counts_C)
+    @staticmethod
+    def telemetry(plans: ExpertPlans, group_sizes) -> GemmTelemetry:
+        """One device's gate/up GEMM: the rows its plan executes on `group_sizes` and which
+        `CANDIDATES` member ran (the backend's own rule, `moe_jax.ops.executed`: the selector's pick
+        or the static candidate on `pallas_triton`; the tiles' rows and no candidate on `triton`
+        and `mosaic_gpu`; the useful rows and no candidate on `xla`, whose tiling is its own)."""
+        rows = executed(plans.gate_up.fwd, group_sizes)
+        counts_C = (jnp.arange(len(CANDIDATES)) == rows.candidate).astype(jnp.int32)
+        return GemmTelemetry(rows.executed_rows, rows.executed_rows, rows.useful_rows, rows.useful_rows, counts_C)
 
 
 def _local(stage: ExpertStage, x_TD, idx_TK, w_TK, mask_T, weights):
     """Pack, grouped SwiGLU and combine on one device's tokens with all E experts."""
     packing = pack(idx_TK, stage.num_experts, mask_T=mask_T)
-    if stage.fuses_gather(idx_TK.size, x_TD.dtype):
-        y_RD = stage.experts(x_TD, packing.group_sizes_E, weights, rows=packed_row_source(x_TD, packing))
+    plans = stage.plans(idx_TK.size, x_TD.dtype)
+    if plans.gate_up.fwd.problem.gather:
+        y_RD = stage.experts(x_TD, packing.group_sizes_E, weights, plans, rows=packed_row_source(x_TD, packing))
     else:
-        y_RD = stage.experts(pack_rows(x_TD, packing, backend=stage.backend), packing.group_sizes_E, weights)
+        y_RD = stage.experts(pack_rows(x_TD, packing, backend=stage.backend), packing.group_sizes_E, weights, plans)
     y_TD = combine(y_RD, w_TK, packing)  # pack(mask_T=...) already left masked routes out
-    return y_TD, stage.telemetry(packing.group_sizes_E, idx_TK.size, x_TD.dtype)
+    return y_TD, stage.telemetry(plans, packing.group_sizes_E)
 
 
 def single_device(stage: ExpertStage, x_TD, idx_TK, w_TK, mask_T, weights) -> Routed:
@@ -191,13 +164,14 @@ def routed_on_mesh(stage: ExpertStage, mesh, rules: AxisRules, options: EPOption
         # Masked tokens are never sent and never count as dropped.
         capacity = options.capacity(num_tokens, top_k, ep, local)
         packed_rows = ep * resolve_capacity(capacity, num_tokens * top_k, local)  # P*C, as ep_dispatch lays out
+        plans = stage.plans(packed_rows, x_TD.dtype, local)
         y_TD, stats = ep_moe(
-            x_TD, idx_TK, w_TK, lambda x, sizes_El, rows=None: stage.experts(x, sizes_El, weights, rows=rows),
+            x_TD, idx_TK, w_TK, lambda x, sizes_El, rows=None: stage.experts(x, sizes_El, weights, plans, rows=rows),
             num_experts=stage.num_experts, axis_name=rules.experts, strategy=options.strategy,
             capacity=capacity, mask_T=mask_T, backend=stage.backend, transport=options.transport,
-            fuse_regroup=stage.fuses_gather(packed_rows, x_TD.dtype),
+            fuse_regroup=plans.gate_up.fwd.problem.gather,
         )
-        gemm = stage.telemetry(stats.group_sizes_El, ep * stats.capacity, x_TD.dtype).reduce(rules.tokens)
+        gemm = stage.telemetry(plans, stats.group_sizes_El).reduce(rules.tokens)
         # stats.dropped is already the ep-group total; the groups of the replicas add up.
         return (y_TD, gemm, lax.psum(stats.dropped, rules.expert_replicas), lax.psum(stats.kept_E, rules.tokens))
 

@@ -1,27 +1,32 @@
-"""Backends and platforms: the one registry that maps (op, backend) to an implementation.
+"""Platforms, device facts and the backend names: what every op of moe_jax asks before it runs.
 
-Every op of moe_jax that has more than one implementation (`gmm`, `tgmm`, `gather_rows`, EP's
-`plan_sends`) registers each under a backend name with `@register(op, backend)` and looks it up
-with `implementation(op, backend)`. Backend names:
+Backend names (`BACKENDS`; the grouped GEMM finds each one's implementation in the folder or
+module of that name under `moe_jax/ops/gmm/`, so adding a backend is that folder plus its name
+here):
 
 - `pallas_triton`: our Pallas kernels lowered through Triton; compiled on GPU, run with
   `interpret=True` elsewhere (see `interpret()`).
 - `triton`: official Triton kernels (`triton.jit`) called through `jax_triton.triton_call`; GPU
-  only (jax_triton imports only with a CUDA jaxlib). Implemented for `gmm` and `tgmm`; ops without
-  a Triton kernel (`gather_rows`, `plan_sends`) run their `pallas_triton` implementation there.
-- `mosaic_gpu`: Pallas Mosaic GPU kernels (TMA, wgmma, warp specialization) for `gmm` and `tgmm`;
-  compiled on GPU, run in Pallas's GPU interpret mode elsewhere. Ops without a Mosaic GPU kernel
-  (`gather_rows`, `plan_sends`) run their `pallas_triton` implementation there.
+  only (jax_triton imports only with a CUDA jaxlib). Ops without a Triton kernel (`gather_rows`,
+  `plan_sends`) run their `pallas_triton` implementation there.
+- `mosaic_gpu`: Pallas Mosaic GPU kernels (TMA, wgmma, warp specialization); compiled on GPU, run
+  in Pallas's GPU interpret mode elsewhere.
 - `xla`: plain XLA (`jax.lax.ragged_dot_general`, `jnp` indexing).
-- `auto`: `pallas_triton` when compiling for a GPU, else `xla`; logged once per platform. The
-  grouped GEMMs refine it per kernel on a GPU (`moe_jax.ops.gmm.backend_table`).
-- a `BackendTable`: `auto` with a per-kernel table of one's own for the grouped GEMMs (to run,
-  say, one kernel on another backend while the rest stay as `auto` picks them); every other op
-  reads it as `auto`.
+- `auto`: on a GPU, per grouped-GEMM kernel from a table (`moe_jax.ops.gmm.plan`), `pallas_triton`
+  for the other ops; `xla` elsewhere.
+- a `BackendTable`: `auto` with a per-kernel table of one's own for the grouped GEMMs; every other
+  op reads it as `auto`.
+
+Ops other than the grouped GEMM (the row gather, EP's send plan) register one function per backend
+with `@register(op, backend)` and look it up with `implementation(op, backend)`.
 
 The platform is the one being compiled for (`compile_platform`): the abstract mesh's device when
 one is set (inside `shard_map`, or lowering ahead of time for a GPU from a CPU host), else JAX's
 default backend. A mesh of CPU devices in a GPU process therefore counts as CPU.
+
+`device_facts()` gives the limits the kernels' resource models are checked against: shared memory
+per block (the opt-in maximum of the CUDA C++ Programming Guide's table "Technical Specifications
+per Compute Capability") and the multiprocessor count.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Mapping
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import jax
 
@@ -37,9 +42,11 @@ __all__ = [
     "BACKENDS",
     "BackendName",
     "BackendTable",
-    "SHAPE_CLASSES",
+    "DeviceFacts",
     "GPU_PLATFORMS",
+    "SHAPE_CLASSES",
     "compile_platform",
+    "device_facts",
     "implementation",
     "interpret",
     "on_gpu",
@@ -56,21 +63,45 @@ _log = logging.getLogger("moe_jax")
 _REGISTRY: dict[str, dict[str, Callable]] = {}
 _announced: set[tuple[str, str]] = set()
 
+# Shared memory per block, opt-in maximum, by compute capability (CUDA C++ Programming Guide,
+# "Technical Specifications per Compute Capability"); sm_90 is 227 KiB.
+_SMEM_PER_BLOCK = {(7, 0): 96 * 1024, (7, 5): 64 * 1024, (8, 0): 163 * 1024, (8, 6): 99 * 1024, (8, 7): 163 * 1024,
+                   (8, 9): 99 * 1024, (9, 0): 227 * 1024, (10, 0): 227 * 1024, (10, 3): 227 * 1024,
+                   (12, 0): 99 * 1024}
+_SMEM_UNKNOWN = 99 * 1024  # the smallest of sm_80 and later: an unknown GPU gets configs that fit every one
+# Device kinds whose compute capability an abstract device (lowering ahead of time) does not carry.
+_KIND_CAPABILITY = {"NVIDIA H100": (9, 0), "NVIDIA H200": (9, 0), "NVIDIA GH200": (9, 0), "NVIDIA H800": (9, 0),
+                    "NVIDIA A100": (8, 0), "NVIDIA A800": (8, 0), "NVIDIA A10": (8, 6), "NVIDIA L4": (8, 9),
+                    "NVIDIA L40": (8, 9), "NVIDIA B200": (10, 0), "NVIDIA GB200": (10, 0)}
+_H200_SMS = 132
+
+
+class DeviceFacts(NamedTuple):
+    """What the kernels' resource models are checked against, for the device compiled for."""
+
+    kind: str  # device_kind, e.g. "NVIDIA H200"
+    capability: tuple[int, int] | None  # CUDA compute capability, None when unknown
+    smem_per_block: int  # bytes of shared memory one block may use (opt-in maximum)
+    num_sms: int  # multiprocessors (CTAs of a persistent grid)
+
 
 @dataclasses.dataclass(frozen=True)
 class BackendTable(Mapping):
     """`backend="auto"` with its own table: for each `(kernel, shape class)` of the grouped GEMMs
     (kernels `gmm_nt`, `gmm_nn`, `tgmm`; classes `SHAPE_CLASSES`), the backends to try in order
-    on a GPU (`moe_jax.ops.gmm.backend_table.gemm_backend` runs the first that runs the call).
-    Pass it wherever a backend name goes (`MoE(backend=...)`, `gmm`, `tgmm`, `grouped_linear`);
-    ops without per-kernel choices (row gathers, EP's send plan) and every op off GPU read it as
-    `"auto"`. A read-only mapping, hashable (it sits in jit-static options); build it from a dict
-    (`BackendTable.of`) or from another table (`replace`).
+    on a GPU (`moe_jax.ops.gmm.plan` runs the first that supports the call). Pass it wherever a
+    backend name goes (`gmm`, `tgmm`, `grouped_linear`, the layer's `GemmOptions`); ops without
+    per-kernel choices (row gathers, EP's send plan) and every op off GPU read it as `"auto"`. A
+    read-only mapping, hashable (it sits in jit-static options); build it from a dict with
+    `BackendTable.of` or from another table with `replace`.
     """
 
     entries: tuple[tuple[tuple[str, str], tuple[str, ...]], ...]
 
     def __post_init__(self):
+        if isinstance(self.entries, Mapping):
+            raise TypeError("BackendTable takes a tuple of ((kernel, shape class), backends) entries; build one from a "
+                            "dict with BackendTable.of({...}).")
         for key, choices in self.entries:
             if not (isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str) and key[1] in SHAPE_CLASSES):
                 raise ValueError(f"BackendTable key {key!r}: use (kernel, shape class) with a class in {SHAPE_CLASSES}.")
@@ -85,6 +116,9 @@ class BackendTable(Mapping):
     @classmethod
     def of(cls, table: Mapping) -> "BackendTable":
         """A table from a mapping `{(kernel, shape class): (backend, ...)}`."""
+        if not isinstance(table, Mapping):
+            raise TypeError(f"BackendTable.of takes a mapping {{(kernel, shape class): (backend, ...)}}; got "
+                            f"{type(table).__name__}.")
         return cls(tuple((tuple(k), tuple(v)) for k, v in table.items()))
 
     def replace(self, updates: Mapping) -> "BackendTable":
@@ -104,9 +138,14 @@ class BackendTable(Mapping):
         return len(self.entries)
 
 
+def _compile_device():
+    """The abstract mesh's device when one is set, else None (JAX's default backend)."""
+    return jax.sharding.get_abstract_mesh().abstract_device
+
+
 def compile_platform() -> str:
     """The platform being compiled for (see the module docstring)."""
-    device = jax.sharding.get_abstract_mesh().abstract_device
+    device = _compile_device()
     return device.platform if device is not None else jax.default_backend()
 
 
@@ -120,10 +159,36 @@ def interpret() -> bool:
     return not on_gpu()
 
 
+def _capability(kind: str, local) -> tuple[int, int] | None:
+    if local is not None and getattr(local, "compute_capability", None):
+        major, minor = str(local.compute_capability).split(".")[:2]
+        return int(major), int(minor)
+    return next((cc for name, cc in sorted(_KIND_CAPABILITY.items(), key=lambda kv: -len(kv[0]))
+                 if kind.startswith(name)), None)
+
+
+def device_facts() -> DeviceFacts:
+    """`DeviceFacts` of the device compiled for: an abstract mesh's device (lowering ahead of time;
+    its kind gives the compute capability, its `num_cores` the SMs, else an H200's 132) or the
+    first local device. Off GPU: an H200's limits, so that interpret mode runs the configurations
+    an H200 would (and the resource checks say what would fit there)."""
+    abstract = _compile_device()
+    if not on_gpu():
+        return DeviceFacts("cpu (modelled as an NVIDIA H200)", (9, 0), _SMEM_PER_BLOCK[(9, 0)], _H200_SMS)
+    if abstract is not None:
+        kind, local, sms = abstract.device_kind, None, getattr(abstract, "num_cores", None)
+    else:
+        local = jax.devices()[0]
+        kind, sms = local.device_kind, getattr(local, "core_count", None)
+    capability = _capability(kind, local)
+    smem = _SMEM_PER_BLOCK.get(capability, _SMEM_UNKNOWN)
+    return DeviceFacts(kind, capability, smem, sms or _H200_SMS)
+
+
 def resolve_backend(backend: "str | BackendTable") -> str:
-    """The backend `backend` stands for: `auto` (and a `BackendTable`) is `pallas_triton` on GPU,
-    else `xla` (logged once per platform on the `moe_jax` logger, INFO); ValueError naming the
-    choices otherwise, and for `triton` off GPU."""
+    """The backend a non-GEMM op runs for `backend`: `auto` (and a `BackendTable`) is
+    `pallas_triton` on GPU, else `xla` (logged once per platform on the `moe_jax` logger, INFO);
+    ValueError naming the choices otherwise, and for `triton` off GPU."""
     if isinstance(backend, BackendTable) or backend == "auto":
         platform = compile_platform()
         picked = "pallas_triton" if platform in GPU_PLATFORMS else "xla"
@@ -131,7 +196,7 @@ def resolve_backend(backend: "str | BackendTable") -> str:
             _announced.add((platform, picked))
             _log.info("moe_jax: backend='auto' picked %r on platform %r", picked, platform)
         return picked
-    if backend not in BACKENDS:
+    if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(
             f"backend={backend!r} is not a moe_jax backend; use one of 'auto', "
             + ", ".join(repr(b) for b in BACKENDS) + " or a BackendTable."

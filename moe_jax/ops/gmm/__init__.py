@@ -1,47 +1,60 @@
-"""The grouped GEMM, one room: public ops (`api`), candidates and tables (`config`), the on-device
-tile schedule (`schedule`), the on-device kernel choice (`selector`, its tuned tables in
-`selector_tables`), one file per kernel family (`row_tile`, `group_major`, `wgrad`, with
-the shared in-kernel body in `tile`), the four backends (`backends`: `pallas_triton`, `triton` with
-its kernels in `triton_kernels` launched from `triton_launch`, `mosaic_gpu` in `mosaic`, `xla`;
-`auto`'s per-kernel choice in `backend_table`) and the fp32 references (`reference`)."""
+"""The grouped GEMM, one room: the public ops (`api`), the one chooser (`plan`: `Problem` ->
+`Plan`, `problem` holds the types and the backend interface), the backends, one folder or module
+each, registered by name (`registry`: `pallas_triton/`, `triton/`, `mosaic_gpu/`, `xla`), what every
+backend shares (`schedule`: group offsets and the in-kernel sizes vector; `tiles`: Triton tiles,
+their shared-memory model and fallback) and the fp32 references (`reference`)."""
 
 from moe_jax.ops.gmm.api import SUPPORTED_DTYPES, RowGather, gmm, grouped_linear, tgmm
-from moe_jax.ops.gmm.backend_table import AUTO_FUSED_GATHER, H200_BACKENDS, KERNELS, gemm_backend
-from moe_jax.ops.gmm.config import (CANDIDATES, FAMILIES, GmmConfig, TileConfig, candidate_index, gmm_config, tgmm_config,
-                                    triton_candidate, triton_tgmm_config)
+from moe_jax.ops.gmm.mosaic_gpu import MosaicConfig, mosaic_config
+from moe_jax.ops.gmm.pallas_triton import (CANDIDATES, FAMILIES, Features, GmmConfig, Launches, Selection, SelectorTable,
+                                           candidate_index, gmm_config, histogram_features, select, selector_table,
+                                           tgmm_config)
+from moe_jax.ops.gmm.plan import AUTO_FUSED_GATHER, H200_BACKENDS, LinearPlan, executed, plan, plan_linear
+from moe_jax.ops.gmm.problem import KERNELS, Executed, Plan, Problem, resolved_problem
 from moe_jax.ops.gmm.reference import gmm_reference, tgmm_reference
+from moe_jax.ops.gmm.registry import GEMM_BACKENDS
 from moe_jax.ops.gmm.schedule import GroupMetadata, clamp_group_sizes, make_group_metadata, max_tiles
-from moe_jax.ops.gmm.selector import Features, Selection, SelectorTable, histogram_features, select, selector_table
+from moe_jax.ops.gmm.tiles import TileConfig, triton_smem_bytes
 
 __all__ = [
-    "CANDIDATES",
     "AUTO_FUSED_GATHER",
-    "H200_BACKENDS",
-    "KERNELS",
-    "RowGather",
-    "gemm_backend",
-    "Features",
-    "Selection",
-    "SelectorTable",
-    "candidate_index",
-    "histogram_features",
-    "select",
-    "selector_table",
+    "CANDIDATES",
+    "Executed",
     "FAMILIES",
+    "Features",
+    "GEMM_BACKENDS",
     "GmmConfig",
     "GroupMetadata",
+    "H200_BACKENDS",
+    "KERNELS",
+    "Launches",
+    "LinearPlan",
+    "MosaicConfig",
+    "Plan",
+    "Problem",
+    "RowGather",
     "SUPPORTED_DTYPES",
+    "Selection",
+    "SelectorTable",
     "TileConfig",
+    "candidate_index",
     "clamp_group_sizes",
+    "executed",
     "gmm",
     "gmm_config",
     "gmm_reference",
     "grouped_linear",
+    "histogram_features",
     "make_group_metadata",
     "max_tiles",
+    "mosaic_config",
+    "plan",
+    "plan_linear",
+    "resolved_problem",
+    "select",
+    "selector_table",
     "tgmm",
     "tgmm_config",
     "tgmm_reference",
-    "triton_candidate",
-    "triton_tgmm_config",
+    "triton_smem_bytes",
 ]

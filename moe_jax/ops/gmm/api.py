@@ -1,6 +1,8 @@
-"""Public grouped-GEMM ops: `gmm`, `tgmm` and the differentiable `grouped_linear`.
+"""Public grouped-GEMM ops: `gmm`, `tgmm` and the differentiable `grouped_linear`. Each call checks
+its arguments, takes a `Plan` (`moe_jax.ops.gmm.plan`, or one passed in) and runs it on the plan's
+backend (`moe_jax.ops.gmm.registry`).
 
-Legend: M packed rows, K input width, N output width, E groups (experts).
+Legend: M packed rows, K input width, N output width, E groups (experts), T source rows.
 
 Contract (all backends):
 - Rows of `lhs` are grouped contiguously in group order; group e owns
@@ -15,14 +17,14 @@ are global row ranges; see `moe_jax.ops.sharding`); inside `jax.shard_map` the o
 
 Checks: shapes, ranks and dtypes always raise `ValueError`/`TypeError` naming the argument. When
 `group_sizes` is concrete (not traced), negative sizes or a total past M raise `ValueError`. Under
-`jit` they cannot be checked without a host round trip, so the ops clamp instead: negative sizes
-count as zero and rows past M are dropped from the last groups. No memory outside the operands is
-ever touched, but such a result is not meaningful; validate routing upstream.
+`jit` they cannot be checked without a host round trip, so every backend clamps them the same
+way, whatever their integer dtype (signed or unsigned, 32 or 64 bits): negative sizes count as
+zero and rows past M are dropped from the last groups. No memory outside the operands is ever
+touched, but such a result is not meaningful; validate routing upstream.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -31,13 +33,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_jax.ops.gather import sum_of_readers
-from moe_jax.ops.gmm import backends  # noqa: F401  (registers the backends)
-from moe_jax.ops.gmm.backend_table import gemm_backend
-from moe_jax.ops.gmm.config import GmmConfig, TileConfig
-from moe_jax.ops.gmm.mosaic import MosaicConfig, MosaicWgradConfig
-from moe_jax.ops.gmm.selector import SelectorTable, selector_table
-from moe_jax.ops.platform import BackendName, implementation, resolve_backend
+from moe_jax.ops.gmm.plan import LinearPlan, plan, plan_linear
+from moe_jax.ops.gmm.problem import Plan, resolved_problem
+from moe_jax.ops.gmm.registry import GEMM_BACKENDS
+from moe_jax.ops.platform import BackendName, BackendTable
 from moe_jax.ops.sharding import replicate_explicit
+
+__all__ = ["RowGather", "SUPPORTED_DTYPES", "gmm", "grouped_linear", "tgmm"]
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -55,7 +57,7 @@ def _check_float(name: str, x):
 
 
 def _check_group_sizes(group_sizes, num_groups: int, num_rows: int, expert_arg: str):
-    _check_array("group_sizes", group_sizes, 1, "[E] of int32 row counts")
+    _check_array("group_sizes", group_sizes, 1, "[E] of integer row counts")
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise TypeError(f"group_sizes must be an integer array; got dtype {group_sizes.dtype}.")
     if group_sizes.shape[0] != num_groups:
@@ -65,7 +67,7 @@ def _check_group_sizes(group_sizes, num_groups: int, num_rows: int, expert_arg: 
         )
     if isinstance(group_sizes, jax.core.Tracer):
         return
-    sizes = np.asarray(group_sizes)
+    sizes = np.asarray(group_sizes).astype(np.int64)
     if (sizes < 0).any():
         raise ValueError(f"group_sizes must be >= 0; got negative entries at {np.flatnonzero(sizes < 0).tolist()}.")
     if sizes.sum() > num_rows:
@@ -81,25 +83,17 @@ def _check_row_ids(name: str, ids) -> None:
         raise TypeError(f"{name} must be an integer array [M] of source-row ids; got dtype {ids.dtype}.")
 
 
-def _check_config(name: str, config, allowed: tuple) -> None:
-    if config is not None and not isinstance(config, allowed):
-        want = " or ".join(t.__name__ for t in allowed)
-        auto = ", 'auto' (the on-device selector)" if SelectorTable in allowed else ""
-        raise TypeError(f"{name} must be a {want}{auto} or None (the per-shape table); got {config!r}.")
-
-
-def _gmm_choice(config, n: int, k: int, num_groups: int):
-    """`config` of `gmm`, with `"auto"` resolved to the tuned selector table of this shape."""
-    if isinstance(config, str) and config == "auto":
-        return selector_table(n, k, num_groups)
-    _check_config("config", config, (GmmConfig, TileConfig, SelectorTable, MosaicConfig))
-    return config
-
-
-def _default_precision(dtype, precision):
-    if precision is not None:
-        return precision
-    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
+def _checked_plan(given: Plan | None, problem, backend, config) -> Plan:
+    """`given` where it plans exactly `problem` (ValueError otherwise), else `plan(...)`."""
+    if given is None:
+        return plan(problem, backend, config)
+    if not isinstance(given, Plan):
+        raise TypeError(f"plan must be a moe_jax.ops.Plan (from moe_jax.ops.plan or plan_linear) or None; got "
+                        f"{type(given).__name__}.")
+    if given.problem != problem:
+        raise ValueError(f"plan is for {given.problem.describe()} but the call is {problem.describe()}; make the plan "
+                         "from this call's shapes and dtypes.")
+    return given
 
 
 def _primitive(name: str, impl, *arrays):
@@ -133,17 +127,28 @@ def _primitive(name: str, impl, *arrays):
     return op(*arrays)
 
 
+def _run(name: str, gemm_plan: Plan, lhs, other, group_sizes, row_ids):
+    """`gemm_plan` on its backend, as a primitive (`_primitive`), on replicated Explicit operands."""
+    backend = GEMM_BACKENDS[gemm_plan.backend]
+    if row_ids is None:
+        return _primitive(name, lambda a, b, s: backend.run(gemm_plan, a, b, s, None),
+                          *replicate_explicit(lhs, other, group_sizes))
+    return _primitive(name, lambda a, b, s, ids: backend.run(gemm_plan, a, b, s, ids),
+                      *replicate_explicit(lhs, other, group_sizes, row_ids.astype(jnp.int32)))
+
+
 def gmm(
     lhs: jax.Array,
     rhs: jax.Array,
     group_sizes: jax.Array,
     *,
     transpose_rhs: bool = True,
-    config: GmmConfig | TileConfig | SelectorTable | str | None = None,
-    backend: BackendName = "auto",
+    config=None,
+    backend: BackendName | BackendTable = "auto",
     preferred_element_type=None,
     precision: jax.lax.Precision | None = None,
     row_ids: jax.Array | None = None,
+    plan: Plan | None = None,
 ) -> jax.Array:
     """Grouped GEMM: `out[M,N]`, rows of group e are `lhs_e @ rhs[e]^T`.
 
@@ -152,18 +157,20 @@ def gmm(
       rhs: `[E, N, K]` (default, the linear-layer "NT" layout) or, with `transpose_rhs=False`,
         `[E, K, N]` (rows of group e are `lhs_e @ rhs[e]`).
       group_sizes: `[E]` integer rows per group.
-      config: the Pallas backend's kernel: a `GmmConfig` (kernel family and tiles), a
-        `TileConfig` (the row-tile family), a `SelectorTable` or `"auto"` (the on-device selector,
-        `moe_jax.ops.gmm.selector`: a candidate picked from `group_sizes` inside the program);
-        default None: the static `gmm_config` table.
-      backend: `auto` (on GPU the per-kernel table of `backend_table`: Pallas for the forward,
-        official Triton for the input gradient at prefill sizes; XLA elsewhere), `pallas_triton`,
-        `triton` (GPU only) or `xla`.
+      config: the kernel: None (the backend's static choice), `"auto"` (its on-device choice:
+        `pallas_triton`'s selector picks a candidate from `group_sizes` inside the program), or a
+        backend's configuration: `GmmConfig`, `TileConfig` or `SelectorTable` (`pallas_triton`),
+        `TileConfig` (`triton`), `MosaicConfig` (`mosaic_gpu`). A configuration the backend does not
+        take is a TypeError; one that does not fit the device's shared memory a ValueError.
+      backend: `auto` (on GPU the per-kernel table of `moe_jax.ops.gmm.plan`; XLA elsewhere),
+        `pallas_triton`, `triton` (GPU only), `mosaic_gpu`, `xla`, or a `BackendTable`.
       preferred_element_type: output dtype (default: `lhs.dtype`).
       precision: dot precision for fp32 inputs (default HIGHEST).
       row_ids: optional int `[M]`: packed row i is `lhs[row_ids[i]]` (zeros for ids outside
         `[0, T)`), i.e. `gmm(gather_rows(lhs, row_ids), ...)` with the gather fused into the
-        GEMM's operand loads where the backend's kernel can (`backends`).
+        GEMM's operand loads where the backend's kernel can.
+      plan: a `Plan` made for this call's problem (`moe_jax.ops.plan`), instead of `backend` and
+        `config`.
     """
     _check_array("lhs", lhs, 2, "[T, K]" if row_ids is not None else "[M, K]")
     _check_array("rhs", rhs, 3, "[E, N, K]" if transpose_rhs else "[E, K, N]")
@@ -187,18 +194,13 @@ def gmm(
     if num_groups == 0:
         raise ValueError("rhs has zero groups (E=0); a grouped GEMM needs at least one group.")
     _check_group_sizes(group_sizes, num_groups, m, "rhs")
-    config = _gmm_choice(config, n, k, num_groups)
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
+    problem = resolved_problem("gmm_nt" if transpose_rhs else "gmm_nn", m, n, k, num_groups, lhs.dtype, out_dtype,
+                               precision, gather=row_ids is not None)
+    gemm_plan = _checked_plan(plan, problem, backend, config)
     if m == 0 or n == 0 or k == 0 or lhs.shape[0] == 0:  # no rows, or no source rows to read
         return jnp.zeros((m, n), out_dtype)
-    backend = gemm_backend("gmm_nt" if transpose_rhs else "gmm_nn", backend, m, num_groups,
-                           operands=(n, k, lhs.dtype, out_dtype))
-    impl = functools.partial(implementation("gmm", backend), transpose_rhs=transpose_rhs, config=config,
-                             out_dtype=out_dtype, precision=_default_precision(lhs.dtype, precision))
-    if row_ids is None:
-        return _primitive("gmm", impl, *replicate_explicit(lhs, rhs, group_sizes))
-    return _primitive("gmm", lambda lhs, rhs, sizes, ids: impl(lhs, rhs, sizes, row_ids=ids),
-                      *replicate_explicit(lhs, rhs, group_sizes, row_ids.astype(jnp.int32)))
+    return _run("gmm", gemm_plan, lhs, rhs, group_sizes, row_ids)
 
 
 def tgmm(
@@ -206,11 +208,12 @@ def tgmm(
     dout: jax.Array,
     group_sizes: jax.Array,
     *,
-    config: TileConfig | None = None,
-    backend: BackendName = "auto",
+    config=None,
+    backend: BackendName | BackendTable = "auto",
     preferred_element_type=None,
     precision: jax.lax.Precision | None = None,
     row_ids: jax.Array | None = None,
+    plan: Plan | None = None,
 ) -> jax.Array:
     """Grouped transposed GEMM (weight gradient): `out[E,N,K]`, `out[e] = dout_e^T @ lhs_e`.
 
@@ -218,6 +221,8 @@ def tgmm(
       lhs: `[M, K]` the forward input rows, grouped by group; with `row_ids`, `[T, K]` source rows.
       dout: `[M, N]` the gradient of the forward output, same row grouping.
       group_sizes: `[E]` integer rows per group. An empty group's slice is exactly zero.
+      config: None or `"auto"` (the backend's rule) or a `TileConfig` (`pallas_triton`, `triton`).
+      backend, preferred_element_type, precision, plan: as for `gmm`.
       row_ids: optional int `[M]`: row i of the groups is `lhs[row_ids[i]]` (zeros for ids outside
         `[0, T)`), as in `gmm`: the rows the forward read through the same ids.
     """
@@ -241,45 +246,30 @@ def tgmm(
     _check_group_sizes(group_sizes, num_groups, m, "group_sizes")
     if num_groups == 0:
         raise ValueError("group_sizes is empty (E=0); a grouped GEMM needs at least one group.")
-    _check_config("config", config, (TileConfig, MosaicWgradConfig))
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
+    problem = resolved_problem("tgmm", m, n, k, num_groups, lhs.dtype, out_dtype, precision,
+                               gather=row_ids is not None)
+    gemm_plan = _checked_plan(plan, problem, backend, config)
     if m == 0 or n == 0 or k == 0 or lhs.shape[0] == 0:  # no rows, or no source rows to read
         return jnp.zeros((num_groups, n, k), out_dtype)
-    impl = functools.partial(implementation("tgmm", gemm_backend("tgmm", backend, m, num_groups)), config=config,
-                             out_dtype=out_dtype,
-                             precision=_default_precision(lhs.dtype, precision))
-    if row_ids is None:
-        return _primitive("tgmm", impl, *replicate_explicit(lhs, dout, group_sizes))
-    return _primitive("tgmm", lambda lhs, dout, sizes, ids: impl(lhs, dout, sizes, row_ids=ids),
-                      *replicate_explicit(lhs, dout, group_sizes, row_ids.astype(jnp.int32)))
-
-
-@dataclasses.dataclass(frozen=True)
-class _LinearOptions:
-    backend: str
-    precision: jax.lax.Precision | None
-    fwd_config: GmmConfig | TileConfig | SelectorTable | str | None
-    dgrad_config: GmmConfig | TileConfig | SelectorTable | str | None
-    wgrad_config: TileConfig | None
+    return _run("tgmm", gemm_plan, lhs, dout, group_sizes, row_ids)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _grouped_linear(opts: _LinearOptions, x, w, group_sizes):
-    return gmm(x, w, group_sizes, config=opts.fwd_config, backend=opts.backend, precision=opts.precision)
+def _grouped_linear(plans: LinearPlan, x, w, group_sizes):
+    return gmm(x, w, group_sizes, plan=plans.fwd)
 
 
-def _grouped_linear_fwd(opts, x, w, group_sizes):
-    return _grouped_linear(opts, x, w, group_sizes), (x, w, group_sizes)
+def _grouped_linear_fwd(plans, x, w, group_sizes):
+    return _grouped_linear(plans, x, w, group_sizes), (x, w, group_sizes)
 
 
-def _grouped_linear_bwd(opts, res, dy):
+def _grouped_linear_bwd(plans, res, dy):
     x, w, group_sizes = res
     dy = dy.astype(x.dtype)
     # dX = dY W: the same [E, N, K] weights read as [E, K=N', N=K'], no transposed copy.
-    dx = gmm(dy, w, group_sizes, transpose_rhs=False, config=opts.dgrad_config, backend=opts.backend,
-             precision=opts.precision)
-    dw = tgmm(x, dy, group_sizes, config=opts.wgrad_config, backend=opts.backend,
-              preferred_element_type=w.dtype, precision=opts.precision)
+    dx = gmm(dy, w, group_sizes, transpose_rhs=False, plan=plans.dgrad)
+    dw = tgmm(x, dy, group_sizes, preferred_element_type=w.dtype, plan=plans.wgrad)
     return dx, dw, None
 
 
@@ -298,23 +288,20 @@ class RowGather(NamedTuple):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _gathered_linear(opts: _LinearOptions, x, w, group_sizes, rows):
-    return gmm(x, w, group_sizes, config=opts.fwd_config, backend=opts.backend, precision=opts.precision,
-               row_ids=rows.ids_M)
+def _gathered_linear(plans: LinearPlan, x, w, group_sizes, rows):
+    return gmm(x, w, group_sizes, row_ids=rows.ids_M, plan=plans.fwd)
 
 
-def _gathered_linear_fwd(opts, x, w, group_sizes, rows):
-    return _gathered_linear(opts, x, w, group_sizes, rows), (x, w, group_sizes, rows)
+def _gathered_linear_fwd(plans, x, w, group_sizes, rows):
+    return _gathered_linear(plans, x, w, group_sizes, rows), (x, w, group_sizes, rows)
 
 
-def _gathered_linear_bwd(opts, res, dy):
+def _gathered_linear_bwd(plans, res, dy):
     x, w, group_sizes, rows = res
     dy = dy.astype(x.dtype)
-    dx_M = gmm(dy, w, group_sizes, transpose_rhs=False, config=opts.dgrad_config, backend=opts.backend,
-               precision=opts.precision)
+    dx_M = gmm(dy, w, group_sizes, transpose_rhs=False, plan=plans.dgrad)
     # The weight gradient reads the rows through the ids too: no packed copy exists at any point.
-    dw = tgmm(x, dy, group_sizes, config=opts.wgrad_config, backend=opts.backend, preferred_element_type=w.dtype,
-              precision=opts.precision, row_ids=rows.ids_M)
+    dw = tgmm(x, dy, group_sizes, preferred_element_type=w.dtype, row_ids=rows.ids_M, plan=plans.wgrad)
     return sum_of_readers(dx_M, rows.readers_TK), dw, None, None
 
 
@@ -326,12 +313,13 @@ def grouped_linear(
     w: jax.Array,
     group_sizes: jax.Array,
     *,
-    backend: BackendName = "auto",
+    backend: BackendName | BackendTable = "auto",
     precision: jax.lax.Precision | None = None,
-    fwd_config: GmmConfig | TileConfig | SelectorTable | str | None = None,
-    dgrad_config: GmmConfig | TileConfig | SelectorTable | str | None = None,
-    wgrad_config: TileConfig | None = None,
+    fwd_config=None,
+    dgrad_config=None,
+    wgrad_config=None,
     rows: RowGather | None = None,
+    plans: LinearPlan | None = None,
 ) -> jax.Array:
     """Differentiable grouped linear layer: `y[M,N]`, rows of group e are `x_e @ w[e]^T`.
 
@@ -340,20 +328,33 @@ def grouped_linear(
     `dw = tgmm(x, dy)`; the gradient of an empty group's weight is exactly zero. Rows past
     `sum(group_sizes)` get zero output and zero gradient.
 
+    The three GEMMs run `plans` (a `LinearPlan` from `moe_jax.ops.plan_linear` for these shapes),
+    or the plans of `backend`, `precision` and the three configs (`gmm`'s `config`).
+
     `rows` (a `RowGather`): `x` is `[T, K]` and the grouped rows are `x[rows.ids_M]`, read through
     the ids by the forward `gmm` and the weight-gradient `tgmm` (`row_ids=`), so no packed copy is
     ever written; the input gradient sums each source row's readers in fp32 in a fixed order
     (`moe_jax.ops.gather.sum_of_readers`). Equal to `grouped_linear` on
     `gather_rows(x, rows.ids_M, inverse_N=rows.readers_TK)`.
     """
-    resolve_backend(backend)  # ValueError naming the choices; `auto` is resolved per kernel
-    opts = _LinearOptions(backend, precision, fwd_config, dgrad_config, wgrad_config)
+    _check_array("x", x, 2, "[T, K]" if rows is not None else "[M, K]")
+    _check_array("w", w, 3, "[E, N, K]")
+    if rows is not None:
+        if not isinstance(rows, RowGather):
+            raise TypeError(f"rows must be a moe_jax.ops.RowGather(ids_M, readers_TK) or None; got "
+                            f"{type(rows).__name__}.")
+        _check_row_ids("rows.ids_M", rows.ids_M)
+        if rows.readers_TK.ndim != 2 or rows.readers_TK.shape[0] != x.shape[0]:
+            raise ValueError(f"rows.readers_TK must be [T, K] with T = x.shape[0] = {x.shape[0]}; got shape "
+                             f"{tuple(rows.readers_TK.shape)}.")
+    num_rows = x.shape[0] if rows is None else rows.ids_M.shape[0]
+    if plans is None:
+        _check_float("x", x)
+        plans = plan_linear(num_rows, tuple(w.shape), x.dtype, backend=backend, precision=precision,
+                            fwd_config=fwd_config, dgrad_config=dgrad_config, wgrad_config=wgrad_config,
+                            gather=rows is not None)
+    elif not isinstance(plans, LinearPlan):
+        raise TypeError(f"plans must be a moe_jax.ops.LinearPlan (from plan_linear) or None; got {type(plans).__name__}.")
     if rows is None:
-        return _grouped_linear(opts, *replicate_explicit(x, w, group_sizes))
-    if not isinstance(rows, RowGather):
-        raise TypeError(f"rows must be a moe_jax.ops.RowGather(ids_M, readers_TK) or None; got {type(rows).__name__}.")
-    _check_row_ids("rows.ids_M", rows.ids_M)
-    if rows.readers_TK.ndim != 2 or rows.readers_TK.shape[0] != x.shape[0]:
-        raise ValueError(f"rows.readers_TK must be [T, K] with T = x.shape[0] = {x.shape[0]}; got shape "
-                         f"{tuple(rows.readers_TK.shape)}.")
-    return _gathered_linear(opts, *replicate_explicit(x, w, group_sizes), RowGather(*replicate_explicit(*rows)))
+        return _grouped_linear(plans, *replicate_explicit(x, w, group_sizes))
+    return _gathered_linear(plans, *replicate_explicit(x, w, group_sizes), RowGather(*replicate_explicit(*rows)))

@@ -20,6 +20,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from moe_jax.ops.pallas_triton import next_pow2
+
+__all__ = ["GroupMetadata", "clamp_group_sizes", "executed_at", "lane_sizes", "make_group_metadata", "max_tiles"]
+
 
 class GroupMetadata(NamedTuple):
     """Tile schedule for `M` rows in `E` groups with tiles of `block_m` rows.
@@ -69,6 +73,31 @@ def clamp_group_sizes(group_sizes: jax.Array, num_rows: int) -> jax.Array:
     sizes = jnp.clip(group_sizes, 0, num_rows).astype(jnp.int32)
     ends = jax.lax.associative_scan(lambda a, b: b + jnp.minimum(a, num_rows - b), sizes)
     return jnp.concatenate([jnp.zeros((1,), jnp.int32), ends.astype(jnp.int32)])
+
+
+def lane_sizes(group_sizes: jax.Array, num_rows: int) -> jax.Array:
+    """`group_sizes` `[E]` as the int32 vector the in-kernel schedules load whole: each size clipped
+    to `[0, num_rows]` in its own dtype before the cast (so an unsigned size past 2**31 stays a
+    large size, as `clamp_group_sizes` reads it, instead of wrapping negative), zero-padded
+    (empty groups) to a power of two >= 16 lanes. The kernels sum the clipped sizes in int32 and
+    saturate the total at M, exact while E * M < 2**31; beyond, the exact clamp runs first. At
+    decode nothing at all runs before the kernel."""
+    num_groups = group_sizes.shape[0]
+    if num_groups * num_rows >= 2**31:
+        offsets = clamp_group_sizes(group_sizes, num_rows)
+        sizes_E = offsets[1:] - offsets[:-1]
+    else:
+        sizes_E = jnp.clip(group_sizes, 0, num_rows).astype(jnp.int32)
+    lanes = max(16, next_pow2(num_groups))
+    return sizes_E if lanes == num_groups else jnp.pad(sizes_E, (0, lanes - num_groups))
+
+
+def executed_at(group_sizes: jax.Array, num_rows: int, block_m: int) -> jax.Array:
+    """Rows a kernel with `block_m`-row tiles laid from each group's first row multiplies:
+    `sum_e ceil(t_e / block_m) * block_m` over the clamped sizes `t_e` (int32, traced)."""
+    offsets = clamp_group_sizes(group_sizes, num_rows)
+    t = offsets[1:] - offsets[:-1]
+    return jnp.sum(-(-t // block_m) * block_m, dtype=jnp.int32)
 
 
 def make_group_metadata(group_sizes: jax.Array, *, num_rows: int, block_m: int) -> GroupMetadata:

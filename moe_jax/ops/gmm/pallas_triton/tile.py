@@ -1,5 +1,6 @@
-"""What the forward families share: the in-kernel body (one block of output rows of one group),
-the sizes vector their programs read, and the gate that lets one launch of a chain run.
+"""What the forward families share: the in-kernel body (one block of output rows of one group)
+and the gate that lets one launch of a chain run (their programs read the sizes vector of
+`moe_jax.ops.gmm.schedule.lane_sizes`).
 
 Legend: M packed rows, K reduction width, N output width, E groups.
 """
@@ -14,11 +15,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from moe_jax.ops.gmm.config import TileConfig
-from moe_jax.ops.gmm.schedule import clamp_group_sizes
-from moe_jax.ops.pallas_triton import masked_load, next_pow2, outer_and
+from moe_jax.ops.gmm.tiles import TileConfig
+from moe_jax.ops.pallas_triton import masked_load, outer_and
 
-__all__ = ["Gate", "gate_inputs", "gated_kernel", "lane_sizes", "row_block"]
+__all__ = ["Gate", "gate_inputs", "gated_kernel", "row_block"]
 
 
 class Gate(NamedTuple):
@@ -50,20 +50,6 @@ def gated_kernel(body, gate: Gate | None):
             pl.when(choice_ref[0] == index)(lambda: body(pid, sizes_ref, *rest))
 
     return kernel
-
-
-def lane_sizes(group_sizes: jax.Array, num_rows: int) -> jax.Array:
-    """`group_sizes` `[E]` as the int32 vector the kernels load whole: zero-padded (empty groups)
-    to a power of two >= 16 lanes. The kernels clip the sizes to `[0, M]` and sum them in int32,
-    exact while E * M < 2**31; beyond, the exact clamp (`clamp_group_sizes`) runs first. At
-    decode nothing at all runs before the kernel."""
-    num_groups = group_sizes.shape[0]
-    sizes_E = group_sizes.astype(jnp.int32)
-    if num_groups * num_rows >= 2**31:
-        offsets = clamp_group_sizes(group_sizes, num_rows)
-        sizes_E = offsets[1:] - offsets[:-1]
-    lanes = max(16, next_pow2(num_groups))
-    return sizes_E if lanes == num_groups else jnp.pad(sizes_E, (0, lanes - num_groups))
 
 
 def row_block(lhs_ref, rhs_ref, out_ref, *, group, start, end, n0, k_steps, n: int, k: int,
@@ -102,7 +88,9 @@ def row_block(lhs_ref, rhs_ref, out_ref, *, group, start, end, n0, k_steps, n: i
         b = masked_load(rhs_ref.at[group, pl.ds(k0, bk), pl.ds(n0, bn)], outer_and(k_ok, n_ok, (bk, bn)))
         return acc + plgpu.dot(a, b, precision=precision)
 
-    acc = lax.fori_loop(0, k_steps, k_step, jnp.zeros((bm, bn), jnp.float32))
+    # An int32 lower bound: under jax_enable_x64 a Python 0 would make the index (and the
+    # slices built from it) int64 beside int32 row offsets.
+    acc = lax.fori_loop(jnp.int32(0), k_steps, k_step, jnp.zeros((bm, bn), jnp.float32))
     rows, cols = pl.ds(start, bm), pl.ds(n0, bn)
     plgpu.store(
         out_ref.at[rows, cols] if plane is None else out_ref.at[plane, rows, cols],

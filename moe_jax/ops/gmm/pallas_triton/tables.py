@@ -4,7 +4,7 @@ Sweep: python -m benchmarks.routed_gmm sweep --shapes 0,1 --json /root/out/sweep
 Results: benchmarks/results/ (the sweep's JSON and its report).
 """
 
-from moe_jax.ops.gmm.selector import SelectorTable
+from moe_jax.ops.gmm.pallas_triton.selector import SelectorTable
 
 TABLES = (
     # qwen3-30b-a3b gate+up

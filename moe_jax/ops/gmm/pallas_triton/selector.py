@@ -25,7 +25,7 @@ rows on a few hot experts favour row tiles that split each hot expert over many 
    index to the host and waits for it, a host round trip per call (docs/kernel-selection.md).
 
 Tables are tuned offline per device and shape (`python -m benchmarks.routed_gmm fit`, from a sweep
-of routing-shaped histograms) and live in `selector_tables`; `selector_table(n, k, E)` returns the
+of routing-shaped histograms) and live in `tables`; `selector_table(n, k, E)` returns the
 nearest tuned shape's table for the local device.
 """
 
@@ -38,7 +38,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moe_jax.ops.gmm.config import CANDIDATES
+from moe_jax.ops.gmm.pallas_triton.candidates import CANDIDATES
 from moe_jax.ops.gmm.schedule import clamp_group_sizes
 
 __all__ = ["Features", "Selection", "SelectorTable", "histogram_features", "select", "selector_table"]
@@ -156,7 +156,7 @@ def selector_table(n: int, k: int, num_groups: int, *, device: str | None = None
     """The tuned table nearest to the forward shape `(n, k, num_groups)` (`shape_distance`) among
     those measured on `device` (default: the first local device's kind). A device without tables
     of its own uses all of them (today: the H200's); docs/kernel-selection.md says how to tune one."""
-    from moe_jax.ops.gmm.selector_tables import TABLES
+    from moe_jax.ops.gmm.pallas_triton.tables import TABLES
 
     if device is None:
         device = jax.devices()[0].device_kind

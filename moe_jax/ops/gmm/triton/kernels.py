@@ -1,10 +1,10 @@
 """The `triton` backend's kernels: official Triton (`triton.jit`), called from JAX through
-`jax_triton.triton_call` (`triton_launch`), and from torch CPU tensors under Triton's interpreter
+`jax_triton.triton_call` (`launch`), and from torch CPU tensors under Triton's interpreter
 in the tests.
 
 Legend: M packed rows, K reduction width, N output width, E groups, T rows of a gathered operand.
 
-Both kernels keep the contracts of the `pallas_triton` kernels (`row_tile`, `wgrad`):
+Both kernels keep the contracts of the `pallas_triton` backend's row-tile and weight-gradient kernels:
 - `gmm_kernel`: `c[M, N]`, rows of group e are `a_e @ b[e]^T` (or `a_e @ b[e]`), one program per
   (row tile, column block), the tile schedule computed in the program from the raw sizes; tiles of
   the zero-fill pseudo-group store zeros for the rows past the last group, so `c` needs no memset.
@@ -14,10 +14,6 @@ Both kernels keep the contracts of the `pallas_triton` kernels (`row_tile`, `wgr
   its group's rows computed in the program from the raw sizes; an empty group stores exact zeros;
   one writer per element (no atomics), so repeated runs give the same bits. `GATHER` reads `a`'s
   rows through row ids here too.
-- `tgmm_persistent_kernel`: `tgmm_kernel`'s tiles, bit for bit, from a fixed number of programs,
-  each walking every `PROGRAMS`-th tile in one flat loop of row steps, so the pipeliner overlaps
-  the next tile's first loads with the current tile's epilogue; it reads the clamped offsets
-  (`schedule.clamp_group_sizes`), computed before the launch, one group's at each tile.
 Products accumulate in fp32; `PRECISION` is `tl.dot`'s `input_precision` ("ieee" for fp32 inputs
 at `Precision.HIGHEST`, else "tf32"; bf16/fp16 ignore it).
 
@@ -33,7 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["gmm_kernel", "tgmm_kernel", "tgmm_persistent_kernel"]
+__all__ = ["gmm_kernel", "tgmm_kernel"]
 
 
 @triton.jit
@@ -65,7 +61,7 @@ def _group_spans(sizes_ptr, M: tl.constexpr, E: tl.constexpr, E_LANES: tl.conste
     """(lanes, first rows, one-past-last rows), int32 `[E_LANES]`, of the groups whose sizes
     `sizes_ptr` holds (`[E_LANES]`, lanes past E ignored): `schedule.clamp_group_sizes`'s offsets,
     sizes clipped to [0, M] and the running total saturating at M, exact while E * M < 2**31 (the
-    launchers' contract; `tile.lane_sizes` clamps exactly first beyond it)."""
+    launchers' contract; `schedule.lane_sizes` clamps exactly first beyond it)."""
     lanes = tl.arange(0, E_LANES)
     sizes = tl.load(sizes_ptr + lanes, mask=lanes < E, other=0)
     sizes = tl.minimum(tl.maximum(sizes, 0), M)
@@ -97,7 +93,7 @@ def gmm_kernel(
     tile = first + local % height
     n_blk = local // height
 
-    # The schedule (`schedule.make_group_metadata`'s tiles) from the sizes vector.
+    # The schedule (`moe_jax.ops.gmm.schedule.make_group_metadata`'s tiles) from the sizes vector.
     lanes, starts, ends = _group_spans(sizes_ptr, M, E, E_LANES)
     tiles_e = (ends - starts + BLOCK_M - 1) // BLOCK_M
     tile_ends = tl.cumsum(tiles_e, 0)
@@ -201,100 +197,3 @@ def tgmm_kernel(
             acc = _tgmm_rows(ids, a_ptr, d_ptr, r0, end, ns, ks, acc, N, K, T, BLOCK_M, GATHER, PRECISION, INTERPRET)
             ids = _row_ids(rows_ptr, r0 + BLOCK_M, end, BLOCK_M, GATHER)
     _tgmm_store(o_ptr, group, ns, ks, acc, N, K)
-
-
-@triton.jit
-def _next_step(offsets_ptr, tile, r0, end, tiles_g, E: tl.constexpr, PROGRAMS: tl.constexpr,
-               BLOCK_M: tl.constexpr):
-    """The (tile, first row, group end) of the `tgmm_persistent_kernel` step after the one at
-    (`tile`, `r0`, `end`): the tile's next `BLOCK_M` rows, or once those were its last, the first
-    rows of the program's next tile (none, `r0 == end == 0`, past the `E` groups)."""
-    if r0 + BLOCK_M >= end:
-        tile += PROGRAMS
-        group = tile // tiles_g
-        r0 = tl.load(offsets_ptr + group, mask=group < E, other=0)
-        end = tl.load(offsets_ptr + group + 1, mask=group < E, other=0)
-    else:
-        r0 += BLOCK_M
-    return tile, r0, end
-
-
-@triton.jit
-def _tgmm_step(offsets_ptr, rows_ptr, a_ptr, d_ptr, o_ptr, tile, r0, end, ids, acc,
-               N: tl.constexpr, K: tl.constexpr, T: tl.constexpr, E: tl.constexpr, PROGRAMS: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               GATHER: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
-    """One step of `tgmm_persistent_kernel`'s loop. In: the previous step's (tile, first row,
-    group end), this step's row ids (`_row_ids`) and acc; out: this step's (tile, first row, group
-    end), the next step's row ids, and acc. A step takes the next `BLOCK_M` rows of the tile, or
-    once the previous step was the tile's last, the first rows of the program's next tile; the
-    tile is stored (and `acc` zeroed) at its last step."""
-    num_k = tl.cdiv(K, BLOCK_K)
-    tiles_g = tl.cdiv(N, BLOCK_N) * num_k
-    # The step's rows, and the next step's ids, follow from the carried state alone, not from the
-    # dot or the store: the pipeliner issues a step's loads stages ahead of them, so nothing the
-    # loads depend on may be computed in the later stages. (The state carried stays the previous
-    # step's: carrying the next step's, a value no load gives, the pipeliner schedules it a stage
-    # after its users, and the loop without `GATHER` no longer pipelines.)
-    tile, r0, end = _next_step(offsets_ptr, tile, r0, end, tiles_g, E, PROGRAMS, BLOCK_M)
-    _, next_r0, next_end = _next_step(offsets_ptr, tile, r0, end, tiles_g, E, PROGRAMS, BLOCK_M)
-    next_ids = _row_ids(rows_ptr, next_r0, next_end, BLOCK_M, GATHER)
-    rest = tile % tiles_g
-    ns = (rest // num_k) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = (rest % num_k) * BLOCK_K + tl.arange(0, BLOCK_K)
-    # An empty group's tile takes one step of all-masked rows, which leaves `acc` exactly zero.
-    acc = _tgmm_rows(ids, a_ptr, d_ptr, r0, end, ns, ks, acc, N, K, T, BLOCK_M, GATHER, PRECISION, INTERPRET)
-    if r0 + BLOCK_M >= end:
-        _tgmm_store(o_ptr, tile // tiles_g, ns, ks, acc, N, K)
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    return tile, r0, end, next_ids, acc
-
-
-@triton.jit
-def tgmm_persistent_kernel(
-    offsets_ptr, rows_ptr, a_ptr, d_ptr, o_ptr,
-    N: tl.constexpr, K: tl.constexpr, T: tl.constexpr, E: tl.constexpr, E_LANES: tl.constexpr,
-    PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GATHER: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    """`tgmm_kernel`'s output tiles from `PROGRAMS` programs: program p computes tiles
-    `p, p + PROGRAMS, ...` of the `E * cdiv(N, BLOCK_N) * cdiv(K, BLOCK_K)` (group-major, then N
-    block, then K block), each as `tgmm_kernel` does (from zero, its rows in ascending `BLOCK_M`
-    steps: the same bits). `offsets_ptr`: int32 `[E + 1]` clamped offsets; `E_LANES`: a power of
-    two >= E. Programs past the tile count store nothing.
-
-    The (tile, row step) nest is one loop over the program's steps, flattened by hand: Triton's
-    `tl.range(flatten=True)` fuses only inner loops whose bounds do not depend on the outer loop,
-    and here they are the group's offsets. Flat, the pipeliner loads the next tile's first rows
-    while the current tile's last dot and store run."""
-    pid = tl.program_id(0)
-    tiles_g = tl.cdiv(N, BLOCK_N) * tl.cdiv(K, BLOCK_K)
-    lanes = tl.arange(0, E_LANES)
-    in_e = lanes < E
-    starts = tl.load(offsets_ptr + lanes, mask=in_e, other=0)
-    ends = tl.load(offsets_ptr + lanes + 1, mask=in_e, other=0)
-    steps_e = tl.maximum((ends - starts + BLOCK_M - 1) // BLOCK_M, 1)
-    # The program's tiles below t (those pid + j * PROGRAMS < t, j >= 0), per group boundary.
-    below_lo = tl.maximum(lanes * tiles_g - pid + PROGRAMS - 1, 0) // PROGRAMS
-    below_hi = tl.maximum((lanes + 1) * tiles_g - pid + PROGRAMS - 1, 0) // PROGRAMS
-    num_steps = tl.sum(tl.where(in_e, (below_hi - below_lo) * steps_e, 0), 0)
-    # A state whose last step ended its tile: the first step starts tile `pid`. Each step's row ids
-    # are loaded a step ahead and carried, as in `tgmm_kernel`.
-    tile = pid - PROGRAMS
-    r0 = 0
-    end = 0
-    _, first_r0, first_end = _next_step(offsets_ptr, tile, r0, end, tiles_g, E, PROGRAMS, BLOCK_M)
-    ids = _row_ids(rows_ptr, first_r0, first_end, BLOCK_M, GATHER)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    if INTERPRET:
-        step = 0
-        while step < num_steps:
-            tile, r0, end, ids, acc = _tgmm_step(offsets_ptr, rows_ptr, a_ptr, d_ptr, o_ptr, tile, r0, end, ids, acc,
-                                                 N, K, T, E, PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GATHER, PRECISION,
-                                                 INTERPRET)
-            step += 1
-    else:
-        for _ in range(num_steps):
-            tile, r0, end, ids, acc = _tgmm_step(offsets_ptr, rows_ptr, a_ptr, d_ptr, o_ptr, tile, r0, end, ids, acc,
-                                                 N, K, T, E, PROGRAMS, BLOCK_M, BLOCK_N, BLOCK_K, GATHER, PRECISION,
-                                                 INTERPRET)

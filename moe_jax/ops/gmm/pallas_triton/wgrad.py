@@ -18,7 +18,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from moe_jax.ops.gmm.config import TileConfig
+from moe_jax.ops.gmm.tiles import TileConfig
 from moe_jax.ops.pallas_triton import cdiv, launch, masked_load, outer_and
 
 __all__ = ["tgmm_pallas"]
@@ -54,7 +54,7 @@ def _kernel(offsets_ref, *refs, n: int, k: int, tiles: TileConfig, precision, ga
             a = masked_load(lhs_ref.at[src[:, None], cols[None, :]], outer_and(reads_ok, k_ok, (bm, bk)))
         return acc + plgpu.dot(d, a, trans_a=True, precision=precision)
 
-    acc = lax.fori_loop(0, cdiv(end - start, bm), m_step, jnp.zeros((bn, bk), jnp.float32))
+    acc = lax.fori_loop(jnp.int32(0), cdiv(end - start, bm), m_step, jnp.zeros((bn, bk), jnp.float32))
     plgpu.store(
         out_ref.at[group, pl.ds(n0, bn), pl.ds(k0, bk)],
         acc.astype(out_ref.dtype),

@@ -26,8 +26,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from moe_jax.ops.gmm.config import TileConfig
-from moe_jax.ops.gmm.tile import Gate, gate_inputs, gated_kernel, lane_sizes, row_block
+from moe_jax.ops.gmm.tiles import TileConfig
+from moe_jax.ops.gmm.pallas_triton.tile import Gate, gate_inputs, gated_kernel, row_block
+from moe_jax.ops.gmm.schedule import lane_sizes
 from moe_jax.ops.pallas_triton import cdiv, launch
 
 __all__ = ["gmm_group_major_pallas"]
@@ -42,16 +43,17 @@ def _body(pid, sizes_ref, lhs_ref, rhs_ref, out_ref, *, num_groups: int, num_slo
     n0 = pl.multiple_of(n_blk * tiles.block_n, tiles.block_n)
     # One vector load of the whole (power-of-two, >= 16; zero-padded by the launcher otherwise)
     # sizes vector, a cumsum and a few sums give this program's group and rows. Clipped to
-    # [0, M], and E * M < 2**31 (the launcher's contract), so no sum below overflows.
+    # [0, M], and E * M < 2**31 (the launcher's contract), so no sum below overflows; every sum is
+    # int32, also under jax_enable_x64 (where an integer sum would be int64).
     e_pad = sizes_ref.shape[0]
     idx = jnp.arange(e_pad, dtype=jnp.int32)
     sizes = jnp.clip(sizes_ref[...], 0, m)
-    active_before = jnp.cumsum((sizes > 0).astype(jnp.int32))  # inclusive count of active groups
-    group = jnp.sum((active_before <= slot).astype(jnp.int32))  # index of the slot-th active group
+    active_before = jnp.cumsum(sizes > 0, dtype=jnp.int32)  # inclusive count of active groups
+    group = jnp.sum(active_before <= slot, dtype=jnp.int32)  # index of the slot-th active group
     is_group = (slot < num_slots) & (group < num_groups)
-    before = jnp.minimum(jnp.sum(jnp.where(idx < group, sizes, 0)), m)
-    total = jnp.minimum(jnp.sum(sizes), m)
-    group_end = jnp.minimum(before + jnp.sum(jnp.where(idx == group, sizes, 0)), m)
+    before = jnp.minimum(jnp.sum(jnp.where(idx < group, sizes, 0), dtype=jnp.int32), m)
+    total = jnp.minimum(jnp.sum(sizes, dtype=jnp.int32), m)
+    group_end = jnp.minimum(before + jnp.sum(jnp.where(idx == group, sizes, 0), dtype=jnp.int32), m)
     # Group programs walk their group's row tiles; the `num_fill` fill programs (slots past
     # `num_slots`) share the rows past the last group, tile j going to fill program j % num_fill.
     # Slots without an active group walk nothing.
@@ -76,7 +78,7 @@ def _body(pid, sizes_ref, lhs_ref, rhs_ref, out_ref, *, num_groups: int, num_slo
                   k_first=k_first, plane=None if splits == 1 else split)
         return carry
 
-    lax.fori_loop(0, num_row_tiles, tile, 0)
+    lax.fori_loop(jnp.int32(0), num_row_tiles, tile, 0)  # int32 under x64 too (`tile.row_block`)
 
 
 def gmm_group_major_pallas(

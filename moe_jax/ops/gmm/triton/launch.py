@@ -1,4 +1,4 @@
-"""Launchers of the `triton` backend's kernels (`triton_kernels`): grids and arguments built once,
+"""Launchers of the `triton` backend's kernels (`kernels`): grids and arguments built once,
 run from JAX through `jax_triton.triton_call` (GPU), or from torch tensors (a CUDA GPU, or
 Triton's interpreter on CPU tensors, which is how the kernels are checked off GPU: jax_triton
 needs a CUDA jaxlib to import).
@@ -16,15 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_jax.ops.gmm.config import TileConfig
-from moe_jax.ops.gmm.schedule import clamp_group_sizes, max_tiles
-from moe_jax.ops.gmm.tile import lane_sizes
+from moe_jax.ops.gmm.schedule import lane_sizes, max_tiles
+from moe_jax.ops.gmm.tiles import TileConfig
 from moe_jax.ops.pallas_triton import cdiv, next_pow2
 from moe_jax.ops.sharding import varying_like
-from moe_jax.validation import check_int
 
-__all__ = ["Launch", "gmm_launch", "import_jax_triton", "gmm_triton", "gmm_torch", "tgmm_index", "tgmm_launch",
-           "tgmm_triton", "tgmm_torch"]
+__all__ = ["Launch", "gmm_launch", "import_jax_triton", "gmm_triton", "gmm_torch", "tgmm_launch", "tgmm_triton",
+           "tgmm_torch"]
 
 
 def _precision(dtype, precision) -> str:
@@ -61,37 +59,15 @@ def gmm_launch(*, m: int, n: int, k: int, num_groups: int, transpose_rhs: bool, 
 
 
 def tgmm_launch(*, m: int, n: int, k: int, num_groups: int, tiles: TileConfig, dtype, precision, interpret: bool,
-                source_rows: int | None = None, programs: int | None = None) -> Launch:
+                source_rows: int | None = None) -> Launch:
     """The launch of `tgmm_kernel` for a gradient `[E, N, K]` over `M = m` packed rows, one
-    program per output tile, reading the `[E_LANES]` sizes (`tile.lane_sizes`); with `programs`,
-    of `tgmm_persistent_kernel` on that many programs (each walking every `programs`-th tile;
-    those past the tile count do nothing), reading the `[E + 1]` clamped offsets. With
+    program per output tile, reading the `[E_LANES]` sizes (`schedule.lane_sizes`). With
     `source_rows = T`, `lhs` is the `[T, K]` rows read through row ids. Needs `N, K > 0`."""
-    constants = dict(N=n, K=k, E=num_groups, E_LANES=max(16, next_pow2(num_groups)), T=source_rows or 1,
+    constants = dict(M=m, N=n, K=k, E=num_groups, E_LANES=max(16, next_pow2(num_groups)), T=source_rows or 1,
                      BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
                      GATHER=source_rows is not None, PRECISION=_precision(dtype, precision), INTERPRET=interpret)
-    if programs is None:
-        constants |= dict(M=m)
-        grid = (num_groups * cdiv(n, tiles.block_n) * cdiv(k, tiles.block_k),)
-    else:
-        constants |= dict(PROGRAMS=check_int("tgmm (triton backend): programs", programs))
-        grid = (constants["PROGRAMS"],)
+    grid = (num_groups * cdiv(n, tiles.block_n) * cdiv(k, tiles.block_k),)
     return Launch(grid, tiles.num_warps, tiles.num_stages, constants)
-
-
-def tgmm_index(group_sizes, m: int, programs: int | None):
-    """What the weight-gradient kernel of `tgmm_launch(programs=programs)` reads of `group_sizes`
-    (a jax array `[E]`): the `[E_LANES]` sizes for `tgmm_kernel` (nothing runs before it where E is
-    a power of two >= 16 and E * M < 2**31), the `[E + 1]` clamped offsets for the persistent
-    kernel."""
-    return lane_sizes(group_sizes, m) if programs is None else clamp_group_sizes(group_sizes, m)
-
-
-def _tgmm_kernel(programs: int | None):
-    """The weight-gradient kernel that `tgmm_launch(programs=programs)` launches."""
-    from moe_jax.ops.gmm.triton_kernels import tgmm_kernel, tgmm_persistent_kernel  # noqa: PLC0415
-
-    return tgmm_kernel if programs is None else tgmm_persistent_kernel
 
 
 def import_jax_triton():
@@ -122,7 +98,7 @@ def gmm_triton(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transp
     """`gmm` on the `triton` backend, through `jax_triton` (GPU): on the packed `lhs` `[M, K]`, or
     with `row_ids` (int `[M]`) on `lhs` `[T, K]` read through them inside the kernel. Validated
     shapes with `M, N, K > 0` expected."""
-    from moe_jax.ops.gmm.triton_kernels import gmm_kernel  # noqa: PLC0415  (triton imported on use)
+    from moe_jax.ops.gmm.triton.kernels import gmm_kernel  # noqa: PLC0415  (triton imported on use)
 
     k = lhs.shape[1]
     m = lhs.shape[0] if row_ids is None else row_ids.shape[0]
@@ -138,21 +114,21 @@ def gmm_triton(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transp
 
 
 def tgmm_triton(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, tiles: TileConfig, out_dtype,
-                precision, row_ids: jax.Array | None = None, programs: int | None = None) -> jax.Array:
+                precision, row_ids: jax.Array | None = None) -> jax.Array:
     """`tgmm` on the `triton` backend, through `jax_triton` (GPU): `[E, N, K]`; with `row_ids`
-    (int `[M]`), `lhs` is `[T, K]` read through them. `programs`: None for one program per
-    output tile, else the persistent kernel on that many programs (the same bits); on an H200
-    (132 SMs) a multiple of the SM count, 132 or 264 (two per SM)."""
+    (int `[M]`), `lhs` is `[T, K]` read through them."""
+    from moe_jax.ops.gmm.triton.kernels import tgmm_kernel  # noqa: PLC0415
+
     m, k = dout.shape[0], lhs.shape[1]
     n = dout.shape[1]
     num_groups = group_sizes.shape[0]
     launch = tgmm_launch(m=m, n=n, k=k, num_groups=num_groups, tiles=tiles, dtype=lhs.dtype, precision=precision,
-                         interpret=False, source_rows=None if row_ids is None else lhs.shape[0], programs=programs)
-    index = tgmm_index(group_sizes, m, programs)
-    # Without row ids the kernel never reads its row-id pointer; the index vector stands in for it.
-    rows = index if row_ids is None else row_ids.astype(jnp.int32)
-    return _triton_call(_tgmm_kernel(programs), (index, rows, lhs, dout),
-                        jax.ShapeDtypeStruct((num_groups, n, k), out_dtype), launch, "moe_jax_tgmm_triton")
+                         interpret=False, source_rows=None if row_ids is None else lhs.shape[0])
+    sizes = lane_sizes(group_sizes, m)
+    # Without row ids the kernel never reads its row-id pointer; the sizes stand in for it.
+    rows = sizes if row_ids is None else row_ids.astype(jnp.int32)
+    return _triton_call(tgmm_kernel, (sizes, rows, lhs, dout), jax.ShapeDtypeStruct((num_groups, n, k), out_dtype),
+                        launch, "moe_jax_tgmm_triton")
 
 
 def _torch_kernel(kernel, interpret: bool):
@@ -187,7 +163,7 @@ def gmm_torch(lhs, rhs, group_sizes, *, transpose_rhs: bool, tiles: TileConfig, 
     is `[T, K]` read through them."""
     import torch  # noqa: PLC0415
 
-    from moe_jax.ops.gmm.triton_kernels import gmm_kernel  # noqa: PLC0415
+    from moe_jax.ops.gmm.triton.kernels import gmm_kernel  # noqa: PLC0415
 
     interpret = lhs.device.type == "cpu"
     m = lhs.shape[0] if row_ids is None else row_ids.shape[0]
@@ -196,34 +172,41 @@ def gmm_torch(lhs, rhs, group_sizes, *, transpose_rhs: bool, tiles: TileConfig, 
     launch = gmm_launch(m=m, n=n, k=k, num_groups=rhs.shape[0], transpose_rhs=transpose_rhs,
                         source_rows=None if row_ids is None else lhs.shape[0], tiles=tiles,
                         dtype=_np_dtype(lhs.dtype), precision=precision, interpret=interpret)
-    lanes = launch.constants["E_LANES"]
-    sizes = torch.zeros(lanes, dtype=torch.int32, device=lhs.device)
-    sizes[: group_sizes.shape[0]] = group_sizes.to(torch.int32)
+    sizes = _torch_sizes(group_sizes, launch.constants["E_LANES"])
     rows = sizes if row_ids is None else row_ids.to(torch.int32)
     if out is None:
         out = torch.empty((m, n), dtype=lhs.dtype, device=lhs.device)
     return _run_torch(gmm_kernel, launch, (sizes, rows), (lhs, rhs), out, interpret)
 
 
-def tgmm_torch(lhs, dout, group_sizes, *, tiles: TileConfig, precision=None, row_ids=None, out=None,
-               programs: int | None = None):
-    """`tgmm_kernel` (or with `programs`, `tgmm_persistent_kernel` on that many programs) on torch
-    tensors (CUDA compiled, CPU interpreted): `[E, N, K]` of `lhs.dtype`; with `row_ids` (int
-    `[M]`), `lhs` is `[T, K]` read through them."""
+def _torch_sizes(group_sizes, lanes: int):
+    """The `[lanes]` int32 sizes vector the kernels read (`schedule.lane_sizes`), for torch
+    tensors: clipped to `[0, M]` by the kernels themselves; here only padded."""
     import torch  # noqa: PLC0415
+
+    sizes = torch.zeros(lanes, dtype=torch.int32, device=group_sizes.device)
+    sizes[: group_sizes.shape[0]] = group_sizes.to(torch.int32)
+    return sizes
+
+
+def tgmm_torch(lhs, dout, group_sizes, *, tiles: TileConfig, precision=None, row_ids=None, out=None):
+    """`tgmm_kernel` on torch tensors (CUDA compiled, CPU interpreted): `[E, N, K]` of `lhs.dtype`;
+    with `row_ids` (int `[M]`), `lhs` is `[T, K]` read through them."""
+    import torch  # noqa: PLC0415
+
+    from moe_jax.ops.gmm.triton.kernels import tgmm_kernel  # noqa: PLC0415
 
     interpret = lhs.device.type == "cpu"
     m, k = dout.shape[0], lhs.shape[1]
     n = dout.shape[1]
     num_groups = group_sizes.shape[0]
     launch = tgmm_launch(m=m, n=n, k=k, num_groups=num_groups, tiles=tiles, dtype=_np_dtype(lhs.dtype),
-                         precision=precision, interpret=interpret,
-                         source_rows=None if row_ids is None else lhs.shape[0], programs=programs)
-    index = torch.from_numpy(np.array(tgmm_index(jnp.asarray(group_sizes.cpu().numpy()), m, programs))).to(lhs.device)
-    rows = index if row_ids is None else row_ids.to(torch.int32)
+                         precision=precision, interpret=interpret, source_rows=None if row_ids is None else lhs.shape[0])
+    sizes = _torch_sizes(group_sizes, launch.constants["E_LANES"])
+    rows = sizes if row_ids is None else row_ids.to(torch.int32)
     if out is None:
         out = torch.empty((num_groups, n, k), dtype=lhs.dtype, device=lhs.device)
-    return _run_torch(_tgmm_kernel(programs), launch, (index, rows), (lhs, dout), out, interpret)
+    return _run_torch(tgmm_kernel, launch, (sizes, rows), (lhs, dout), out, interpret)
 
 
 def _np_dtype(torch_dtype):

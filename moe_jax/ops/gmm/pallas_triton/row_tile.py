@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from moe_jax.ops.gmm.config import TileConfig
-from moe_jax.ops.gmm.schedule import max_tiles
-from moe_jax.ops.gmm.tile import Gate, gate_inputs, gated_kernel, lane_sizes, row_block
+from moe_jax.ops.gmm.tiles import TileConfig
+from moe_jax.ops.gmm.schedule import lane_sizes, max_tiles
+from moe_jax.ops.gmm.pallas_triton.tile import Gate, gate_inputs, gated_kernel, row_block
 from moe_jax.ops.pallas_triton import cdiv, launch
 
 __all__ = ["gmm_row_tile_pallas"]
@@ -47,21 +47,22 @@ def _tile_rows(sizes_ref, tile, *, m: int, bm: int, num_groups: int):
     """(group, start, end, is_group) of row tile `tile`: tiles of groups 0..E-1 in order, then the
     zero-fill tiles of the rows past the last group; tiles past those have `start == end == M`.
     Sizes are clipped to [0, M] and the running total saturates at M (`clamp_group_sizes`);
-    E * M < 2**31 (the launcher's contract), so no sum overflows."""
+    E * M < 2**31 (the launcher's contract), so no sum overflows. Every sum is int32, also under
+    `jax_enable_x64` (where an integer sum would be int64 beside int32 row offsets)."""
     idx = jnp.arange(sizes_ref.shape[0], dtype=jnp.int32)
     sizes = jnp.clip(sizes_ref[...], 0, m)
-    inclusive = jnp.cumsum(sizes)
+    inclusive = jnp.cumsum(sizes, dtype=jnp.int32)
     ends = jnp.minimum(inclusive, m)
     starts = jnp.minimum(inclusive - sizes, m)
     tiles_E = (ends - starts + bm - 1) // bm
-    tile_ends = jnp.cumsum(tiles_E)
-    group_tiles = jnp.sum(tiles_E)
-    group = jnp.sum((tile_ends <= tile).astype(jnp.int32))  # groups wholly before this tile
+    tile_ends = jnp.cumsum(tiles_E, dtype=jnp.int32)
+    group_tiles = jnp.sum(tiles_E, dtype=jnp.int32)
+    group = jnp.sum(tile_ends <= tile, dtype=jnp.int32)  # groups wholly before this tile
     is_group = (tile < group_tiles) & (group < num_groups)
     here = idx == group
-    first = jnp.sum(jnp.where(here, tile_ends - tiles_E, 0))
-    g_start = jnp.sum(jnp.where(here, starts, 0)) + (tile - first) * bm
-    g_end = jnp.minimum(g_start + bm, jnp.sum(jnp.where(here, ends, 0)))
+    first = jnp.sum(jnp.where(here, tile_ends - tiles_E, 0), dtype=jnp.int32)
+    g_start = jnp.sum(jnp.where(here, starts, 0), dtype=jnp.int32) + (tile - first) * bm
+    g_end = jnp.minimum(g_start + bm, jnp.sum(jnp.where(here, ends, 0), dtype=jnp.int32))
     total = jnp.max(ends)
     f_start = jnp.minimum(total + (tile - group_tiles) * bm, m)
     f_end = jnp.minimum(f_start + bm, m)

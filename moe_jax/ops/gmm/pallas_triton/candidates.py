@@ -1,11 +1,11 @@
-"""Kernel choices of the grouped GEMM: tile shapes, kernel families, and the per-device tables.
+"""The `pallas_triton` backend's kernel choices: kernel families, the named candidates and the
+static per-shape tables.
 
-A `TileConfig` fixes everything the Triton compiler needs that is not a shape: block sizes, warps,
-pipeline stages and the swizzle width. A `GmmConfig` is a named candidate for the forward and
-input-gradient GEMM: a kernel *family* (how programs map to work) and its tiles. Candidates are
-chosen per shape class from small static tables (`gmm_config`, `tgmm_config`), never by
-autotuning at call time; the tables were filled by `python -m benchmarks.gmm tune` on an H200
-(docs/decisions.md lists the sweeps and their results).
+A `GmmConfig` is a named candidate for the forward and input-gradient GEMM: a kernel *family* (how
+programs map to work) and its tiles (`moe_jax.ops.gmm.tiles.TileConfig`). Candidates are chosen
+per shape class from small static tables (`gmm_config`, `tgmm_config`) or on the device by the
+selector (`selector`), never by autotuning at call time; the tables were filled by
+`python -m benchmarks.gmm tune` on an H200 (docs/decisions.md lists the sweeps and their results).
 
 Families (`FAMILIES`):
 - `row_tile`: one program per (row tile, column block) of an on-device schedule
@@ -22,52 +22,12 @@ from __future__ import annotations
 import dataclasses
 import types
 
+from moe_jax.ops.gmm.tiles import TileConfig, tile_name
 from moe_jax.validation import check_int
 
-__all__ = ["CANDIDATES", "FAMILIES", "GmmConfig", "TileConfig", "candidate_index", "gmm_config", "tgmm_config",
-           "triton_candidate", "triton_tgmm_config"]
+__all__ = ["CANDIDATES", "FAMILIES", "GmmConfig", "candidate_index", "gmm_config", "tgmm_config"]
 
 FAMILIES = ("row_tile", "group_major", "split_k")
-_WARPS = (1, 2, 4, 8, 16)
-
-
-@dataclasses.dataclass(frozen=True)
-class TileConfig:
-    """Block shape and launch parameters of one grouped-GEMM kernel.
-
-    For `gmm` (C = A B^T per group): `block_m` rows of A per program, `block_n` output columns,
-    `block_k` reduction step. For `tgmm` (dB = dC^T A per group): the program owns a
-    `block_n x block_k` tile of dB and walks its group's rows `block_m` at a time.
-
-    `group_m` row tiles share one sweep over the output columns before the next group starts, so
-    an expert's weight block and its activation rows are read from HBM about once (L2 reuse;
-    row-tile family only). Triton needs power-of-two blocks; tensor-core dots need every block
-    >= 16.
-    """
-
-    block_m: int = 128
-    block_n: int = 128
-    block_k: int = 64
-    num_warps: int = 8
-    num_stages: int = 3
-    group_m: int = 8
-
-    def __post_init__(self):
-        for name in ("block_m", "block_n", "block_k"):
-            v = check_int(f"TileConfig.{name}", getattr(self, name), minimum=16)
-            if v & (v - 1):
-                raise ValueError(
-                    f"TileConfig.{name}={v}: must be a power of two >= 16 "
-                    "(Triton blocks are powers of two; tensor-core dots need 16)."
-                )
-            object.__setattr__(self, name, v)
-        if self.num_warps not in _WARPS:
-            raise ValueError(f"TileConfig.num_warps={self.num_warps!r}: must be one of {_WARPS}.")
-        stages = check_int("TileConfig.num_stages", self.num_stages)
-        if stages > 8:
-            raise ValueError(f"TileConfig.num_stages={stages}: must be an int in [1, 8].")
-        object.__setattr__(self, "num_stages", stages)
-        object.__setattr__(self, "group_m", check_int("TileConfig.group_m", self.group_m))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,9 +53,8 @@ class GmmConfig:
     @property
     def name(self) -> str:
         """E.g. `row_tile 128x256x64 w8 s4` (block_m x block_n x block_k, warps, stages), `split_k4 ...`."""
-        t = self.tiles
         family = self.family + (str(self.splits) if self.family == "split_k" else "")
-        return f"{family} {t.block_m}x{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}"
+        return f"{family} {tile_name(self.tiles)}"
 
 
 def _tiles(bm, bn, bk, warps, stages, group_m):
@@ -104,7 +63,7 @@ def _tiles(bm, bn, bk, warps, stages, group_m):
 
 # The named candidate family, decode to prefill. Every candidate is valid for every input (empty
 # groups, ragged edges, zero rows); the static table and the on-device selector
-# (`moe_jax.ops.gmm.selector`) both choose among these, and `MoEStats.kernel_counts_C` counts them
+# (`selector`) both choose among these, and `MoEStats.kernel_counts_C` counts them
 # in this order.
 CANDIDATES: types.MappingProxyType[str, GmmConfig] = types.MappingProxyType({
     "gm16x32": GmmConfig("group_major", _tiles(16, 32, 256, 4, 3, 1)),
@@ -145,7 +104,7 @@ def gmm_config(m: int, n: int, k: int, num_groups: int) -> GmmConfig:
 
 def tgmm_config(m: int, n: int, k: int, num_groups: int) -> TileConfig:
     """The Pallas kernel's weight-gradient tiles for `dB[num_groups, n, k] = dC[m, n]^T A[m, k]`
-    per group (the `triton` backend's are `triton_tgmm_config`'s).
+    per group (the `triton` backend has its own rule, `moe_jax.ops.gmm.triton.rules`).
 
     Each program owns a `block_n x block_k` tile of one group's gradient and walks that group's
     rows. Prefill (> 64 rows per group): 128x128 tiles with 32-row steps, 64-row steps from 768
@@ -156,25 +115,3 @@ def tgmm_config(m: int, n: int, k: int, num_groups: int) -> TileConfig:
         return TileConfig(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=3, group_m=1)
     bm = 64 if rows >= 768 else 32
     return TileConfig(block_m=bm, block_n=128, block_k=128, num_warps=8, num_stages=3, group_m=1)
-
-
-def triton_tgmm_config(m: int, n: int, k: int, num_groups: int) -> TileConfig:
-    """The `triton` backend's weight-gradient tiles for `dB[num_groups, n, k] = dC[m, n]^T A[m, k]`.
-
-    Tuned on the official Triton kernel separately from `tgmm_config` (the Pallas kernel's): with
-    few rows per group each program's row loop is short, and 4 warps with 32-row steps and a
-    4-deep pipeline beat 8 warps there; from 768 rows per group, 64-row steps over 128 x 256
-    blocks (H200 sweep, docs/decisions.md).
-    """
-    rows = m / max(num_groups, 1)
-    if rows >= 768:
-        return TileConfig(block_m=64, block_n=128, block_k=256, num_warps=8, num_stages=3, group_m=1)
-    return TileConfig(block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=4, group_m=1)
-
-
-def triton_candidate(m: int, n: int, k: int, num_groups: int) -> GmmConfig:
-    """The row-tile candidate the `triton` backend runs for a shape when not given tiles: the
-    static table's choice, or at decode sizes (where the table picks a group-major kernel) the
-    16-row tiles of `CANDIDATES["rt16x64"]`."""
-    static = gmm_config(m, n, k, num_groups)
-    return static if static.family == "row_tile" else CANDIDATES["rt16x64"]

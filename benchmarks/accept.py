@@ -1,0 +1,267 @@
+"""The GPU acceptance run's own checks (the rest are pytest and the example): the MoE layer on every
+backend and dtype at the layer shapes, the resource model against the compiled kernels, and the
+run's summary. `benchmarks/gpu_run.sh accept` runs every phase in order; docs/acceptance.md says
+what each proves.
+
+    python -m benchmarks.accept layers [--json PATH]         # the fp32/bf16 layer table
+    python -m benchmarks.accept launch --labels PATH         # each Pallas/Mosaic kernel once (under ncu)
+    python -m benchmarks.accept ncu-table CSV --labels PATH  # their shared memory beside the model's
+    python -m benchmarks.accept summary OUT_DIR              # the committed summary, from the logs
+
+`layers`: forward + backward (the gradient of `sum(y**2)` with respect to the input and every
+parameter, under `nnx.jit`) of `MoE(D, F, E, k, dtype=...)` at the five shapes of `LAYER_SHAPES`,
+for fp32 and bf16, on `auto`, `pallas_triton`, `triton`, `mosaic_gpu` and `xla`; each cell is `ok`
+(finite, and within the dtype's tolerance of the `xla` layer's output and input gradient) or the
+error it raised (a clear ValueError naming the limit is the contract for what a backend does not
+take).
+
+`launch`: one configuration of each kind of `pallas_triton` kernel the choosers reach (the one the
+model gives the most bytes, `tests.compiled_resources.sample`; every configuration is compiled by
+the Triton wheel in the `compiled` step) and every `mosaic_gpu` configuration they reach, each run
+once on small inputs, in order, with its label and the model's bytes written to `--labels`;
+`ncu-table` pairs Nsight Compute's `launch__shared_mem_per_block_dynamic` + `..._static` of those
+launches (XLA's own compilation of the kernels) with the labels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+import traceback
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# (T, D, F, E, k): decode-sized to prefill-sized layers; the fp32 failures of 2026-12 were at all
+# but the first.
+LAYER_SHAPES = ((64, 256, 256, 16, 4), (512, 256, 256, 16, 4), (2048, 512, 512, 32, 4), (8192, 1024, 512, 64, 8),
+                (4096, 2048, 768, 128, 8))
+LAYER_BACKENDS = ("auto", "pallas_triton", "triton", "mosaic_gpu", "xla")
+TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}  # relative error against the xla layer (bf16 rounds twice)
+# Names of our kernels in a profile: the Pallas Triton ones carry ours; Mosaic GPU's its body's.
+KERNEL_NAMES = r"moe_jax_gmm|moe_jax_tgmm|mosaic|_body"
+
+
+def _layer_step(shape, dtype, backend):
+    from flax import nnx
+
+    from moe_jax.layers import MoE
+
+    t, d, f, e, k = shape
+    layer = MoE(d, f, e, k, dtype=dtype, backend=backend, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.PRNGKey(1), (t, d), jnp.float32).astype(dtype)
+
+    @nnx.jit
+    def step(layer, x):
+        def loss(layer, x):
+            y, _ = layer(x)
+            return jnp.sum(y.astype(jnp.float32) ** 2), y
+        (_, y), grads = nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)(layer, x)
+        return y, grads[1], grads[0]
+
+    y, dx, dparams = step(layer, x)
+    return jax.block_until_ready((y, dx, dparams))
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def layers(args) -> None:
+    rows = []
+    for shape in LAYER_SHAPES:
+        for dtype in ("float32", "bfloat16"):
+            ref = None
+            for backend in ("xla",) + tuple(b for b in LAYER_BACKENDS if b != "xla"):
+                start = time.perf_counter()
+                try:
+                    y, dx, dparams = _layer_step(shape, jnp.dtype(dtype), backend)
+                    finite = all(bool(jnp.isfinite(leaf).all()) for leaf in jax.tree.leaves((y, dx, dparams)))
+                    if ref is None:
+                        ref = (y, dx)
+                    err = max(_rel(y, ref[0]), _rel(dx, ref[1]))
+                    cell = "ok" if finite and err <= TOLERANCE[dtype] else f"WRONG (finite={finite}, rel err {err:.2e})"
+                except Exception as exc:  # noqa: BLE001  (every failure is a cell of the table)
+                    err, cell = None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+                    traceback.print_exc(limit=3)
+                rows.append(dict(shape=shape, dtype=dtype, backend=backend, cell=cell, rel_err=err,
+                                 seconds=round(time.perf_counter() - start, 1)))
+                print(json.dumps(rows[-1]), flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    print(layer_table(rows))
+
+
+def layer_table(rows) -> str:
+    lines = ["| T, D, F, E, k | dtype | " + " | ".join(LAYER_BACKENDS) + " |",
+             "|---|---|" + "---|" * len(LAYER_BACKENDS)]
+    cells = {(tuple(r["shape"]), r["dtype"], r["backend"]): r for r in rows}
+    for shape in LAYER_SHAPES:
+        for dtype in ("float32", "bfloat16"):
+            out = []
+            for b in LAYER_BACKENDS:
+                r = cells.get((shape, dtype, b))
+                out.append("-" if r is None else (f"ok ({r['rel_err']:.1e})" if r["cell"] == "ok" else r["cell"][:120]))
+            lines.append(f"| {', '.join(map(str, shape))} | {dtype} | " + " | ".join(out) + " |")
+    return "\n".join(lines)
+
+
+def _launch_one(c, dtype):
+    """Run the kernel of `tests.compiled_resources.Compile` `c` once at small shapes."""
+    from moe_jax.ops import gmm, tgmm
+    from moe_jax.ops.gmm.pallas_triton.group_major import gmm_group_major_pallas
+    from moe_jax.ops.gmm.pallas_triton.row_tile import gmm_row_tile_pallas
+    from moe_jax.ops.gmm.pallas_triton.wgrad import tgmm_pallas
+    from moe_jax.ops.gmm.schedule import clamp_group_sizes
+
+    m, t, n, k, e = 2000, 1000, 1024, 1024, 16
+    rng = np.random.default_rng(0)
+    sizes = jnp.asarray(rng.multinomial(m - 24, np.ones(e) / e), jnp.int32)
+    prec = jax.lax.Precision.HIGHEST if c.ieee else jax.lax.Precision.DEFAULT
+    common = dict(out_dtype=dtype, precision=prec, interpret=False)
+    x = jnp.asarray(rng.standard_normal((t if c.gather else m, k)), dtype)
+    ids = jnp.asarray(rng.integers(0, t, m), jnp.int32) if c.gather else None
+    if c.kernel == "tgmm":
+        d = jnp.asarray(rng.standard_normal((m, n)), dtype)
+        return tgmm_pallas(x, d, clamp_group_sizes(sizes, m), tiles=c.tiles, row_ids=ids, **common)
+    nt = c.kernel == "gmm_nt"
+    w = jnp.asarray(rng.standard_normal((e, n, k) if nt else (e, k, n)), dtype)
+    if c.family == "row_tile":
+        return gmm_row_tile_pallas(x, w, sizes, transpose_rhs=nt, tiles=c.tiles, row_ids=ids, **common)
+    return gmm_group_major_pallas(x, w, sizes, transpose_rhs=nt, tiles=c.tiles, splits=4 if c.family == "split_k" else 1,
+                                  **common)
+
+
+def launch(args) -> None:
+    from moe_jax.ops import gmm
+    from moe_jax.ops.gmm.mosaic_gpu.config import smem_bytes
+    from tests.compiled_resources import compilations, model_bytes, reachable, sample
+
+    reached = reachable()
+    labels = []
+    for c in sample(compilations(reached)):
+        if c.backend != "pallas_triton":
+            continue
+        jax.block_until_ready(jax.jit(lambda c=c: _launch_one(c, jnp.dtype(c.dtype)))())
+        labels.append(dict(backend=c.backend, kernel=c.kernel, family=c.family, tiles=list(c.tiles.__dict__.values()),
+                           dtype=c.dtype, ieee=c.ieee, gather=c.gather, model=model_bytes(c)))
+    mosaic = sorted({(r.problem.kernel, r.problem.dtype.name, r.config) for r in reached if r.backend == "mosaic_gpu"},
+                    key=str)
+    for kernel, dtype, config in mosaic:
+        m, n, k, e = 4096, 4 * config.cta_n, 8 * config.tile_k, 16
+        nt = kernel == "gmm_nt"
+        x = jnp.ones((m, k), dtype)
+        w = jnp.ones((e, n, k) if nt else (e, k, n), dtype)
+        sizes = jnp.full((e,), m // e, jnp.int32)
+        jax.block_until_ready(jax.jit(lambda x, w, s: gmm(x, w, s, transpose_rhs=nt, backend="mosaic_gpu",
+                                                          config=config))(x, w, sizes))
+        labels.append(dict(backend="mosaic_gpu", kernel=kernel, family=str(config), tiles=[], dtype=dtype, ieee=False,
+                           gather=False, model=smem_bytes(config, dtype, dtype)))
+    with open(args.labels, "w") as fh:
+        json.dump(labels, fh, indent=1)
+    print(f"{len(labels)} kernels launched")
+
+
+def ncu_table(args) -> None:
+    """Pair the profiled launches (in order; the kernels of our names) with the labels."""
+    import csv
+
+    labels = json.load(open(args.labels))
+    launches, others = {}, set()
+    with open(args.csv) as fh:
+        for row in csv.DictReader(line for line in fh if not line.startswith("==")):
+            if not re.search(KERNEL_NAMES, row.get("Kernel Name", "")):
+                others.add(row.get("Kernel Name", ""))
+                continue
+            launch = launches.setdefault(row["ID"], dict(name=row["Kernel Name"]))
+            value = float(row["Metric Value"].replace(",", "")) if row["Metric Value"] else 0.0
+            launch[row["Metric Name"]] = value
+    ordered = [launches[i] for i in sorted(launches, key=int)]
+    rows, bad = [], 0
+    for label, launch in zip(labels, ordered):
+        compiled = int(launch.get("launch__shared_mem_per_block_dynamic", 0)
+                       + launch.get("launch__shared_mem_per_block_static", 0))
+        ok = compiled <= label["model"]
+        bad += not ok
+        rows.append(dict(label, compiled=compiled, kernel_name=launch["name"], ok=ok))
+    with open(args.out, "w") as fh:
+        json.dump(rows, fh, indent=1)
+    exact = sum(r["compiled"] == r["model"] for r in rows)
+    print(f"{len(rows)} of {len(labels)} launches profiled; model >= compiled on {len(rows) - bad}, exact on {exact}")
+    if len(ordered) != len(labels):
+        print(f"  {len(ordered)} kernels matched {KERNEL_NAMES!r} for {len(labels)} labels; other kernels: "
+              f"{sorted(others)[:20]}")
+    for r in rows:
+        if not r["ok"] or r["compiled"] != r["model"]:
+            print(f"  {r['backend']} {r['kernel']} {r['family']} {r['tiles']} {r['dtype']} ieee={r['ieee']} "
+                  f"gather={r['gather']}: model {r['model']} B, compiled {r['compiled']} B")
+
+
+def summary(args) -> None:
+    """The acceptance summary (markdown) from the phase logs under `args.out`."""
+    out = args.out
+
+    def read(name):
+        path = os.path.join(out, name)
+        return open(path).read() if os.path.exists(path) else ""
+
+    lines = [f"# GPU acceptance run, {time.strftime('%Y-%m-%d')}", "",
+             f"Command: `benchmarks/gpu_run.sh accept` on one H200; commit {args.commit}.", ""]
+    pip = read("pip.txt").strip().replace("\n", "; ")
+    lines += [f"Versions: {pip}", ""]
+    last = [ln for ln in read("tests.log").splitlines() if re.search(r"\d+ (passed|failed)", ln)]
+    lines += [f"- `pytest tests parity` compiled: {last[-1].strip('= ') if last else 'no result (see the log)'}"]
+    for name, title in (("example_float32.log", "example with its defaults (fp32)"),
+                        ("example_bfloat16.log", "example, --dtype bfloat16")):
+        tail = [ln for ln in read(name).splitlines() if ln.strip()][-3:]
+        lines += [f"- {title}:", "", "  ```", *("  " + ln for ln in tail), "  ```"]
+    layers_json = os.path.join(out, "accept_layers.json")
+    if os.path.exists(layers_json):
+        lines += ["", "Layer forward+backward, every backend and dtype (relative error to the xla layer):", "",
+                  layer_table(json.load(open(layers_json)))]
+    resources = read("accept_resources.log").strip()
+    compiled = read("compiled.jsonl").splitlines()
+    if compiled:
+        recs = [json.loads(ln) for ln in compiled if ln.startswith("{")]
+        under = [r for r in recs if r["compiled"] > r["model"]]
+        exact = sum(r["compiled"] == r["model"] for r in recs)
+        lines += ["", f"Resource model against Triton 3.6's compiler for sm_90, every reachable configuration: "
+                  f"{len(recs)} compiled, model below the compiler on {len(under)}, exact on {exact}."]
+    if resources:
+        lines += ["", "Resource model against the kernels XLA compiled and launched on the H200 (Nsight Compute):", "",
+                  "```", resources, "```"]
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out, "accept_summary.md"), "w") as fh:
+        fh.write(text)
+    print(text)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    q = sub.add_parser("layers")
+    q.add_argument("--json", default=None)
+    q = sub.add_parser("launch")
+    q.add_argument("--labels", required=True)
+    q = sub.add_parser("ncu-table")
+    q.add_argument("csv")
+    q.add_argument("--labels", required=True)
+    q.add_argument("--out", required=True)
+    q = sub.add_parser("summary")
+    q.add_argument("out")
+    q.add_argument("--commit", default="unknown")
+    args = p.parse_args(argv)
+    {"layers": layers, "launch": launch, "ncu-table": ncu_table, "summary": summary}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
