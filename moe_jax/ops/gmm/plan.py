@@ -78,7 +78,10 @@ def _explicit(problem: Problem, name: str, config, device: DeviceFacts) -> Plan:
         takes = ", ".join(t.__name__ for t in backend.config_types(problem.kernel)) or "no configuration"
         raise TypeError(f"backend={name!r} takes {takes} for {problem.kernel}; got config={config!r}. Pass one it "
                         "takes, None, or backend='auto'.")
-    reason = backend.available() or backend.supports(problem, device)
+    explicit = config is not None and not isinstance(config, str)
+    # An explicit configuration is checked by `configure` (the shapes and bytes of that
+    # configuration); `supports` answers for the backend's own choice.
+    reason = backend.available() or (None if explicit else backend.supports(problem, device))
     if reason:
         raise ValueError(f"{reason}; use backend='auto', which runs {problem.describe()} on a backend that takes it.")
     return _configured(problem, name, config, device, ())
