@@ -82,6 +82,9 @@ class TileConfig:
         object.__setattr__(self, "num_stages", stages)
         object.__setattr__(self, "group_m", check_int("TileConfig.group_m", self.group_m))
 
+    def __str__(self) -> str:
+        return tile_name(self)
+
 
 def tile_name(tiles: TileConfig) -> str:
     """E.g. `128x256x64 w8 s4` (block_m x block_n x block_k, warps, stages)."""
