@@ -163,6 +163,24 @@ def test_parity_with_hf_block(model_type):
         assert not np.allclose(ours_forward(moe, _np(x)), _np(y), atol=1e-4)
 
 
+def test_deepseek_config_json_without_groups_reads_transformers_defaults():
+    """A DeepSeek-V3 config.json that omits n_group/topk_group is transformers' 8/4 (DeepseekV3Config's
+    defaults), not an ungrouped 1/1: the converted layer computes what the HF block computes."""
+    fields = {k: v for k, v in MODELS["deepseek_v3"][3].items() if k not in ("n_group", "topk_group")}
+    config = DeepseekV3Config(**{**_COMMON, **fields, "n_routed_experts": 16})
+    assert (config.n_group, config.topk_group) == (8, 4)
+    config_json = {k: v for k, v in config.to_dict().items() if k not in ("n_group", "topk_group")}
+    assert convert.moe_config(config_json)["router"] == routing.SigmoidGroupedTopK(
+        2, n_group=8, topk_group=4, normalize=True, routed_scaling_factor=2.5)
+    with exact_torch(4):
+        block = DeepseekV3MoE(config).eval()
+        randomize(block)
+        x = torch.randn(4, 8, config.hidden_size)
+        y = block(x)
+    moe = convert.from_state_dict(block.state_dict(), config_json, **OURS)
+    assert_close(ours_forward(moe, _np(x)), _np(y[0] if isinstance(y, tuple) else y), "float32", "deepseek_v3 y")
+
+
 def test_config_maps_to_routers():
     assert convert.moe_config(make_config("mixtral")) == dict(
         d_model=16, d_ff=24, num_experts=4, top_k=2, router=routing.SelectedSoftmax(2))
@@ -363,6 +381,13 @@ def test_inexpressible_config_names_the_field(model_type, overrides, message):
         convert.moe_config(config)
 
 
+def test_non_float_tensor_is_refused_not_cast():
+    sd, config = _mixtral_sd()
+    sd["gate.weight"] = sd["gate.weight"].astype(np.int32)
+    with pytest.raises(TypeError, match=r"tensor 'gate.weight' has dtype int32; MoE weights are floating point"):
+        convert.from_state_dict(sd, config)
+
+
 def test_layer_kwargs_cannot_override_the_config():
     sd, config = _mixtral_sd()
     with pytest.raises(TypeError, match="top_k: set by the HF config"):
@@ -393,5 +418,9 @@ def test_from_checkpoint_errors(tmp_path):
     config.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"layers \[0\] .* are not MoE layers; its MoE layers are \[1, 2\]"):
         convert.from_checkpoint(tmp_path, layers=[0])
+    with pytest.raises(TypeError, match=r"layers must be an iterable of decoder layer indices \(e.g. layers=\[1\]"):
+        convert.from_checkpoint(tmp_path, layers=1)
+    with pytest.raises(TypeError, match=r"layers\[1\] must be an int >= 0; got str '2'"):
+        convert.from_checkpoint(tmp_path, layers=[1, "2"])
     with pytest.raises(FileNotFoundError, match="neither model.safetensors.index.json nor model.safetensors"):
         convert.from_checkpoint(tmp_path)

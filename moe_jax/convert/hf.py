@@ -5,8 +5,9 @@ width, E experts.
 
 Only renaming, stacking, concatenating and splitting happen (both sides store torch's
 `[out, in]`), so a round trip is bit for bit; the one arithmetic step is the cast to the layer's
-`param_dtype` (exact from bf16/fp16 to fp32). Tensors arrive as NumPy, JAX or torch arrays; torch
-is duck-typed (`.detach().cpu()`), never imported.
+`param_dtype` (exact from bf16/fp16 to fp32; a tensor that is not floating point is refused,
+never cast). Tensors arrive as NumPy, JAX or torch arrays; torch is duck-typed
+(`.detach().cpu()`), never imported.
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ class _Reader:
             raise ValueError(f"{self.model_type} MoE block: missing tensor {key!r}; found under prefix "
                              f"{self.prefix!r}: {specs.listing(self.under_prefix())}.")
         value = host_array(self.sd[key])
+        if not jnp.issubdtype(value.dtype, jnp.floating):  # (jnp's knows NumPy's bfloat16)
+            raise TypeError(f"{self.model_type} MoE block: tensor {key!r} has dtype {value.dtype}; MoE weights are "
+                            "floating point (float32, bfloat16, float16), and casting would silently change them. An "
+                            "integer tensor means a quantized or corrupted checkpoint: convert an unquantized one.")
         if tuple(value.shape) != tuple(shape):
             raise ValueError(f"{self.model_type} MoE block: tensor {key!r} has shape {tuple(value.shape)}, expected "
                              f"{tuple(shape)}.")

@@ -215,9 +215,8 @@ def _deepseek_kwargs(cfg: dict) -> dict:
             raise _unsupported(spec, field, cfg[field],
                                f"transformers' DeepseekV3 and moe_jax implement only {field}={expected!r}.")
     num_experts, top_k = _num_experts(cfg, spec), _size(cfg, spec, "num_experts_per_tok")
-    # n_group/topk_group None: transformers cannot run that; one group is the ungrouped reading.
-    n_group = check_int("deepseek_v3 config n_group", cfg.get("n_group") or 1)
-    topk_group = check_int("deepseek_v3 config topk_group", cfg.get("topk_group") or 1)
+    # Omitted (or null) n_group/topk_group are transformers' defaults, 8 and 4, as DeepseekV3Config reads them.
+    n_group, topk_group = _size(cfg, spec, "n_group"), _size(cfg, spec, "topk_group")
     if num_experts % n_group:
         raise _unsupported(spec, "n_group", n_group, f"must divide n_routed_experts={num_experts}.")
     if topk_group > n_group:
@@ -262,7 +261,7 @@ SPECS: dict[str, ModelSpec] = {
     "deepseek_v3": ModelSpec(
         "deepseek_v3", BlockNames(**_QWEN_EXPERT, shared="shared_experts.", bias="gate.e_score_correction_bias"),
         num_experts=("n_routed_experts", "num_local_experts"), d_ff="moe_intermediate_size", per_expert_module="mlp",
-        defaults=dict(norm_topk_prob=True, routed_scaling_factor=2.5, hidden_act="silu"),
+        defaults=dict(norm_topk_prob=True, routed_scaling_factor=2.5, n_group=8, topk_group=4, hidden_act="silu"),
         kwargs=_deepseek_kwargs, layers=_deepseek_layers,
     ),
 }
