@@ -35,12 +35,13 @@ from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from moe_jax import MoE, convert, routing
+from moe_jax import GemmOptions, MoE, SharedExperts, convert, routing
 from moe_jax.parallel import make_mesh
 from moe_jax.testing import assert_close
 
 _HI = jax.lax.Precision.HIGHEST
-OURS = dict(backend="xla", precision=_HI)
+OURS = dict(gemm=GemmOptions(backend="xla", precision=_HI))
+OURS_FUSED = dict(gemm=GemmOptions(backend="xla", precision=_HI, fused_gate_up=True))
 
 # Tiny decoder settings every model shares (eager attention and experts: deterministic on CPU).
 _COMMON = dict(vocab_size=64, hidden_size=16, num_attention_heads=2, num_key_value_heads=1,
@@ -187,9 +188,9 @@ def test_config_maps_to_routers():
     assert convert.moe_config(make_config("qwen3_moe"))["router"] == routing.SoftmaxTopK(2, renormalize=True)
     assert convert.moe_config(make_config("qwen2_moe")) == dict(
         d_model=16, d_ff=12, num_experts=4, top_k=2, router=routing.SoftmaxTopK(2, renormalize=False),
-        num_shared_experts=1, shared_d_ff=20, shared_expert_gate=True)
+        shared_experts=SharedExperts(1, d_ff=20, gate=True))
     assert convert.moe_config(make_config("deepseek_v3")) == dict(
-        d_model=16, d_ff=12, num_experts=8, top_k=2, num_shared_experts=2, shared_d_ff=24,
+        d_model=16, d_ff=12, num_experts=8, top_k=2, shared_experts=SharedExperts(2, d_ff=24),
         router=routing.SigmoidGroupedTopK(2, n_group=4, topk_group=2, normalize=True, routed_scaling_factor=2.5))
     # A config.json dict reads the same as the config object.
     for model_type in MODEL_TYPES:
@@ -215,7 +216,7 @@ def test_round_trip_fused_layout(model_type, fused_gate_up):
     """The in-memory names of transformers >= 5 (experts.gate_up_proj / experts.down_proj)."""
     block, config = hf_block(model_type)
     sd = {k: v.numpy() for k, v in block.state_dict().items()}
-    moe = convert.from_state_dict(sd, config, fused_gate_up=fused_gate_up)
+    moe = convert.from_state_dict(sd, config, gemm=GemmOptions(fused_gate_up=fused_gate_up))
     _assert_same(convert.to_state_dict(moe, config), sd)
     # And a block loads it back (strict: every name, no extra).
     fresh = MODELS[model_type][2](config)
@@ -278,7 +279,7 @@ def saved_model(request, tmp_path_factory):
 
 def test_from_checkpoint_matches_each_block(saved_model):
     model_type, model, config, path = saved_model
-    moes = convert.from_checkpoint(path, fused_gate_up=model_type == "deepseek_v3", **OURS)
+    moes = convert.from_checkpoint(path, **(OURS_FUSED if model_type == "deepseek_v3" else OURS))
     assert sorted(moes) == list(MODELS[model_type][4])
     rng = np.random.default_rng(3)
     for layer, moe in moes.items():

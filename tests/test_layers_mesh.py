@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from moe_jax.layers import MoE
+from moe_jax.layers import GemmOptions, MoE, SharedExperts
 from moe_jax.parallel import AxisRules, EPOptions, make_mesh
 from moe_jax.testing import assert_close
 
@@ -28,8 +28,9 @@ def _on_host():
         yield
 
 
-def _layer(**kw):
-    return MoE(D, F, E, K, num_shared_experts=1, shared_d_ff=5, backend="xla", rngs=nnx.Rngs(0), **kw)
+def _layer(row_gather="auto", **kw):
+    return MoE(D, F, E, K, shared_experts=SharedExperts(1, d_ff=5), gemm=GemmOptions(backend="xla", row_gather=row_gather),
+               rngs=nnx.Rngs(0), **kw)
 
 
 def _inputs():

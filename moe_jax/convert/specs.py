@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from moe_jax import routing
+from moe_jax.layers.options import SharedExperts
 from moe_jax.validation import check_int
 
 __all__ = [
@@ -42,8 +43,7 @@ __all__ = [
 ]
 
 # Keyword arguments of `MoE` that the HF config decides; a caller may not override them.
-CONFIG_KWARGS = ("d_model", "d_ff", "num_experts", "top_k", "router", "num_shared_experts", "shared_d_ff",
-                 "shared_expert_gate")
+CONFIG_KWARGS = ("d_model", "d_ff", "num_experts", "top_k", "router", "shared_experts")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +202,7 @@ def _qwen2_kwargs(cfg: dict) -> dict:
         raise _unsupported(spec, "shared_expert_intermediate_size", 0,
                            "a Qwen2-MoE block without a shared expert is not supported.")
     return dict(router=routing.SoftmaxTopK(_size(cfg, spec, "num_experts_per_tok"), renormalize=renormalize),
-                num_shared_experts=1, shared_d_ff=shared, shared_expert_gate=True)
+                shared_experts=SharedExperts(1, d_ff=shared, gate=True))
 
 
 def _deepseek_kwargs(cfg: dict) -> dict:
@@ -233,7 +233,7 @@ def _deepseek_kwargs(cfg: dict) -> dict:
         routed_scaling_factor=float(_field(cfg, spec, "routed_scaling_factor")),
     )
     shared_d_ff = shared * _size(cfg, spec, "moe_intermediate_size")
-    return dict(router=router, num_shared_experts=shared, shared_d_ff=shared_d_ff)
+    return dict(router=router, shared_experts=SharedExperts(shared, d_ff=shared_d_ff))
 
 
 _QWEN_EXPERT = dict(expert_gate="experts.{e}.gate_proj.weight", expert_up="experts.{e}.up_proj.weight",
@@ -289,7 +289,7 @@ def moe_config(hf_config) -> dict:
     """The `MoE` constructor arguments a HF config implies.
 
     Returns a dict with d_model, d_ff, num_experts, top_k, router and (when the block has them)
-    num_shared_experts, shared_d_ff, shared_expert_gate; everything else (dtype, backend, mesh, ...)
+    shared_experts (a `SharedExperts`); everything else (dtype, gemm, mesh, ...)
     is the caller's. ValueError for an unsupported model type, a quantized checkpoint, or a config
     field whose behaviour moe_jax cannot reproduce (named in the message).
     """
