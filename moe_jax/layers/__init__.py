@@ -1,6 +1,6 @@
 """Flax NNX layers: `MoE` (`moe`), its option groups `GemmOptions` and `SharedExperts` (`options`;
 expert parallelism's `EPOptions` is re-exported here), its routed stage per mesh case (`routed`),
-the dense SwiGLU of the shared experts and
+the token layout under Explicit mesh axes (`tokens`), the dense SwiGLU of the shared experts and
 parameter helpers (`dense`), `MoEStats` (`stats`) and the configuration and argument checks
 (`checks`)."""
 

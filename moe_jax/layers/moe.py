@@ -22,6 +22,7 @@ reductions equal to the single-device values.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 
@@ -48,8 +49,9 @@ from moe_jax.layers.dense import SwiGLU, expert_init, init, linear, param
 from moe_jax.layers.options import GEMM_KERNELS, ROW_GATHERS, GemmOptions, SharedExperts
 from moe_jax.layers.routed import ExpertStage, routed_on_mesh, single_device
 from moe_jax.layers.stats import MoEStats, moe_stats
+from moe_jax.layers.tokens import explicit_mesh, on_tokens, split_axes, to_tokens, token_axes, unflatten
 from moe_jax.ops import BackendTable
-from moe_jax.parallel import AxisRules, EPOptions
+from moe_jax.parallel import AxisRules, EPOptions, is_explicit
 from moe_jax.validation import check_bool, check_int
 
 __all__ = ["GEMM_KERNELS", "MoE", "ROW_GATHERS", "SelectionBias"]
@@ -93,7 +95,8 @@ class MoE(nnx.Module):
         `GemmOptions()` (auto backend and kernel, separate gate and up).
       mesh: a `jax.sharding.Mesh` (Auto or Explicit axes) for data/expert parallelism: the
         parameters are placed on it and the routed stage runs in `jax.shard_map` over it
-        (`routed`). None (default): no mesh of the layer's own; under an ambient mesh (`jax.set_mesh`) the routed
+        (`routed`); the layer enters it itself when called outside `jax.set_mesh`. None
+        (default): no mesh of the layer's own; under an ambient mesh (`jax.set_mesh`) the routed
         stage follows `axis_rules`, or the Explicit sharding of the input's tokens (data
         parallel), and otherwise runs on the arrays as they are.
       axis_rules: `moe_jax.parallel.AxisRules`, which mesh axes split tokens and which one splits
@@ -221,7 +224,7 @@ class MoE(nnx.Module):
         """`y, stats = moe(x, mask=..., routing=...)`.
 
         x: a JAX or NumPy array `[B, S, D]` or `[T, D]` (NumPy float64 is read as JAX reads it:
-        float32 unless x64 is on).
+        float32 unless x64 is on). Under an Explicit mesh any sharding of x works; y has x's.
         mask: bool with the leading shape of `x`, True = real token; masked tokens reach nothing:
         their output is zero (routed and shared), they count in no statistic and get exactly zero
         gradient.
@@ -242,20 +245,28 @@ class MoE(nnx.Module):
         if routing is not None:
             check_routing(routing, math.prod(x.shape[:-1]), self.top_k, self.num_experts)
         dtype = compute_dtype(x, self.dtype)
-        y, stats, routing = self._forward(x, mask, routing, dtype)
+        with self._mesh_context(x):
+            y, stats, routing = self._forward(x, mask, routing, dtype)
         return (y, stats, routing) if return_routing else (y, stats)
 
     def _forward(self, x, mask, routing, dtype):
         seq_BS = tuple(x.shape[:2]) if x.ndim == 3 else (1, x.shape[0])
-        x_TD = x.reshape(-1, self.d_model)
-        mask_T = None if mask is None else mask.reshape(-1)
+        # Under Explicit axes: tokens split as x's are (whatever its sharding), then as the rules say.
+        mesh = explicit_mesh()
+        axes = None if mesh is None else token_axes(x)
+        x_TD = to_tokens(x, x.ndim - 1, axes)
+        mask_T = None if mask is None else to_tokens(mask, mask.ndim, axes)
         placement = self._placement(x_TD)
+        if mesh is not None and placement is not None:
+            axes = placement[1].tokens
+            x_TD, mask_T = on_tokens((x_TD, mask_T), axes)
         # Padding tokens may hold anything: zero them (where, so NaN cannot leak into gradients)
         # before they reach the router and the routed experts.
         real_TD = x_TD if mask_T is None else jnp.where(mask_T[:, None], x_TD, jnp.zeros((), x_TD.dtype))
 
         injected = routing is not None
         if injected:
+            routing = on_tokens(routing_lib.Routing(*(jnp.asarray(a) for a in routing)), axes)
             z_loss = jnp.zeros((), jnp.float32)
         else:
             logits_TE = jnp.dot(real_TD.astype(jnp.float32), self.w_router[...].astype(jnp.float32).T, precision=_HI)
@@ -285,9 +296,13 @@ class MoE(nnx.Module):
                 gate_T1 = jax.nn.sigmoid(linear(real_TD, self.w_shared_gate[...], dtype, self.precision))
                 shared_TD = gate_T1 * shared_TD
             y_TD = y_TD + shared_TD
-        stats = moe_stats(routing, z_loss=z_loss, mask_T=mask_T, seq_BS=seq_BS, num_experts=self.num_experts,
-                          gemm=routed.gemm, dropped=dropped, kept_E=routed.kept_E)
-        return y_TD.astype(dtype).reshape(x.shape), stats, routing
+        # The sequence-wise statistics read the per-token arrays as [B, S, ...]: on token axes that split so.
+        stats_routing, stats_mask = routing, mask_T
+        if mesh is not None and split_axes(axes, seq_BS, mesh) != axes:
+            stats_routing, stats_mask = on_tokens((routing, mask_T), split_axes(axes, seq_BS, mesh))
+        stats = moe_stats(stats_routing, z_loss=z_loss, mask_T=stats_mask, seq_BS=seq_BS,
+                          num_experts=self.num_experts, gemm=routed.gemm, dropped=dropped, kept_E=routed.kept_E)
+        return unflatten(y_TD.astype(dtype), x), stats, routing
 
     def update_selection_bias(self, counts_E: jax.Array, step_size) -> None:
         """Loss-free balancing step: `bias += step_size * sign(mean(counts) - counts)` (outside the
@@ -304,6 +319,25 @@ class MoE(nnx.Module):
                 "the capacity factor, or give the layer a mesh whose expert axis has size > 1.",
                 UserWarning, stacklevel=3,
             )
+
+    def _mesh_context(self, x):
+        """The layer's own Explicit mesh as the ambient one, when the caller has not set it."""
+        if self.mesh is None or not is_explicit(self.mesh):
+            return contextlib.nullcontext()
+        ambient = jax.sharding.get_abstract_mesh()
+        if ambient.manual_axes:
+            return contextlib.nullcontext()  # `_placement` refuses this with its own message
+        if not ambient.empty:
+            if ambient != self.mesh.abstract_mesh:
+                raise ValueError(
+                    f"this MoE layer was built on the mesh {dict(self.mesh.shape)} but is called under "
+                    f"jax.set_mesh of another one ({dict(ambient.shape)}); call it under jax.set_mesh(layer.mesh), "
+                    "or outside any jax.set_mesh (the layer enters its own mesh)."
+                )
+            return contextlib.nullcontext()
+        tracing = any(isinstance(a, jax.core.Tracer) for a in (x, self.w_router.get_value()))
+        # `jax.set_mesh` cannot be entered under `jit`; there the abstract mesh is what types the arrays.
+        return jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh) if tracing else jax.set_mesh(self.mesh)
 
     def _placement(self, x_TD) -> tuple[object, AxisRules] | None:
         """`(mesh, rules)` the routed stage runs `shard_map` over, or None to run it on the arrays."""
