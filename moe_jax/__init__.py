@@ -1,7 +1,7 @@
 """moe_jax: Mixture-of-Experts layers for JAX on GPUs."""
 
-from moe_jax.layers import MoE, MoEStats, SelectionBias, SwiGLU
+from moe_jax.layers import EPOptions, GemmOptions, MoE, MoEStats, SelectionBias, SharedExperts, SwiGLU
 
 __version__ = "0.1.0"
 
-__all__ = ["MoE", "MoEStats", "SelectionBias", "SwiGLU"]
+__all__ = ["EPOptions", "GemmOptions", "MoE", "MoEStats", "SelectionBias", "SharedExperts", "SwiGLU"]

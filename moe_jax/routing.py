@@ -33,10 +33,13 @@ all data-dependent work is `jnp`/`lax`.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from moe_jax.validation import check_bool, check_int, check_number
 
@@ -430,6 +433,22 @@ def z_loss(logits_TE: jax.Array, *, mask_T: jax.Array | None = None) -> jax.Arra
     return sq.sum() / jnp.maximum(real.sum(dtype=jnp.float32), 1.0)
 
 
+def _check_step_size(step_size):
+    """`step_size` of `update_selection_bias`: a real number >= 0 (Python or NumPy) or a float scalar
+    array (e.g. a schedule's value, possibly traced); TypeError or ValueError naming it otherwise."""
+    if isinstance(step_size, (jax.Array, np.ndarray)):
+        if step_size.shape != () or not jnp.issubdtype(step_size.dtype, jnp.floating):
+            raise TypeError(f"update_selection_bias: step_size must be a number >= 0 or a float scalar array; got an "
+                            f"array of shape {tuple(step_size.shape)} and dtype {step_size.dtype}.")
+        return step_size
+    if not isinstance(step_size, numbers.Real) or isinstance(step_size, (bool, np.bool_)):
+        raise TypeError(f"update_selection_bias: step_size must be a number >= 0 (e.g. 1e-3) or a float scalar "
+                        f"array; got {type(step_size).__name__} {step_size!r}.")
+    if not (math.isfinite(step_size) and step_size >= 0):
+        raise ValueError(f"update_selection_bias: step_size={step_size!r} must be a finite number >= 0.")
+    return float(step_size)
+
+
 def update_selection_bias(bias_E: jax.Array, counts_E: jax.Array, step_size) -> jax.Array:
     """One step of DeepSeek-V3 loss-free balancing: float32 `[E]`.
 
@@ -445,8 +464,7 @@ def update_selection_bias(bias_E: jax.Array, counts_E: jax.Array, step_size) -> 
             f"update_selection_bias: bias_E {tuple(jnp.shape(bias_E))} and counts_E "
             f"{tuple(jnp.shape(counts_E))} must both be 1-D [num_experts] of equal length."
         )
-    if isinstance(step_size, (int, float)) and not step_size >= 0:
-        raise ValueError(f"update_selection_bias: step_size={step_size!r} must be >= 0.")
+    step_size = _check_step_size(step_size)
     bias_E = jax.lax.stop_gradient(jnp.asarray(bias_E, jnp.float32))
     counts_E = jax.lax.stop_gradient(jnp.asarray(counts_E, jnp.float32))
     step = jax.lax.stop_gradient(jnp.asarray(step_size, jnp.float32))

@@ -96,23 +96,20 @@ def make_layer(config: ParityConfig, params: dict[str, np.ndarray]):
     Built abstractly (`nnx.eval_shape`): the random initialisation it skips would be overwritten
     anyway, and eagerly it costs seconds per layer on CPU.
     """
-    from moe_jax.layers import MoE
+    from moe_jax.layers import EPOptions, GemmOptions, MoE, SharedExperts
 
     dtype = jnp.dtype(config.dtype)
     mesh = ep_mesh(config)
     model = nnx.eval_shape(lambda: MoE(
         config.d_model, config.d_ff, config.num_experts, config.top_k,
         router=jax_router(config),
-        num_shared_experts=config.shared_experts,
-        shared_d_ff=config.shared_d_ff or None,
+        shared_experts=SharedExperts(config.shared_experts, d_ff=config.shared_d_ff) if config.shared_experts else None,
         latent_dim=config.latent_dim,
-        fused_gate_up=config.fused_gate_up,
         dtype=dtype,
         param_dtype=dtype,
-        backend=config.backend,
-        precision=jax_precision(config),
+        gemm=GemmOptions(backend=config.backend, precision=jax_precision(config), fused_gate_up=config.fused_gate_up),
         mesh=mesh,
-        ep_strategy=config.ep_strategy,
+        expert_parallel=EPOptions(strategy=config.ep_strategy),
         rngs=nnx.Rngs(config.seed),
     ))
     with _on_mesh_platform(mesh):

@@ -8,14 +8,14 @@ import torch
 from flax import nnx
 
 from benchmarks.layer import torch_layer
-from moe_jax.layers import MoE
+from moe_jax.layers import GemmOptions, MoE
 from moe_jax.routing import SoftmaxTopK
 from moe_jax.testing import assert_close
 
 
 def test_torch_peer_matches_moe_forward_and_gradients():
     d, f, e, k, t = 32, 48, 8, 2, 40
-    layer = MoE(d, f, e, k, router=SoftmaxTopK(k, renormalize=True), rngs=nnx.Rngs(0), backend="xla")
+    layer = MoE(d, f, e, k, router=SoftmaxTopK(k, renormalize=True), rngs=nnx.Rngs(0), gemm=GemmOptions(backend="xla"))
     x = jax.random.normal(jax.random.PRNGKey(1), (t, d), jnp.float32)
     graph, state = nnx.split(layer)
 

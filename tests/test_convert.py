@@ -35,12 +35,13 @@ from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from moe_jax import MoE, convert, routing
+from moe_jax import GemmOptions, MoE, SharedExperts, convert, routing
 from moe_jax.parallel import make_mesh
 from moe_jax.testing import assert_close
 
 _HI = jax.lax.Precision.HIGHEST
-OURS = dict(backend="xla", precision=_HI)
+OURS = dict(gemm=GemmOptions(backend="xla", precision=_HI))
+OURS_FUSED = dict(gemm=GemmOptions(backend="xla", precision=_HI, fused_gate_up=True))
 
 # Tiny decoder settings every model shares (eager attention and experts: deterministic on CPU).
 _COMMON = dict(vocab_size=64, hidden_size=16, num_attention_heads=2, num_key_value_heads=1,
@@ -163,15 +164,33 @@ def test_parity_with_hf_block(model_type):
         assert not np.allclose(ours_forward(moe, _np(x)), _np(y), atol=1e-4)
 
 
+def test_deepseek_config_json_without_groups_reads_transformers_defaults():
+    """A DeepSeek-V3 config.json that omits n_group/topk_group is transformers' 8/4 (DeepseekV3Config's
+    defaults), not an ungrouped 1/1: the converted layer computes what the HF block computes."""
+    fields = {k: v for k, v in MODELS["deepseek_v3"][3].items() if k not in ("n_group", "topk_group")}
+    config = DeepseekV3Config(**{**_COMMON, **fields, "n_routed_experts": 16})
+    assert (config.n_group, config.topk_group) == (8, 4)
+    config_json = {k: v for k, v in config.to_dict().items() if k not in ("n_group", "topk_group")}
+    assert convert.moe_config(config_json)["router"] == routing.SigmoidGroupedTopK(
+        2, n_group=8, topk_group=4, normalize=True, routed_scaling_factor=2.5)
+    with exact_torch(4):
+        block = DeepseekV3MoE(config).eval()
+        randomize(block)
+        x = torch.randn(4, 8, config.hidden_size)
+        y = block(x)
+    moe = convert.from_state_dict(block.state_dict(), config_json, **OURS)
+    assert_close(ours_forward(moe, _np(x)), _np(y[0] if isinstance(y, tuple) else y), "float32", "deepseek_v3 y")
+
+
 def test_config_maps_to_routers():
     assert convert.moe_config(make_config("mixtral")) == dict(
         d_model=16, d_ff=24, num_experts=4, top_k=2, router=routing.SelectedSoftmax(2))
     assert convert.moe_config(make_config("qwen3_moe"))["router"] == routing.SoftmaxTopK(2, renormalize=True)
     assert convert.moe_config(make_config("qwen2_moe")) == dict(
         d_model=16, d_ff=12, num_experts=4, top_k=2, router=routing.SoftmaxTopK(2, renormalize=False),
-        num_shared_experts=1, shared_d_ff=20, shared_expert_gate=True)
+        shared_experts=SharedExperts(1, d_ff=20, gate=True))
     assert convert.moe_config(make_config("deepseek_v3")) == dict(
-        d_model=16, d_ff=12, num_experts=8, top_k=2, num_shared_experts=2, shared_d_ff=24,
+        d_model=16, d_ff=12, num_experts=8, top_k=2, shared_experts=SharedExperts(2, d_ff=24),
         router=routing.SigmoidGroupedTopK(2, n_group=4, topk_group=2, normalize=True, routed_scaling_factor=2.5))
     # A config.json dict reads the same as the config object.
     for model_type in MODEL_TYPES:
@@ -197,7 +216,7 @@ def test_round_trip_fused_layout(model_type, fused_gate_up):
     """The in-memory names of transformers >= 5 (experts.gate_up_proj / experts.down_proj)."""
     block, config = hf_block(model_type)
     sd = {k: v.numpy() for k, v in block.state_dict().items()}
-    moe = convert.from_state_dict(sd, config, fused_gate_up=fused_gate_up)
+    moe = convert.from_state_dict(sd, config, gemm=GemmOptions(fused_gate_up=fused_gate_up))
     _assert_same(convert.to_state_dict(moe, config), sd)
     # And a block loads it back (strict: every name, no extra).
     fresh = MODELS[model_type][2](config)
@@ -260,7 +279,7 @@ def saved_model(request, tmp_path_factory):
 
 def test_from_checkpoint_matches_each_block(saved_model):
     model_type, model, config, path = saved_model
-    moes = convert.from_checkpoint(path, fused_gate_up=model_type == "deepseek_v3", **OURS)
+    moes = convert.from_checkpoint(path, **(OURS_FUSED if model_type == "deepseek_v3" else OURS))
     assert sorted(moes) == list(MODELS[model_type][4])
     rng = np.random.default_rng(3)
     for layer, moe in moes.items():
@@ -363,6 +382,13 @@ def test_inexpressible_config_names_the_field(model_type, overrides, message):
         convert.moe_config(config)
 
 
+def test_non_float_tensor_is_refused_not_cast():
+    sd, config = _mixtral_sd()
+    sd["gate.weight"] = sd["gate.weight"].astype(np.int32)
+    with pytest.raises(TypeError, match=r"tensor 'gate.weight' has dtype int32; MoE weights are floating point"):
+        convert.from_state_dict(sd, config)
+
+
 def test_layer_kwargs_cannot_override_the_config():
     sd, config = _mixtral_sd()
     with pytest.raises(TypeError, match="top_k: set by the HF config"):
@@ -393,5 +419,9 @@ def test_from_checkpoint_errors(tmp_path):
     config.save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"layers \[0\] .* are not MoE layers; its MoE layers are \[1, 2\]"):
         convert.from_checkpoint(tmp_path, layers=[0])
+    with pytest.raises(TypeError, match=r"layers must be an iterable of decoder layer indices \(e.g. layers=\[1\]"):
+        convert.from_checkpoint(tmp_path, layers=1)
+    with pytest.raises(TypeError, match=r"layers\[1\] must be an int >= 0; got str '2'"):
+        convert.from_checkpoint(tmp_path, layers=[1, "2"])
     with pytest.raises(FileNotFoundError, match="neither model.safetensors.index.json nor model.safetensors"):
         convert.from_checkpoint(tmp_path)

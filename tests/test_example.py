@@ -172,6 +172,18 @@ def test_help_lists_every_option(capsys):
         assert option in text
 
 
+def test_missing_matplotlib_stops_the_run_before_training(tmp_path, monkeypatch):
+    """The figure needs matplotlib (the examples extra): without it the run stops before the first
+    step with the fix (it used to fail after training); --no-plot trains without it."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit, match=r"needs matplotlib.*pip install -e '.\[examples\]'.*--no-plot"):
+        cli.main(TINY + ["--steps", "1", "--out", str(out)])
+    assert not (out / "metrics.json").exists() and not (out / "checkpoints").exists()
+    cli.main(TINY + ["--steps", "1", "--out", str(out), "--no-plot"])
+    assert len(_metrics(out)["history"]) == 1 and not (out / "train_moe.png").exists()
+
+
 def test_small_corpus_is_rejected_with_the_fix(tmp_path):
     corpus = tmp_path / "tiny.txt"
     corpus.write_text("too short")

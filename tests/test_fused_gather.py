@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moe_jax import MoE
+from moe_jax import GemmOptions, MoE
 from moe_jax.ops import AUTO_FUSED_GATHER, RowGather, TileConfig, gather_rows, gmm, gmm_reference, grouped_linear, tgmm
 from moe_jax.permute import pack, pack_rows, packed_row_source
 from moe_jax.testing import assert_close
@@ -144,8 +144,8 @@ def test_layer_row_gather_fused_equals_separate(fused_gate_up):
     x = jax.random.normal(jax.random.PRNGKey(6), (2, 6, d), jnp.float32)
 
     def run(row_gather):
-        model = MoE(d, f, e, k, backend="pallas_triton", fused_gate_up=fused_gate_up, row_gather=row_gather,
-                    rngs=nnx.Rngs(7))
+        gemm = GemmOptions(backend="pallas_triton", row_gather=row_gather, fused_gate_up=fused_gate_up)
+        model = MoE(d, f, e, k, gemm=gemm, rngs=nnx.Rngs(7))
 
         @nnx.jit
         def step(model, x):
@@ -184,5 +184,5 @@ def test_bad_row_gather_input_names_the_argument():
         grouped_linear(x, w, gs, rows=(jnp.zeros((5,), jnp.int32), jnp.zeros((6, 1), jnp.int32)))
     with pytest.raises(ValueError, match=r"rows.readers_TK must be \[T, K\] with T = x.shape\[0\] = 6"):
         grouped_linear(x, w, gs, rows=RowGather(jnp.zeros((5,), jnp.int32), jnp.zeros((5, 1), jnp.int32)))
-    with pytest.raises(ValueError, match="row_gather='packed'"):
-        MoE(8, 4, 2, 1, row_gather="packed", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="GemmOptions.row_gather='packed'"):
+        GemmOptions(row_gather="packed")

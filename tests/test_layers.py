@@ -8,6 +8,7 @@ K top-k, L latent width.
 """
 
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +19,7 @@ from flax import nnx
 from moe_jax import routing as R
 from moe_jax.dense_reference import LatentWeights, SwiGLUWeights, moe_reference, router_reference
 from moe_jax.experts import split_gate_up
-from moe_jax.layers import MoE, MoEStats, SelectionBias
+from moe_jax.layers import EPOptions, GemmOptions, MoE, MoEStats, SelectionBias, SharedExperts
 from moe_jax.ops import CANDIDATES, candidate_index, gmm_config, select, selector_table
 from moe_jax.parallel import make_mesh
 from moe_jax.testing import assert_close, rel_err, tolerance
@@ -114,8 +115,11 @@ def inputs(seed=0, shape=(B, S, D)):
     return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32)
 
 
+XLA = GemmOptions(backend="xla")
+
+
 def make(**kw):
-    kw.setdefault("backend", "xla")
+    kw.setdefault("gemm", XLA)
     return MoE(D, F, E, K, rngs=nnx.Rngs(kw.pop("seed", 0)), **kw)
 
 
@@ -125,7 +129,7 @@ def make(**kw):
 def test_full_layer_matches_reference_with_stats():
     """Default router, shared experts, LatentMoE, [B, S, D] input with a mask: output, every
     gradient, and every statistic."""
-    m = make(num_shared_experts=2, shared_d_ff=5, latent_dim=L)
+    m = make(shared_experts=SharedExperts(2, d_ff=5), latent_dim=L)
     x = inputs(1)
     mask = jnp.arange(B * S).reshape(B, S) % 5 != 3
     _, stats = assert_matches_reference(m, x, mask=mask)
@@ -161,8 +165,8 @@ def test_full_layer_matches_reference_with_stats():
     "router, extra",
     [
         (R.SelectedSoftmax(K), {}),
-        (R.SoftmaxTopK(K), {"fused_gate_up": True}),
-        (R.SigmoidGroupedTopK(K, n_group=4, topk_group=2, routed_scaling_factor=2.5), {"num_shared_experts": 1}),
+        (R.SoftmaxTopK(K), {"gemm": GemmOptions(backend="xla", fused_gate_up=True)}),
+        (R.SigmoidGroupedTopK(K, n_group=4, topk_group=2, routed_scaling_factor=2.5), {"shared_experts": SharedExperts(1)}),
     ],
     ids=["selected_softmax", "softmax_topk_fused", "sigmoid_grouped_shared"],
 )
@@ -188,7 +192,7 @@ def test_injected_routing_reaches_weights():
     np.testing.assert_array_equal(stats.counts_E, np.bincount(idx.reshape(-1), minlength=E))
 
 
-@pytest.mark.parametrize("extra", [{}, {"num_shared_experts": 1}, {"num_shared_experts": 1, "shared_expert_gate": True}],
+@pytest.mark.parametrize("extra", [{}, {"shared_experts": SharedExperts(1)}, {"shared_experts": SharedExperts(1, gate=True)}],
                          ids=["routed", "shared", "gated_shared"])
 def test_masked_tokens_change_nothing(extra):
     """Padding tokens holding NaN or other values: real tokens' outputs, every gradient (shared
@@ -214,11 +218,11 @@ def test_masked_tokens_change_nothing(extra):
 @pytest.mark.parametrize(
     "extra, tol",
     [
-        ({"num_shared_experts": 1}, 1e-2),
+        ({"shared_experts": SharedExperts(1)}, 1e-2),
         # LatentMoE puts two more bf16 roundings in series with the experts' (the narrow
         # projection and its cotangent), which takes single gradients to ~1.0-1.4e-2 against
         # fp32 over seeds; the bound allows for that chain rather than a tuned seed.
-        ({"num_shared_experts": 1, "latent_dim": L}, 2e-2),
+        ({"shared_experts": SharedExperts(1), "latent_dim": L}, 2e-2),
     ],
     ids=["shared", "shared_latent"],
 )
@@ -230,7 +234,7 @@ def test_bf16_compute_with_fp32_params(extra, tol):
 
 def test_gated_shared_expert_matches_reference():
     """Qwen2-MoE's shared expert: its output scaled per token by sigmoid(x W_sg^T)."""
-    m = make(num_shared_experts=1, shared_d_ff=7, shared_expert_gate=True, seed=21)
+    m = make(shared_experts=SharedExperts(1, d_ff=7, gate=True), seed=21)
     assert m.w_shared_gate[...].shape == (1, D)
     mask = jnp.asarray(np.random.default_rng(21).random((B, S)) < 0.7)
     assert_matches_reference(m, inputs(21), mask=mask, seed=21)
@@ -254,7 +258,8 @@ def test_pallas_backend_matches_reference(gemm_kernel):
     """The layer on the Pallas kernels (interpreted on CPU), small shape; its executed rows are
     the running candidate's (the shape table's, or the selector's pick): every expert's rows
     rounded up to its tile height, and `kernel_counts_C` names it."""
-    m = MoE(D, F, 4, K, backend="pallas_triton", fused_gate_up=True, gemm_kernel=gemm_kernel, rngs=nnx.Rngs(10))
+    m = MoE(D, F, 4, K, gemm=GemmOptions(backend="pallas_triton", kernel=gemm_kernel, fused_gate_up=True),
+            rngs=nnx.Rngs(10))
     _, stats = assert_matches_reference(m, inputs(10, (4, D)), seed=10)
     if gemm_kernel == "static":
         config = gmm_config(4 * K, 2 * F, D, 4)
@@ -278,7 +283,7 @@ def test_triton_backend_matches_reference(fused_gate_up):
     telemetry counts the rows of its tiles and names no Pallas candidate."""
     from moe_jax.ops.gmm.triton import gmm_tiles
 
-    m = MoE(D, F, 4, K, backend="triton", fused_gate_up=fused_gate_up, rngs=nnx.Rngs(10))
+    m = MoE(D, F, 4, K, gemm=GemmOptions(backend="triton", fused_gate_up=fused_gate_up), rngs=nnx.Rngs(10))
     _, stats = assert_matches_reference(m, inputs(10, (4, D)), seed=10)
     block_m = gmm_tiles(4 * K, 2 * F if fused_gate_up else F, D, 4).block_m
     assert int(stats.executed_rows) == sum(math.ceil(c / block_m) * block_m for c in np.asarray(stats.counts_E))
@@ -288,7 +293,7 @@ def test_triton_backend_matches_reference(fused_gate_up):
 def test_fused_layer_holds_separate_weights():
     """Same seed: the fused layer's w_gate_up is [w_gate; w_up] of the separate layer, so the two
     compute the same function (fused == separate is checked in tests/test_experts.py)."""
-    sep, fused = make(seed=11), make(seed=11, fused_gate_up=True)
+    sep, fused = make(seed=11), make(seed=11, gemm=GemmOptions(backend="xla", fused_gate_up=True))
     np.testing.assert_array_equal(fused.w_gate_up[...], jnp.concatenate([sep.w_gate[...], sep.w_up[...]], axis=1))
     np.testing.assert_array_equal(fused.w_down[...], sep.w_down[...])
 
@@ -307,7 +312,7 @@ def test_token_major_and_batched_inputs_agree():
 
 
 def test_params_layout_init_and_dtypes():
-    m = make(num_shared_experts=2, latent_dim=L, param_dtype=jnp.bfloat16)
+    m = make(shared_experts=SharedExperts(2), latent_dim=L, param_dtype=jnp.bfloat16)
     shapes = {path: v.shape for path, v in flat_params(m).items()}
     assert shapes == {
         ("w_router",): (E, D),
@@ -338,7 +343,7 @@ def test_dtype_defaults_to_input_dtype():
 
 
 def test_zero_tokens():
-    m = make(num_shared_experts=1, seed=16)
+    m = make(shared_experts=SharedExperts(1), seed=16)
     grad_fn = nnx.jit(nnx.grad(lambda m, x: jnp.sum(m(x)[0])))
     for shape in ((0, S, D), (B, 0, D)):
         y, stats = nnx.jit(lambda m, x: m(x))(m, jnp.ones(shape))
@@ -372,7 +377,7 @@ def test_scanned_two_layer_stack():
     @nnx.split_rngs(splits=2)
     @nnx.vmap(in_axes=0, out_axes=0)
     def create(rngs):
-        return MoE(D, F, E, K, backend="xla", rngs=rngs)
+        return MoE(D, F, E, K, gemm=XLA, rngs=rngs)
 
     stack = create(nnx.Rngs(15))
     x = inputs(15)
@@ -415,21 +420,19 @@ def test_scanned_two_layer_stack():
         (dict(d_ff=-1), ValueError, "d_ff"),
         (dict(num_experts=0), ValueError, "num_experts"),
         (dict(latent_dim=0), ValueError, "latent_dim"),
-        (dict(num_shared_experts=-1), ValueError, "num_shared_experts"),
-        (dict(num_shared_experts=1, shared_d_ff=0), ValueError, "shared_d_ff"),
-        (dict(shared_d_ff=4), ValueError, "num_shared_experts=0"),
-        (dict(shared_expert_gate=True), ValueError, "shared_expert_gate=True gates the shared experts"),
-        (dict(num_shared_experts=1, shared_expert_gate=1), TypeError, "shared_expert_gate must be a bool"),
+        (dict(shared_experts=2), TypeError, r"shared_experts must be None or a moe_jax.layers.SharedExperts"),
         (dict(router=R.SoftmaxTopK(3)), ValueError, "router.top_k=3 differs from top_k=2"),
         (dict(router="softmax"), TypeError, "router"),
         (dict(router=R.SigmoidGroupedTopK(2, n_group=3, topk_group=1)), ValueError, "n_group=3 does not divide"),
-        (dict(backend="cuda"), ValueError, "backend"),
-        (dict(ep_strategy="dense"), ValueError, "ep_strategy"),
-        (dict(capacity_factor=0.0), ValueError, "capacity_factor"),
+        (dict(gemm="xla"), TypeError, r"gemm must be a moe_jax.layers.GemmOptions \(e.g. gemm=GemmOptions"),
+        (dict(expert_parallel=dict(capacity_factor=1.25)), TypeError, "expert_parallel must be a moe_jax.parallel.EPOptions"),
+        # The older spellings are gone: one option group each.
+        (dict(backend="xla"), TypeError, "unexpected keyword argument 'backend'"),
+        (dict(ep_strategy="padded"), TypeError, "unexpected keyword argument 'ep_strategy'"),
+        (dict(capacity_factor=1.25), TypeError, "unexpected keyword argument 'capacity_factor'"),
         (dict(dtype=jnp.int32), TypeError, "dtype"),
         (dict(dtype=jnp.float8_e4m3fn), TypeError, "dtype=float8_e4m3fn is not supported; use bfloat16, float16"),
         (dict(top_k=2.0), TypeError, "top_k must be a positive int"),
-        (dict(capacity_factor="1.25"), TypeError, "capacity_factor must be a number"),
         (dict(num_experts=6, mesh="ep4"), TypeError, "mesh"),
     ],
 )
@@ -444,20 +447,48 @@ def test_bad_configs_raise(kwargs, error, match):
 def test_pallas_backend_on_cpu_mesh_raises():
     mesh = make_mesh(ep=2, data=1, devices=jax.devices("cpu")[:2])
     with pytest.raises(ValueError, match="interpret mode inside shard_map"):
-        MoE(D, F, E, K, mesh=mesh, backend="pallas_triton", rngs=nnx.Rngs(0))
+        MoE(D, F, E, K, mesh=mesh, gemm=GemmOptions(backend="pallas_triton"), rngs=nnx.Rngs(0))
 
 
 def test_ragged_strategy_on_a_cpu_mesh_raises_at_construction():
     mesh = make_mesh(ep=2, data=1, devices=jax.devices("cpu")[:2])
-    with pytest.raises(ValueError, match="ep_strategy='ragged' needs GPUs"):
-        MoE(D, F, E, K, mesh=mesh, ep_strategy="ragged", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"expert_parallel=EPOptions\(strategy='ragged'\) needs GPUs"):
+        MoE(D, F, E, K, mesh=mesh, expert_parallel=EPOptions(strategy="ragged"), rngs=nnx.Rngs(0))
 
 
 def test_numpy_scalars_configure_the_layer():
     mesh = make_mesh(ep=2, data=1, devices=jax.devices("cpu")[:2])
-    m = MoE(np.int64(D), np.int32(F), np.int64(E), np.int64(K), num_shared_experts=np.int64(1),
-            capacity_factor=np.float32(1.25), mesh=mesh, rngs=nnx.Rngs(0))
-    assert (m.d_model, m.num_experts, m.capacity_factor) == (D, E, 1.25) and type(m.top_k) is int
+    m = MoE(np.int64(D), np.int32(F), np.int64(E), np.int64(K), shared_experts=SharedExperts(np.int64(1)),
+            expert_parallel=EPOptions(capacity_factor=np.float32(1.25)), mesh=mesh, rngs=nnx.Rngs(0))
+    assert (m.d_model, m.num_experts, m.expert_parallel.capacity_factor) == (D, E, 1.25) and type(m.top_k) is int
+    assert type(m.shared_experts.count) is int
+
+
+@pytest.mark.parametrize(
+    "build, error, match",
+    [
+        (lambda: GemmOptions(backend="cuda"), ValueError, "backend='cuda' is not a moe_jax backend"),
+        (lambda: GemmOptions(backend={("gmm_nn", "prefill"): ("xla",)}), TypeError,
+         r"plain mapping; wrap a per-kernel table as moe_jax.ops.BackendTable.of"),
+        (lambda: GemmOptions(backend=3), TypeError, "GemmOptions.backend must be a backend name or a"),
+        (lambda: GemmOptions(kernel="fast"), ValueError, r"GemmOptions.kernel='fast': use one of \('auto', 'static'\)"),
+        (lambda: GemmOptions(row_gather="packed"), ValueError, "GemmOptions.row_gather='packed'"),
+        (lambda: GemmOptions(precision="highest"), TypeError, "GemmOptions.precision='highest': use None or a "
+                                                              "jax.lax.Precision"),
+        (lambda: GemmOptions(fused_gate_up=1), TypeError, "GemmOptions.fused_gate_up must be a bool"),
+        (lambda: SharedExperts(0), ValueError, "takes shared_experts=None"),
+        (lambda: SharedExperts(-1), ValueError, "SharedExperts.count must be a positive int"),
+        (lambda: SharedExperts(1.0), TypeError, "SharedExperts.count must be a positive int"),
+        (lambda: SharedExperts(1, d_ff=0), ValueError, "SharedExperts.d_ff must be a positive int"),
+        (lambda: SharedExperts(1, gate=1), TypeError, "SharedExperts.gate must be a bool"),
+        (lambda: EPOptions(strategy="dense"), ValueError, "strategy"),
+        (lambda: EPOptions(capacity_factor=0.0), ValueError, "capacity_factor"),
+        (lambda: EPOptions(capacity_factor="1.25"), TypeError, "capacity_factor must be a number"),
+    ],
+)
+def test_bad_option_groups_name_the_field(build, error, match):
+    with pytest.raises(error, match=match):
+        build()
 
 
 def test_layer_under_vmap_equals_per_element_calls():
@@ -493,6 +524,14 @@ def test_experts_not_divisible_by_ep_raises():
             ),
             "expert_idx_TK",
         ),
+        (
+            lambda m: m(
+                jnp.zeros((4, D)),
+                routing=R.Routing(jnp.asarray([[0, 1], [2, E], [3, 4], [-1, 5]], jnp.int32), jnp.ones((4, K)),
+                                  jnp.zeros((4, E))),
+            ),
+            r"routing.expert_idx_TK holds 2 expert id\(s\) outside \[0, num_experts=8\), first at \[1, 1\] = 8",
+        ),
     ],
 )
 def test_bad_call_arguments_raise(call, match):
@@ -507,9 +546,74 @@ def test_bad_call_arguments_raise(call, match):
         (lambda m: m(jnp.zeros((4, D), jnp.float8_e4m3fn)), r"x.dtype \(the compute dtype when dtype=None\)=float8_e4m3fn is not supported"),
         (lambda m: m(jnp.zeros((2, 3, D)), mask=jnp.ones((2, 3), jnp.int32)), "mask must be a bool array"),
         (lambda m: m(jnp.zeros((2, 3, D)), return_routing=1), "return_routing must be a bool"),
+        (lambda m: m(np.zeros((2, 3, D)).tolist()), "x must be a JAX or NumPy array .* got list. Convert it first"),
+        (lambda m: m(jnp.zeros((2, 3, D)), mask=[[True] * 3] * 2), "mask must be a bool JAX or NumPy array"),
+        (lambda m: m(jnp.zeros((4, D)), routing=(jnp.zeros((4, K), jnp.int32), jnp.zeros((4, K)), jnp.zeros((4, E)))),
+         r"routing must be a moe_jax.routing.Routing\(expert_idx_TK, weights_TK, probs_TE\); got tuple"),
+        (lambda m: m(jnp.zeros((4, D)), routing=R.Routing(jnp.zeros((4, K)), jnp.zeros((4, K)), jnp.zeros((4, E)))),
+         "routing.expert_idx_TK must hold integer expert ids"),
+        (lambda m: m.update_selection_bias(jnp.ones(E, jnp.int32), None),
+         "step_size must be a number >= 0 .* got NoneType None"),
+        (lambda m: m.update_selection_bias(jnp.ones(E, jnp.int32), "0.1"), "step_size must be a number >= 0 .* got str"),
+        (lambda m: m.update_selection_bias(jnp.ones(E, jnp.int32), jnp.ones(2)), "step_size must be a number >= 0 or a "
+                                                                                 "float scalar array"),
     ],
 )
 def test_bad_call_types_raise(call, match):
     with pytest.raises(TypeError, match=match):
         call(make())
+
+
+def test_selection_bias_step_size_values():
+    """Numbers and float scalar arrays (a schedule's value, traced too) are step sizes; negatives
+    and NaN are not."""
+    m = make(seed=24)
+    counts = jnp.arange(E, dtype=jnp.int32)
+    want = R.update_selection_bias(jnp.zeros(E), counts, 0.5)
+    m.update_selection_bias(counts, np.float32(0.5))
+    np.testing.assert_array_equal(m.selection_bias[...], want)
+    step = nnx.jit(lambda m, c, s: m.update_selection_bias(c, s))
+    step(m, counts, jnp.float32(0.5))
+    np.testing.assert_array_equal(m.selection_bias[...], 2 * want)
+    for bad in (-0.1, float("nan")):
+        with pytest.raises(ValueError, match="step_size=.* must be a finite number >= 0"):
+            m.update_selection_bias(counts, bad)
+
+
+def test_call_arguments_are_checked_before_any_compute():
+    """A bad return_routing or routing is reported as such, not as whatever the forward would have
+    hit first (here: 12 tokens that cannot be split over the mesh's 8 devices)."""
+    m = make(mesh=make_mesh(ep=2, data=4, devices=jax.devices("cpu")[:8]))
+    x = jnp.zeros((12, D))
+    with pytest.raises(ValueError, match="12 tokens cannot be split"):
+        m(x)
+    with pytest.raises(TypeError, match="return_routing must be a bool"):
+        m(x, return_routing="yes")
+    with pytest.raises(TypeError, match="routing must be a moe_jax.routing.Routing"):
+        m(x, routing=(jnp.zeros((12, K), jnp.int32), jnp.zeros((12, K)), jnp.zeros((12, E))))
+
+
+def test_numpy_float64_input_is_read_as_jax_reads_it():
+    """With x64 off JAX reads a NumPy float64 array as float32; so does the layer (it refused it)."""
+    m = make(seed=25)
+    x = np.asarray(inputs(25), np.float64)
+    y, stats = m(x)
+    y32, stats32 = m(jnp.asarray(x))
+    assert y.dtype == jnp.float32
+    np.testing.assert_array_equal(y, y32)
+    np.testing.assert_array_equal(stats.counts_E, stats32.counts_E)
+
+
+def test_capacity_factor_without_expert_parallelism_warns():
+    """A capacity factor only caps the EP exchange: on a layer that cannot split experts it would be
+    ignored, so the layer says so (and stays quiet where the mesh splits experts)."""
+    capped = EPOptions(capacity_factor=1.25)
+    with pytest.warns(UserWarning, match=r"EPOptions\(capacity_factor=1.25\) has no effect"):
+        make(expert_parallel=capped)
+    with pytest.warns(UserWarning, match="no expert axis of size > 1"):
+        make(expert_parallel=capped, mesh=make_mesh(ep=1, data=2, devices=jax.devices("cpu")[:2]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make(expert_parallel=capped, mesh=make_mesh(ep=2, data=1, devices=jax.devices("cpu")[:2]))
+        make(expert_parallel=EPOptions())
 

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from moe_jax.layers import MoE
+from moe_jax.layers import GemmOptions, MoE, SharedExperts
 from moe_jax.parallel import AxisRules, EPOptions, make_mesh
 from moe_jax.testing import assert_close
 
@@ -28,8 +28,9 @@ def _on_host():
         yield
 
 
-def _layer(**kw):
-    return MoE(D, F, E, K, num_shared_experts=1, shared_d_ff=5, backend="xla", rngs=nnx.Rngs(0), **kw)
+def _layer(row_gather="auto", **kw):
+    return MoE(D, F, E, K, shared_experts=SharedExperts(1, d_ff=5), gemm=GemmOptions(backend="xla", row_gather=row_gather),
+               rngs=nnx.Rngs(0), **kw)
 
 
 def _inputs():
@@ -150,6 +151,91 @@ def test_no_mesh_layer_on_batch_sharded_explicit_input():
         x, mask, cot = (jax.device_put(a, sharded) for a in (x, mask, cot))
         y, *_ = _assert_matches_single_device(m, x, mask, cot, "no-mesh explicit")
         assert jax.typeof(y).sharding.spec == PartitionSpec("batch", None, None)
+
+
+def _single_device_run(x, mask, cot):
+    """REFERENCE's `_run` on other inputs (one device, no mesh)."""
+    with jax.default_device(HOST[0]):
+        return _run(REFERENCE, x, mask, cot)
+
+
+def _assert_same_run(got, want, what):
+    for name, a, b in (("y", got[0], want[0]), ("dx", got[3], want[3])):
+        assert_close(a, b, jnp.float32, f"{what} {name}")
+    assert got[2].keys() == want[2].keys()
+    for path in want[2]:
+        assert_close(got[2][path], want[2][path], jnp.float32, f"{what} d{'.'.join(map(str, path))}")
+    np.testing.assert_array_equal(got[1].counts_E, want[1].counts_E)
+    for name in ("aux_loss", "seq_aux_loss", "z_loss"):
+        np.testing.assert_allclose(getattr(got[1], name), getattr(want[1], name), rtol=1e-5, err_msg=name)
+
+
+def _odd_inputs(b, s, seed):
+    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+    x = jax.random.normal(k1, (b, s, D), jnp.float32)
+    mask = (jnp.arange(b * s).reshape(b, s) * 3) % 7 != 0
+    cot = jnp.where(mask[..., None], jax.random.normal(k2, (b, s, D), jnp.float32), 0.0)
+    return x, mask, cot
+
+
+@pytest.mark.parametrize(
+    "ep, data, b, s, spec",
+    [
+        (2, 4, 2, 32, PartitionSpec()),
+        (2, 4, 6, 4, PartitionSpec()),
+        (1, 8, 4, 16, PartitionSpec()),
+        (2, 4, 2, 32, PartitionSpec(None, ("data", "ep"))),
+        (2, 4, 6, 4, PartitionSpec("ep")),
+    ],
+    ids=["ep2-B2", "ep2-B6", "data8-B4", "ep2-B2-sequence-sharded", "ep2-B6-batch-over-ep"],
+)
+def test_explicit_make_mesh_with_batches_the_token_split_does_not_fit(ep, data, b, s, spec):
+    """An Explicit make_mesh layer on batches whose B*S tokens split over the 8 devices but whose
+    batch does not (B = 2, 6 at ep = 2; B = 4 data parallel over 8): outputs and every gradient of
+    the single-device layer, and y laid out as x (these failed in the final reshape)."""
+    mesh = make_mesh(ep=ep, data=data, devices=HOST[:8], axis_type=EXPLICIT)
+    m = _like_reference(mesh=mesh)
+    x, mask, cot = _odd_inputs(b, s, 10 * b + ep)
+    want = _single_device_run(x, mask, cot)
+    with jax.set_mesh(mesh):
+        x, mask, cot = (jax.device_put(a, NamedSharding(mesh, spec)) for a in (x, mask, cot))
+        got = _run(m, x, mask, cot)
+    _assert_same_run(got, want, f"B={b} ep={ep}")
+    assert jax.typeof(got[0]).sharding.spec == jax.typeof(x).sharding.spec
+    assert jax.typeof(got[3]).sharding.spec == jax.typeof(x).sharding.spec
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [PartitionSpec(None, "b"), PartitionSpec("a", "b"), PartitionSpec(None, None, "b"), PartitionSpec("a", None, "b")],
+    ids=["sequence", "batch-and-sequence", "width", "batch-and-width"],
+)
+def test_no_mesh_layer_on_sequence_or_width_sharded_explicit_input(spec):
+    """A layer without a mesh under an ambient Explicit mesh, on input sharded over the sequence or
+    the width (it crashed in internal reshapes): data parallel over the token axes, the width
+    gathered, y in x's sharding; values and gradients of the single-device layer."""
+    mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(EXPLICIT,) * 2, devices=HOST[:8])
+    m = _like_reference()
+    x, mask, cot = _inputs()
+    with jax.set_mesh(mesh):
+        sharded = tuple(jax.device_put(a, NamedSharding(mesh, PartitionSpec(*spec[:a.ndim]))) for a in (x, mask, cot))
+        y, *_ = _assert_matches_single_device(m, *sharded, f"no mesh, {spec}")
+    assert jax.typeof(y).sharding.spec == PartitionSpec(*spec, *(None,) * (3 - len(spec)))
+
+
+def test_explicit_mesh_layer_outside_set_mesh():
+    """A layer holding an Explicit mesh enters it itself (eagerly and under jit: it had to be called
+    under jax.set_mesh); under another ambient mesh it says which to use."""
+    mesh = make_mesh(ep=2, data=4, devices=HOST[:8], axis_type=EXPLICIT)
+    m = _like_reference(mesh=mesh)
+    x, mask, cot = _inputs()
+    _assert_matches_single_device(m, x, mask, cot, "explicit mesh, no set_mesh, jit")
+    y, stats = m(x, mask=mask)
+    assert_close(y, WANT[0], jnp.float32, "explicit mesh, no set_mesh, eager")
+    other = jax.make_mesh((8,), ("batch",), axis_types=(EXPLICIT,), devices=HOST[:8])
+    with jax.set_mesh(other), pytest.raises(ValueError, match=r"built on the mesh .* called under jax.set_mesh of "
+                                                              r"another one .* jax.set_mesh\(layer.mesh\)"):
+        m(x, mask=mask)
 
 
 def test_inside_a_users_shard_map():

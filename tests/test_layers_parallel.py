@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from moe_jax import routing as R
-from moe_jax.layers import MoE
+from moe_jax.layers import GemmOptions, MoE, SharedExperts
 from moe_jax.parallel import EPOptions, capacity_for, make_mesh
 from moe_jax.testing import assert_close
 from tests.helpers import poisoned_ragged
@@ -43,10 +43,11 @@ def _mesh(ep, data):
     return make_mesh(ep=ep, data=data, devices=_DEVICES[: ep * data])
 
 
-def _layer(mesh=None, **kw):
+def _layer(mesh=None, *, row_gather="auto", capacity_factor=None):
     return MoE(
-        D, F, E, K, num_shared_experts=1, shared_d_ff=5, latent_dim=L, backend="xla", mesh=mesh,
-        rngs=nnx.Rngs(0), **kw,
+        D, F, E, K, shared_experts=SharedExperts(1, d_ff=5), latent_dim=L,
+        gemm=GemmOptions(backend="xla", row_gather=row_gather), mesh=mesh,
+        expert_parallel=EPOptions(capacity_factor=capacity_factor), rngs=nnx.Rngs(0),
     )
 
 
@@ -144,6 +145,29 @@ def test_hot_experts_and_a_rank_without_real_tokens():
     np.testing.assert_array_equal(got[1].counts_E, np.eye(E, dtype=np.int32)[[3, 1]].sum(0) * int(mask.sum()))
 
 
+def test_out_of_range_injected_ids_count_alike_on_one_device_and_on_meshes():
+    """Traced expert ids outside [0, E) (concrete ones are refused, tests/test_layers.py): their
+    routes reach no expert and count in `dropped`, in no `counts_E` or `dropped_E` slot, the same
+    on one device, data parallel and under dropless EP (one device counted none, EP counted them
+    in `dropped` only); a masked token's invalid id counts nowhere."""
+    idx = np.array(_injected(7, lambda t, rng: rng.choice(E, K, replace=False)).expert_idx_TK)
+    idx[0, 1], idx[5, 0], idx[9, 1] = E, -1, E + 3
+    routing = _injected(7, lambda t, rng: [0, 1])._replace(expert_idx_TK=jnp.asarray(idx))
+    mask = jnp.ones(N, bool).at[9].set(False).reshape(B, S)
+    x, cot = _inputs(7)
+    cot = jnp.where(mask[..., None], cot, 0.0)
+    want = module_value_and_grads(_layer(), x, cot, mask=mask, routing=routing)
+    valid = (idx >= 0) & (idx < E) & np.asarray(mask).reshape(N, 1)
+    for mesh in (None, _mesh(1, 4), _mesh(2, 2)):
+        got = want if mesh is None else module_value_and_grads(_layer(mesh), x, cot, mask=mask, routing=routing)
+        stats = got[1]
+        assert int(stats.dropped) == 2, mesh
+        np.testing.assert_array_equal(stats.counts_E, np.bincount(idx[valid], minlength=E))
+        assert int(stats.counts_E.sum()) == N * K - 4 and not np.any(stats.dropped_E)
+        assert np.all(np.asarray(got[4])[~valid] == 0.0)  # no expert: no weight gradient
+        _assert_same(got, want)
+
+
 def _kept_routes(idx, mask, ep, data, capacity):
     """numpy model of the capacity rule: per source device, per destination rank, the first C
     real routes in (token, slot) order are kept."""
@@ -230,7 +254,8 @@ def _stack(mesh):
     @nnx.vmap(in_axes=0, out_axes=0)
     def create(rngs):
         return MoE(
-            D, F, E, K, num_shared_experts=1, shared_d_ff=5, latent_dim=L, backend="xla", mesh=mesh, rngs=rngs
+            D, F, E, K, shared_experts=SharedExperts(1, d_ff=5), latent_dim=L, gemm=GemmOptions(backend="xla"),
+            mesh=mesh, rngs=rngs
         )
 
     return create(nnx.Rngs(21))

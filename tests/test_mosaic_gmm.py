@@ -174,19 +174,21 @@ def test_layer_telemetry_counts_the_mosaic_tiles():
 
 
 def test_layer_with_a_backend_table_lowers_for_h200():
-    """`MoE(backend=BackendTable)`: lowered for an H200, forward and every gradient run the table's
-    choice per kernel: the input gradients on Mosaic GPU, the forward on Pallas Triton and the
-    weight gradients as `auto` runs them (`triton` where jax_triton imports, else Pallas Triton)."""
+    """`MoE(gemm=GemmOptions(backend=BackendTable))`: lowered for an H200, forward and every
+    gradient run the table's choice per kernel: the input gradients on Mosaic GPU, the forward on
+    Pallas Triton and the weight gradients as `auto` runs them (`triton` where jax_triton imports,
+    else Pallas Triton)."""
     import re
 
     from flax import nnx
 
-    from moe_jax.layers import MoE
+    from moe_jax.layers import GemmOptions, MoE
     from moe_jax.ops import H200_BACKENDS
     from moe_jax.ops.gmm.triton import have_jax_triton
 
     def lowered(backend):
-        layer = MoE(256, 256, 4, 2, backend=backend, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        layer = MoE(256, 256, 4, 2, gemm=GemmOptions(backend=backend), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                    rngs=nnx.Rngs(0))
         graph, state = nnx.split(layer)
 
         def grads(state, x):

@@ -390,6 +390,12 @@ def test_cli_ranks_and_capacity(capsys):
     assert "75.00%" in cap_lines[0]
 
 
+def test_cli_empty_ranks_counted_when_asked_for(capsys):
+    main(["100,32", "--tiles", "16", "--expert-ranks", "0,5", "--ranks", "6"])
+    out = capsys.readouterr().out
+    assert "ranks R = 6 (given placement); useful rows per rank: 100,0,0,0,0,32" in out
+
+
 def test_cli_custom_placement_and_space_separated(capsys):
     main(["100", "32", "16,16", "--tiles", "16", "--expert-ranks", "0,1,1,0"])
     rows = _table_rows(capsys.readouterr().out)
@@ -408,6 +414,8 @@ def test_cli_custom_placement_and_space_separated(capsys):
         (["17,17", "--tiles", "8,a"], "tile list"),
         (["17,17,17", "--ranks", "2"], "--ranks 2 must divide"),
         (["17,17", "--expert-ranks", "0"], "--expert-ranks"),
+        # Read as 6 ranks, four of them empty, it was accepted; the rank count must be asked for.
+        (["17,17", "--expert-ranks", "0,5"], "rank(s) 1,2,3,4 own no expert; pass --ranks 6"),
         (["17,17", "--capacity", "0"], "--capacity"),
         (["99999999999999999999999"], "does not fit in int32"),  # was an OverflowError traceback
         ([], "COUNTS"),

@@ -519,6 +519,23 @@ def test_bad_arguments_to_statistics():
         update_selection_bias(jnp.zeros(4), jnp.zeros(5), 0.1)
 
 
+@pytest.mark.parametrize(
+    "step_size, error, match",
+    [
+        (None, TypeError, r"step_size must be a number >= 0 \(e.g. 1e-3\) or a float scalar array; got NoneType None"),
+        ("0.1", TypeError, "step_size must be a number >= 0 .* got str '0.1'"),  # was read as 0.1
+        (True, TypeError, "got bool True"),
+        (jnp.ones(4), TypeError, r"got an array of shape \(4,\) and dtype float32"),
+        (jnp.int32(1), TypeError, "dtype int32"),
+        (-0.1, ValueError, "step_size=-0.1 must be a finite number >= 0"),
+        (float("inf"), ValueError, "must be a finite number >= 0"),
+    ],
+)
+def test_update_selection_bias_names_a_bad_step_size(step_size, error, match):
+    with pytest.raises(error, match=match):
+        update_selection_bias(jnp.zeros(4), jnp.arange(4), step_size)
+
+
 # ------------------------------------------------------------------------------------------------
 # jit.
 

@@ -20,7 +20,7 @@ from moe_jax.parallel import STRATEGIES as EP_STRATEGIES
 from .checkpoints import Checkpoints
 from .data import default_corpus_files, load_corpus, split_corpus
 from .model import BACKENDS, DTYPES, ROUTERS
-from .plots import plot_metrics
+from .plots import plot_metrics, require_matplotlib
 from .runtime import build_mesh, init_runtime
 from .steps import BALANCE_METHODS
 from .train import train
@@ -68,8 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="train_moe.py",
         description="Train a byte-level MoE transformer (moe_jax MoE FFNs, optax AdamW).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        epilog="Writes OUT/metrics.json, OUT/train_moe.png, OUT/config.json and orbax checkpoints in "
-        "OUT/checkpoints/.",
+        epilog="Writes OUT/metrics.json, OUT/train_moe.png (unless --no-plot), OUT/config.json and orbax "
+        "checkpoints in OUT/checkpoints/.",
     )
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=_positive_int, default=300, help="total optimizer steps (resume continues up to this)")
@@ -133,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-every", type=_positive_int, default=100, help="steps between validation losses")
     g.add_argument("--eval-batches", type=_positive_int, default=4, help="batches per validation loss")
     g.add_argument("--ckpt-every", type=_positive_int, default=100, help="steps between checkpoints")
+    g.add_argument("--plot", action=argparse.BooleanOptionalAction, default=True,
+                   help="draw OUT/train_moe.png at the end (needs matplotlib, the examples extra)")
     return p
 
 
@@ -191,6 +193,8 @@ def check_resumable(out: Path, args) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     """Train as configured; returns the metrics dict that is also written to `metrics.json`."""
+    if args.plot:
+        require_matplotlib()  # before training: a missing extra must not end a finished run
     init_runtime(args)
     is_main = jax.process_index() == 0
     say = tqdm.write if is_main else (lambda msg: None)
@@ -221,12 +225,13 @@ def run(args: argparse.Namespace) -> dict:
         with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
             metrics = train(args, split, mesh, ckpt, resume_from, say, is_main)
     if is_main and metrics["history"]:
-        plot_metrics(metrics["history"], metrics["val"], out / "train_moe.png")
+        if args.plot:
+            plot_metrics(metrics["history"], metrics["val"], out / "train_moe.png")
         history, val = metrics["history"], metrics["val"]
         say(
             f"done: steps {metrics['start_step']}..{args.steps} in {metrics['train_wall_s']:.1f} s | "
             f"loss {history[0]['loss']:.3f} -> {history[-1]['loss']:.3f}"
-            + (f" | val {val[-1]['loss']:.3f}" if val else "") + f" | {out / 'train_moe.png'}"
+            + (f" | val {val[-1]['loss']:.3f}" if val else "") + (f" | {out / 'train_moe.png'}" if args.plot else "")
         )
     return metrics
 

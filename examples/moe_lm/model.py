@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moe_jax import routing
-from moe_jax.layers import MoE
+from moe_jax.layers import GemmOptions, MoE, SharedExperts
 from moe_jax.ops import BACKENDS as GEMM_BACKENDS
 from moe_jax.parallel import EPOptions
 
@@ -103,8 +103,8 @@ class Block(nnx.Module):
         self.moe = MoE(
             cfg.d_model, cfg.d_ff, cfg.num_experts, cfg.top_k,
             router=make_router(cfg.router, cfg.top_k, cfg.n_group, cfg.topk_group),
-            num_shared_experts=cfg.num_shared_experts, latent_dim=cfg.latent_dim,
-            dtype=dtype, backend=cfg.backend, rngs=rngs, **ep_kwargs,
+            shared_experts=SharedExperts(cfg.num_shared_experts) if cfg.num_shared_experts else None,
+            latent_dim=cfg.latent_dim, dtype=dtype, gemm=GemmOptions(backend=cfg.backend), rngs=rngs, **ep_kwargs,
         )
 
     def __call__(self, x_BSD: jax.Array, return_routing: bool = False):

@@ -7,12 +7,27 @@ from pathlib import Path
 import numpy as np
 
 
-def plot_metrics(history: list[dict], val: list[dict], path: Path) -> None:
-    """Loss curves, padding fraction and per-layer expert load (heatmap) over steps, as a PNG."""
-    import matplotlib
+def require_matplotlib():
+    """`matplotlib.pyplot` on the Agg backend; SystemExit naming the fix when matplotlib is missing.
 
+    The run calls this before training, so a missing extra stops it at once, not after the last step.
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit(
+            "the run's figure (OUT/train_moe.png) needs matplotlib, which is not installed: install the examples "
+            "extra (pip install -e '.[examples]') or pass --no-plot."
+        ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_metrics(history: list[dict], val: list[dict], path: Path) -> None:
+    """Loss curves, padding fraction and per-layer expert load (heatmap) over steps, as a PNG."""
+    plt = require_matplotlib()
 
     steps = np.array([r["step"] for r in history])
     num_layers = len(history[0]["layers"])

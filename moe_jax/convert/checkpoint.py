@@ -83,7 +83,8 @@ def from_checkpoint(path: str | os.PathLike, *, layers: Iterable[int] | None = N
     path: a `save_pretrained` directory (`config.json`, `model.safetensors` or shards with
       `model.safetensors.index.json`) of a supported model type; blocks are read under
       `model.layers.{i}.mlp.` (or Mixtral's `block_sparse_moe.`), in either layout.
-    layers: which decoder layers (default: every MoE layer, `moe_layers`); asking for a dense
+    layers: an iterable of decoder layer indices, e.g. `[3]` (default None: every MoE layer,
+      `moe_layers`); anything else is a TypeError naming it; asking for a dense
       layer is a ValueError listing the MoE ones.
     layer_kwargs: passed to every `MoE` as in `from_state_dict`.
     """
@@ -91,7 +92,7 @@ def from_checkpoint(path: str | os.PathLike, *, layers: Iterable[int] | None = N
     hf_config = read_config(path)
     spec, _ = specs.spec_for(hf_config)
     available = specs.moe_layers(hf_config)
-    wanted = available if layers is None else tuple(check_int("layers[...]", i, minimum=0) for i in layers)
+    wanted = available if layers is None else _layer_indices(layers)
     dense = [i for i in wanted if i not in available]
     if dense:
         raise ValueError(f"layers {dense} of this {spec.model_type} checkpoint are not MoE layers; its MoE layers "
@@ -102,3 +103,11 @@ def from_checkpoint(path: str | os.PathLike, *, layers: Iterable[int] | None = N
         prefix, names = _block_names(weight_map, spec, hf_config, layer)
         out[layer] = hf.from_state_dict(_read(weight_map, names), hf_config, prefix=prefix, **layer_kwargs)
     return out
+
+
+def _layer_indices(layers) -> tuple[int, ...]:
+    """`layers` (an iterable of decoder layer indices) as a tuple of ints; TypeError naming it otherwise."""
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Iterable):
+        raise TypeError(f"layers must be an iterable of decoder layer indices (e.g. layers=[{layers!r}] for one "
+                        f"layer) or None for every MoE layer; got {type(layers).__name__} {layers!r}.")
+    return tuple(check_int(f"layers[{n}]", i, minimum=0) for n, i in enumerate(layers))

@@ -5,8 +5,9 @@ width, E experts.
 
 Only renaming, stacking, concatenating and splitting happen (both sides store torch's
 `[out, in]`), so a round trip is bit for bit; the one arithmetic step is the cast to the layer's
-`param_dtype` (exact from bf16/fp16 to fp32). Tensors arrive as NumPy, JAX or torch arrays; torch
-is duck-typed (`.detach().cpu()`), never imported.
+`param_dtype` (exact from bf16/fp16 to fp32; a tensor that is not floating point is refused,
+never cast). Tensors arrive as NumPy, JAX or torch arrays; torch is duck-typed
+(`.detach().cpu()`), never imported.
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ class _Reader:
             raise ValueError(f"{self.model_type} MoE block: missing tensor {key!r}; found under prefix "
                              f"{self.prefix!r}: {specs.listing(self.under_prefix())}.")
         value = host_array(self.sd[key])
+        if not jnp.issubdtype(value.dtype, jnp.floating):  # (jnp's knows NumPy's bfloat16)
+            raise TypeError(f"{self.model_type} MoE block: tensor {key!r} has dtype {value.dtype}; MoE weights are "
+                            "floating point (float32, bfloat16, float16), and casting would silently change them. An "
+                            "integer tensor means a quantized or corrupted checkpoint: convert an unquantized one.")
         if tuple(value.shape) != tuple(shape):
             raise ValueError(f"{self.model_type} MoE block: tensor {key!r} has shape {tuple(value.shape)}, expected "
                              f"{tuple(shape)}.")
@@ -92,7 +97,7 @@ def _read_block(reader: _Reader, spec: specs.ModelSpec, kw: dict) -> dict[str, n
         out["w_down"] = reader.get(names.down, (e, d, f))
     shared = names.shared_names()
     if shared:
-        fs = kw["shared_d_ff"]
+        fs = kw["shared_experts"].width(f)
         for ours, theirs, shape in zip(("shared.w_gate", "shared.w_up", "shared.w_down"), shared,
                                        ((fs, d), (fs, d), (d, fs))):
             out[ours] = reader.get(theirs, shape)
@@ -108,8 +113,8 @@ def _layer_kwargs(layer_kwargs: dict) -> dict:
     taken = sorted(set(layer_kwargs) & set(specs.CONFIG_KWARGS + ("latent_dim", "rngs")))
     if taken:
         raise TypeError(f"{', '.join(taken)}: set by the HF config (or meaningless for a converted layer); pass "
-                        "only layout/execution arguments (dtype, param_dtype, backend, precision, mesh, "
-                        "expert_parallel, fused_gate_up, ...).")
+                        "only layout/execution arguments (dtype, param_dtype, gemm, mesh, axis_rules, "
+                        "expert_parallel).")
     return layer_kwargs
 
 
@@ -153,8 +158,8 @@ def from_state_dict(state_dict: Mapping, hf_config, *, prefix: str = "", **layer
       `gate.e_score_correction_bias [E]` (into `selection_bias`, fp32).
     hf_config: the model's transformers config or `config.json` dict (`moe_config`).
     prefix: prepended to every name (`"model.layers.3.mlp."` to read a whole model's state dict).
-    layer_kwargs: passed to `MoE` (dtype, param_dtype, backend, precision, mesh, expert_parallel,
-      fused_gate_up, ...); not the arguments the config decides. Weights are cast to param_dtype
+    layer_kwargs: passed to `MoE` (dtype, param_dtype, gemm, mesh, axis_rules, expert_parallel);
+      not the arguments the config decides. Weights are cast to param_dtype
       and placed on the mesh's layout when a mesh is given.
 
     ValueError naming the tensor when one is missing (listing what the prefix holds), misshapen
@@ -184,7 +189,9 @@ def _check_matches(moe: MoE, kw: dict, model_type: str) -> None:
     shared_d_ff = moe.shared.w_gate.get_value().shape[0] if moe.shared is not None else None
     ours = dict(d_model=moe.d_model, d_ff=moe.d_ff, num_experts=moe.num_experts, top_k=moe.top_k, router=moe.router,
                 shared_d_ff=shared_d_ff, shared_expert_gate=moe.shared_expert_gate)
-    theirs = dict(kw, shared_d_ff=kw.get("shared_d_ff"), shared_expert_gate=kw.get("shared_expert_gate", False))
+    shared = kw.get("shared_experts")
+    theirs = dict(kw, shared_d_ff=None if shared is None else shared.width(kw["d_ff"]),
+                  shared_expert_gate=shared is not None and shared.gate)
     for name, value in ours.items():
         if value != theirs[name]:
             raise ValueError(f"the MoE layer's {name}={value!r} but the {model_type} config implies "

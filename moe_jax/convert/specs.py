@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from moe_jax import routing
+from moe_jax.layers.options import SharedExperts
 from moe_jax.validation import check_int
 
 __all__ = [
@@ -42,8 +43,7 @@ __all__ = [
 ]
 
 # Keyword arguments of `MoE` that the HF config decides; a caller may not override them.
-CONFIG_KWARGS = ("d_model", "d_ff", "num_experts", "top_k", "router", "num_shared_experts", "shared_d_ff",
-                 "shared_expert_gate")
+CONFIG_KWARGS = ("d_model", "d_ff", "num_experts", "top_k", "router", "shared_experts")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +202,7 @@ def _qwen2_kwargs(cfg: dict) -> dict:
         raise _unsupported(spec, "shared_expert_intermediate_size", 0,
                            "a Qwen2-MoE block without a shared expert is not supported.")
     return dict(router=routing.SoftmaxTopK(_size(cfg, spec, "num_experts_per_tok"), renormalize=renormalize),
-                num_shared_experts=1, shared_d_ff=shared, shared_expert_gate=True)
+                shared_experts=SharedExperts(1, d_ff=shared, gate=True))
 
 
 def _deepseek_kwargs(cfg: dict) -> dict:
@@ -215,9 +215,8 @@ def _deepseek_kwargs(cfg: dict) -> dict:
             raise _unsupported(spec, field, cfg[field],
                                f"transformers' DeepseekV3 and moe_jax implement only {field}={expected!r}.")
     num_experts, top_k = _num_experts(cfg, spec), _size(cfg, spec, "num_experts_per_tok")
-    # n_group/topk_group None: transformers cannot run that; one group is the ungrouped reading.
-    n_group = check_int("deepseek_v3 config n_group", cfg.get("n_group") or 1)
-    topk_group = check_int("deepseek_v3 config topk_group", cfg.get("topk_group") or 1)
+    # Omitted (or null) n_group/topk_group are transformers' defaults, 8 and 4, as DeepseekV3Config reads them.
+    n_group, topk_group = _size(cfg, spec, "n_group"), _size(cfg, spec, "topk_group")
     if num_experts % n_group:
         raise _unsupported(spec, "n_group", n_group, f"must divide n_routed_experts={num_experts}.")
     if topk_group > n_group:
@@ -234,7 +233,7 @@ def _deepseek_kwargs(cfg: dict) -> dict:
         routed_scaling_factor=float(_field(cfg, spec, "routed_scaling_factor")),
     )
     shared_d_ff = shared * _size(cfg, spec, "moe_intermediate_size")
-    return dict(router=router, num_shared_experts=shared, shared_d_ff=shared_d_ff)
+    return dict(router=router, shared_experts=SharedExperts(shared, d_ff=shared_d_ff))
 
 
 _QWEN_EXPERT = dict(expert_gate="experts.{e}.gate_proj.weight", expert_up="experts.{e}.up_proj.weight",
@@ -262,7 +261,7 @@ SPECS: dict[str, ModelSpec] = {
     "deepseek_v3": ModelSpec(
         "deepseek_v3", BlockNames(**_QWEN_EXPERT, shared="shared_experts.", bias="gate.e_score_correction_bias"),
         num_experts=("n_routed_experts", "num_local_experts"), d_ff="moe_intermediate_size", per_expert_module="mlp",
-        defaults=dict(norm_topk_prob=True, routed_scaling_factor=2.5, hidden_act="silu"),
+        defaults=dict(norm_topk_prob=True, routed_scaling_factor=2.5, n_group=8, topk_group=4, hidden_act="silu"),
         kwargs=_deepseek_kwargs, layers=_deepseek_layers,
     ),
 }
@@ -290,7 +289,7 @@ def moe_config(hf_config) -> dict:
     """The `MoE` constructor arguments a HF config implies.
 
     Returns a dict with d_model, d_ff, num_experts, top_k, router and (when the block has them)
-    num_shared_experts, shared_d_ff, shared_expert_gate; everything else (dtype, backend, mesh, ...)
+    shared_experts (a `SharedExperts`); everything else (dtype, gemm, mesh, ...)
     is the caller's. ValueError for an unsupported model type, a quantized checkpoint, or a config
     field whose behaviour moe_jax cannot reproduce (named in the message).
     """

@@ -1,10 +1,13 @@
-"""Flax NNX layers: `MoE` (`moe`), its routed stage per mesh case (`routed`), the dense SwiGLU of
-the shared experts and parameter helpers (`dense`), `MoEStats` (`stats`) and the configuration
-and argument checks (`checks`)."""
+"""Flax NNX layers: `MoE` (`moe`), its option groups `GemmOptions` and `SharedExperts` (`options`;
+expert parallelism's `EPOptions` is re-exported here), its routed stage per mesh case (`routed`),
+the token layout under Explicit mesh axes (`tokens`), the dense SwiGLU of the shared experts and
+parameter helpers (`dense`), `MoEStats` (`stats`) and the configuration and argument checks
+(`checks`)."""
 
 from moe_jax.layers.dense import SwiGLU
 from moe_jax.layers.moe import MoE, SelectionBias
+from moe_jax.layers.options import GemmOptions, SharedExperts
 from moe_jax.layers.stats import MoEStats
 from moe_jax.parallel import EPOptions
 
-__all__ = ["EPOptions", "MoE", "MoEStats", "SelectionBias", "SwiGLU"]
+__all__ = ["EPOptions", "GemmOptions", "MoE", "MoEStats", "SelectionBias", "SharedExperts", "SwiGLU"]

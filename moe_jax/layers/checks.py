@@ -1,20 +1,22 @@
 """Checks of the MoE layer's configuration and call arguments (shared by its modules).
 
-Everything here is static: it reads shapes, dtypes and Python configuration, never traced values.
+Everything here is static: it reads shapes, dtypes and Python configuration, never traced values
+(an injected routing's expert ids are read only where they are concrete host-readable arrays).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from moe_jax import routing as routing_lib
 from moe_jax.ops import SUPPORTED_DTYPES
 from moe_jax.parallel import AxisRules
 
-__all__ = ["ROUTERS", "check_axis_rules", "check_layer_mesh", "check_router", "check_routing", "check_token_split",
-           "flatten_inputs", "float_dtype"]
+__all__ = ["ROUTERS", "check_axis_rules", "check_input", "check_layer_mesh", "check_mask", "check_router",
+           "check_routing", "check_token_split", "compute_dtype", "float_dtype"]
 
 ROUTERS = (routing_lib.SelectedSoftmax, routing_lib.SoftmaxTopK, routing_lib.SigmoidGroupedTopK)
 
@@ -74,29 +76,45 @@ def check_layer_mesh(mesh, rules: AxisRules, num_experts: int, backend: str) -> 
     return ep
 
 
-def flatten_inputs(x, mask, d_model: int, dtype):
-    """`(x_TD, mask_T or None, seq_BS, compute dtype)` from the layer's `x` (`[B, S, D]` or
-    `[T, D]`, one sequence), `mask` (bool, the leading shape of `x`) and `dtype` (None: x's)."""
-    if not hasattr(x, "ndim") or x.ndim not in (2, 3) or x.shape[-1] != d_model:
-        raise ValueError(
-            f"x must be [B, S, D] or [T, D] with D = d_model = {d_model}; got shape {tuple(getattr(x, 'shape', ()))}."
-        )
+def check_input(x, d_model: int):
+    """The layer's `x` as a JAX array `[B, S, D]` or `[T, D]` of a float dtype.
+
+    NumPy arrays are converted as JAX converts them (float64 becomes float32 unless x64 is on);
+    anything else that is not an array (a list, a torch tensor) is a TypeError.
+    """
+    if isinstance(x, np.ndarray):
+        x = jnp.asarray(x)
+    elif not isinstance(x, jax.Array):
+        raise TypeError(f"x must be a JAX or NumPy array [B, S, D] or [T, D]; got {type(x).__name__}. Convert it "
+                        "first, e.g. jnp.asarray(x).")
+    if x.ndim not in (2, 3) or x.shape[-1] != d_model:
+        raise ValueError(f"x must be [B, S, D] or [T, D] with D = d_model = {d_model}; got shape {tuple(x.shape)}.")
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"x.dtype={jnp.dtype(x.dtype).name}: the layer's input must be a float array.")
+    return x
+
+
+def check_mask(mask, lead_shape: tuple[int, ...]):
+    """`mask` (None, or bool with the leading shape of `x`) as a JAX array."""
+    if mask is None:
+        return None
+    if not isinstance(mask, (jax.Array, np.ndarray)):
+        raise TypeError(f"mask must be a bool JAX or NumPy array of shape {tuple(lead_shape)} (True = real token); "
+                        f"got {type(mask).__name__}. Convert it first, e.g. jnp.asarray(mask).")
+    mask = jnp.asarray(mask)
+    if mask.shape != tuple(lead_shape):
+        raise ValueError(f"mask must have shape {tuple(lead_shape)} (x without its last axis); got {tuple(mask.shape)}.")
+    if mask.dtype != jnp.bool_:
+        raise TypeError(f"mask must be a bool array (True = real token); got dtype {mask.dtype}. Pass "
+                        "mask.astype(bool) if nonzero means real.")
+    return mask
+
+
+def compute_dtype(x, dtype):
+    """The layer's compute dtype: `dtype`, or x's when None (one the grouped GEMMs run in)."""
     if dtype is None:
         dtype = float_dtype("x.dtype (the compute dtype when dtype=None)", x.dtype, compute=True)
-    x_TD = x.reshape(-1, d_model)
-    seq_BS = tuple(x.shape[:2]) if x.ndim == 3 else (1, x.shape[0])
-    mask_T = None
-    if mask is not None:
-        mask = jnp.asarray(mask)
-        if mask.shape != x.shape[:-1]:
-            raise ValueError(f"mask must have shape {tuple(x.shape[:-1])} (x without its last axis); got {tuple(mask.shape)}.")
-        if mask.dtype != jnp.bool_:
-            raise TypeError(f"mask must be a bool array (True = real token); got dtype {mask.dtype}. Pass "
-                            "mask.astype(bool) if nonzero means real.")
-        mask_T = mask.reshape(-1)
-    return x_TD, mask_T, seq_BS, dtype
+    return dtype
 
 
 def check_token_split(num_tokens: int, mesh, rules: AxisRules) -> None:
@@ -110,13 +128,39 @@ def check_token_split(num_tokens: int, mesh, rules: AxisRules) -> None:
 
 
 def check_routing(routing, num_tokens: int, top_k: int, num_experts: int) -> None:
-    """ValueError unless an injected `Routing` has the shapes of the layer's T tokens."""
+    """TypeError or ValueError unless an injected `routing` is a `Routing` with the shapes and dtypes
+    of the layer's T tokens, and (where its values are concrete) expert ids in `[0, E)`."""
+    if not isinstance(routing, routing_lib.Routing):
+        raise TypeError(f"routing must be a moe_jax.routing.Routing(expert_idx_TK, weights_TK, probs_TE); got "
+                        f"{type(routing).__name__}. Wrap the three arrays: Routing(*routing).")
     expected = {
         "expert_idx_TK": (num_tokens, top_k),
         "weights_TK": (num_tokens, top_k),
         "probs_TE": (num_tokens, num_experts),
     }
     for name, shape in expected.items():
-        got = tuple(getattr(routing, name).shape)
+        value = getattr(routing, name)
+        if not isinstance(value, (jax.Array, np.ndarray)):
+            raise TypeError(f"routing.{name} must be a JAX or NumPy array; got {type(value).__name__}.")
+        got = tuple(value.shape)
         if got != shape:
             raise ValueError(f"routing.{name} must have shape {shape} for {num_tokens} tokens; got {got}.")
+    if not jnp.issubdtype(routing.expert_idx_TK.dtype, jnp.integer):
+        raise TypeError(f"routing.expert_idx_TK must hold integer expert ids; got dtype {routing.expert_idx_TK.dtype}.")
+    for name in ("weights_TK", "probs_TE"):
+        if not jnp.issubdtype(getattr(routing, name).dtype, jnp.floating):
+            raise TypeError(f"routing.{name} must be a float array; got dtype {getattr(routing, name).dtype}.")
+    idx = routing.expert_idx_TK
+    concrete = not isinstance(idx, jax.core.Tracer) and getattr(idx, "is_fully_addressable", True)
+    if concrete and idx.size:
+        # Concrete ids are checked here; traced ones cannot be (no host round trip under jit): those
+        # outside [0, E) reach no expert and count in MoEStats.dropped (see MoE.__call__).
+        idx = np.asarray(idx)
+        bad = (idx < 0) | (idx >= num_experts)
+        if bad.any():
+            t, k = (int(i) for i in np.argwhere(bad)[0])
+            raise ValueError(
+                f"routing.expert_idx_TK holds {int(bad.sum())} expert id(s) outside [0, num_experts={num_experts}), "
+                f"first at [{t}, {k}] = {int(idx[t, k])}; every route must name one of the layer's experts (mask "
+                "the token instead of giving it an invalid id)."
+            )

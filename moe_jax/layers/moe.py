@@ -22,6 +22,10 @@ reductions equal to the single-device values.
 
 from __future__ import annotations
 
+import contextlib
+import math
+import warnings
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -32,25 +36,25 @@ from moe_jax import routing as routing_lib
 from moe_jax.experts import fuse_gate_up
 from moe_jax.layers.checks import (
     check_axis_rules,
+    check_input,
     check_layer_mesh,
+    check_mask,
     check_router,
     check_routing,
     check_token_split,
-    flatten_inputs,
+    compute_dtype,
     float_dtype,
 )
 from moe_jax.layers.dense import SwiGLU, expert_init, init, linear, param
+from moe_jax.layers.options import GEMM_KERNELS, ROW_GATHERS, GemmOptions, SharedExperts
 from moe_jax.layers.routed import ExpertStage, routed_on_mesh, single_device
 from moe_jax.layers.stats import MoEStats, moe_stats
-from moe_jax.ops import BackendTable, resolve_backend
-from moe_jax.parallel import AxisRules, EPOptions
-from moe_jax.parallel.transports import check_strategy
+from moe_jax.layers.tokens import explicit_mesh, on_tokens, split_axes, to_tokens, token_axes, unflatten
+from moe_jax.ops import BackendTable
+from moe_jax.parallel import AxisRules, EPOptions, is_explicit
 from moe_jax.validation import check_bool, check_int
 
 __all__ = ["GEMM_KERNELS", "MoE", "ROW_GATHERS", "SelectionBias"]
-
-GEMM_KERNELS = ("auto", "static")
-ROW_GATHERS = ("auto", "fused", "separate")
 
 _HI = lax.Precision.HIGHEST
 
@@ -60,16 +64,14 @@ class SelectionBias(nnx.Variable):
     on `nnx.Param` never see it; `MoE.update_selection_bias` changes it outside the gradient."""
 
 
-def _ep_options(expert_parallel, ep_strategy, capacity_factor) -> EPOptions:
-    if expert_parallel is None:
-        strategy = "padded" if ep_strategy is None else check_strategy(ep_strategy, "ep_strategy")
-        return EPOptions(strategy=strategy, capacity_factor=capacity_factor)
-    if not isinstance(expert_parallel, EPOptions):
-        raise TypeError(f"expert_parallel must be a moe_jax.parallel.EPOptions; got {type(expert_parallel).__name__}.")
-    if ep_strategy is not None or capacity_factor is not None:
-        raise ValueError("pass the EP options once: either expert_parallel=EPOptions(...) or ep_strategy=/"
-                         "capacity_factor=, not both.")
-    return expert_parallel
+def _option(name: str, value, cls, example: str):
+    """`value` if it is a `cls` (None: `cls()`), else TypeError naming the argument."""
+    if value is None:
+        return cls()
+    if not isinstance(value, cls):
+        raise TypeError(f"{name} must be a {cls.__module__.rsplit('.', 1)[0]}.{cls.__name__} (e.g. {name}={example}); "
+                        f"got {type(value).__name__} {value!r}.")
+    return value
 
 
 class MoE(nnx.Module):
@@ -79,50 +81,33 @@ class MoE(nnx.Module):
       d_model: D. d_ff: F, the routed experts' hidden width. num_experts: E. top_k: K.
       router: a `moe_jax.routing` router (`SelectedSoftmax`, `SoftmaxTopK`, `SigmoidGroupedTopK`)
         whose `top_k` equals `top_k`; default `SoftmaxTopK(top_k, renormalize=True)`.
-      num_shared_experts: shared experts (DeepSeekMoE), merged into one SwiGLU of width
-        `shared_d_ff` (default `d_ff * num_shared_experts`) that sees every real token.
-      shared_expert_gate: scale the shared experts' output per token by `sigmoid(x W_sg^T)`,
-        `w_shared_gate [1, D]` (Qwen2-MoE's `shared_expert_gate`); needs shared experts.
+      shared_experts: `moe_jax.layers.SharedExperts(count, d_ff=None, gate=False)`: shared experts
+        (DeepSeekMoE) merged into one SwiGLU `shared` of width `d_ff` (default `d_ff * count`)
+        that sees every real token, optionally gated per token by `sigmoid(x W_sg^T)`,
+        `w_shared_gate [1, D]` (Qwen2-MoE's `shared_expert_gate`). None (default): none.
       latent_dim: L for LatentMoE: routed experts work at width L between a shared down
         projection `w_latent_down [L, D]` and up projection `w_latent_up [D, L]`.
-      fused_gate_up: store gate and up as one `w_gate_up [E, 2F, Din]` (gate rows first).
       dtype: compute dtype of every GEMM except the router (default: the input's dtype).
       param_dtype: parameter dtype.
-      backend: grouped-GEMM backend: `"auto"` (on GPU per kernel from `moe_jax.ops.H200_BACKENDS`;
-        XLA elsewhere), `"pallas_triton"`, `"triton"` (official Triton through jax_triton, GPU
-        only), `"mosaic_gpu"` (Pallas Mosaic GPU grouped GEMMs) or `"xla"`; the row
-        gathers and EP's send plan use it too (on `pallas_triton` where the backend has no kernel
-        of its own). A `moe_jax.ops.BackendTable` is `"auto"` with a per-kernel table of its own,
-        e.g. `H200_BACKENDS.replace({("gmm_nn", "prefill"): ("mosaic_gpu", "triton", "pallas_triton")})`
-        to run the input gradient on Mosaic GPU where it takes the shapes.
-      gemm_kernel: how the Pallas backend picks each grouped GEMM's kernel: `"auto"` (default),
-        the per-device tuned selector (`moe_jax.ops.gmm.pallas_triton.selector`: from the packed rows and, where
-        the table says it pays, the routing histogram, on device); `"static"`, the shape table
-        (`moe_jax.ops.gmm_config`; reproducible across histograms). `MoEStats.kernel_counts_C`
-        says which ran.
-      row_gather: how the routed rows reach the gate/up GEMM: `"fused"`, the GEMM reads each
-        row through the packing's ids inside its kernel (no packed copy in memory;
-        `moe_jax.ops.grouped_linear(rows=...)`): the token rows off expert parallelism, the
-        receive buffer under it (`ep_moe(fuse_regroup=True)`; the pairwise transport's two
-        sources are still regrouped first); `"separate"`, a row gather writes the packed rows
-        first; `"auto"` (default), fused on the backends where that measured faster
-        (`moe_jax.ops.AUTO_FUSED_GATHER`, none on the H200 yet). Equal results.
-      precision: dot precision for the expert/shared/latent GEMMs (default: HIGHEST for fp32).
+      gemm: `moe_jax.layers.GemmOptions(backend, kernel, row_gather, precision, fused_gate_up)`:
+        how the grouped GEMMs run (backend, kernel choice, row gather, dot precision) and whether
+        gate and up are one GEMM (`w_gate_up [E, 2F, Din]`, gate rows first); default
+        `GemmOptions()` (auto backend and kernel, separate gate and up).
       mesh: a `jax.sharding.Mesh` (Auto or Explicit axes) for data/expert parallelism: the
         parameters are placed on it and the routed stage runs in `jax.shard_map` over it
-        (`routed`). None (default): no mesh of the layer's own; under an ambient mesh
-        (`jax.set_mesh`) the routed stage follows `axis_rules`, or the Explicit sharding of the
-        input's token dimension (data parallel), and otherwise runs on the arrays as they are.
+        (`routed`); the layer enters it itself when called outside `jax.set_mesh`. None
+        (default): no mesh of the layer's own; under an ambient mesh (`jax.set_mesh`) the routed
+        stage follows `axis_rules`, or the Explicit sharding of the input's tokens (data
+        parallel), and otherwise runs on the arrays as they are.
       axis_rules: `moe_jax.parallel.AxisRules`, which mesh axes split tokens and which one splits
         experts (default `AxisRules()`: tokens over `("data", "ep")`, experts over `"ep"`, the
         axes of `make_mesh`); other mesh axes are left alone.
-      expert_parallel: `moe_jax.parallel.EPOptions` (strategy, capacity factor, transport) used
-        when the mesh splits experts; default `EPOptions()` (padded, dropless, auto transport).
-      ep_strategy, capacity_factor: the same two options passed one by one (the older spelling;
-        not together with `expert_parallel`). With ep > 1, rows per (source, destination) rank
-        pair are capped at `capacity_for(tokens_per_device, K, ep, capacity_factor,
-        local_experts=E // ep)`; dropped routes are counted in `MoEStats.dropped`; None is
-        dropless. Without expert parallelism nothing is exchanged, so nothing is dropped.
+      expert_parallel: `moe_jax.parallel.EPOptions(strategy, capacity_factor, transport)`, used
+        when the mesh splits experts (ep > 1); default `EPOptions()` (padded, dropless, auto
+        transport). With a capacity factor, rows per (source, destination) rank pair are capped at
+        `capacity_for(tokens_per_device, K, ep, capacity_factor, local_experts=E // ep)` and
+        dropped routes are counted in `MoEStats.dropped`. Without expert parallelism nothing is
+        exchanged, so nothing is dropped: a capacity factor there is ignored with a warning.
       rngs: parameter initialisation keys.
 
     Params: `w_router [E, D]`, `w_gate`/`w_up [E, F, Din]` (or `w_gate_up [E, 2F, Din]`),
@@ -139,22 +124,14 @@ class MoE(nnx.Module):
         top_k: int,
         *,
         router: routing_lib.Router | None = None,
-        num_shared_experts: int = 0,
-        shared_d_ff: int | None = None,
-        shared_expert_gate: bool = False,
+        shared_experts: SharedExperts | None = None,
         latent_dim: int | None = None,
-        fused_gate_up: bool = False,
         dtype=None,
         param_dtype=jnp.float32,
-        backend: str | BackendTable = "auto",
-        gemm_kernel: str = "auto",
-        row_gather: str = "auto",
-        precision: lax.Precision | None = None,
+        gemm: GemmOptions | None = None,
         mesh: Mesh | None = None,
         axis_rules: AxisRules | None = None,
         expert_parallel: EPOptions | None = None,
-        ep_strategy: str | None = None,
-        capacity_factor: float | None = None,
         rngs: nnx.Rngs,
     ):
         self.d_model = d = check_int("d_model", d_model)
@@ -164,40 +141,28 @@ class MoE(nnx.Module):
         if self.top_k > e:
             raise ValueError(f"top_k={self.top_k} exceeds num_experts={e}; set top_k <= num_experts.")
         self.router = check_router(router, self.top_k, e)
-        num_shared_experts = check_int("num_shared_experts", num_shared_experts, minimum=0)
-        if shared_d_ff is not None:
-            shared_d_ff = check_int("shared_d_ff", shared_d_ff)
-            if num_shared_experts == 0:
-                raise ValueError(f"shared_d_ff={shared_d_ff} was given but num_shared_experts=0; set "
-                                 "num_shared_experts >= 1 to add shared experts, or drop shared_d_ff.")
-        self.shared_expert_gate = check_bool("shared_expert_gate", shared_expert_gate)
-        if self.shared_expert_gate and num_shared_experts == 0:
-            raise ValueError("shared_expert_gate=True gates the shared experts, but num_shared_experts=0; set "
-                             "num_shared_experts >= 1 or drop shared_expert_gate.")
+        if shared_experts is not None and not isinstance(shared_experts, SharedExperts):
+            raise TypeError(f"shared_experts must be None or a moe_jax.layers.SharedExperts (e.g. "
+                            f"shared_experts=SharedExperts(count=1)); got {type(shared_experts).__name__} "
+                            f"{shared_experts!r}.")
+        self.shared_experts = shared_experts
         self.latent_dim = None if latent_dim is None else check_int("latent_dim", latent_dim)
-        self.fused_gate_up = check_bool("fused_gate_up", fused_gate_up)
         self.dtype = float_dtype("dtype", dtype, allow_none=True, compute=True)
         param_dtype = float_dtype("param_dtype", param_dtype)
-        resolve_backend(backend)  # ValueError naming the choices for an unknown backend
-        self.backend = backend
-        if gemm_kernel not in GEMM_KERNELS:
-            raise ValueError(f"gemm_kernel={gemm_kernel!r}: use one of {GEMM_KERNELS} ('auto': the tuned on-device "
-                             "selector picks each GEMM's kernel from the routing histogram; 'static': from the shape).")
-        self.gemm_kernel = gemm_kernel
-        if row_gather not in ROW_GATHERS:
-            raise ValueError(f"row_gather={row_gather!r}: use one of {ROW_GATHERS} ('fused': the gate/up GEMM reads "
-                             "token rows through the packing's ids; 'separate': pack the rows first).")
-        self.row_gather = row_gather
-        self.precision = precision
+        self.gemm = _option("gemm", gemm, GemmOptions, "GemmOptions(backend='xla')")
         self.axis_rules = check_axis_rules(axis_rules)
-        self.ep = check_layer_mesh(mesh, self.rules, e, backend)
+        self.ep = check_layer_mesh(mesh, self.rules, e, self.gemm.backend)
         self.mesh = mesh
-        self.expert_parallel = _ep_options(expert_parallel, ep_strategy, capacity_factor)
+        self.expert_parallel = _option("expert_parallel", expert_parallel, EPOptions,
+                                       "EPOptions(capacity_factor=1.25)")
         if self.ep > 1 and self.expert_parallel.strategy == "ragged" and mesh.devices.flat[0].platform != "gpu":
             raise ValueError(
-                f"ep_strategy='ragged' needs GPUs (XLA:{mesh.devices.flat[0].platform.upper()} has no "
-                "ragged_all_to_all), but this mesh's devices are not; use ep_strategy='padded'."
+                f"expert_parallel=EPOptions(strategy='ragged') needs GPUs (XLA:{mesh.devices.flat[0].platform.upper()} "
+                "has no ragged_all_to_all), but this mesh's devices are not; use EPOptions(strategy='padded')."
             )
+        experts_may_split = self.ep > 1 if mesh is not None else (axis_rules is not None and axis_rules.experts)
+        if not experts_may_split:
+            self._warn_unused_capacity()
 
         d_in = self.latent_dim or d
         experts, replicated = (self.rules.experts, None, None), (None, None)
@@ -214,9 +179,9 @@ class MoE(nnx.Module):
             self.w_latent_down = param(init(rngs.params(), (self.latent_dim, d), param_dtype), replicated, mesh)
             self.w_latent_up = param(init(rngs.params(), (d, self.latent_dim), param_dtype), replicated, mesh)
         self.shared = (
-            SwiGLU(d, shared_d_ff or f * num_shared_experts, dtype=dtype, param_dtype=param_dtype, precision=precision,
+            SwiGLU(d, shared_experts.width(f), dtype=dtype, param_dtype=param_dtype, precision=self.precision,
                    mesh=mesh, rngs=rngs)
-            if num_shared_experts else None
+            if shared_experts is not None else None
         )
         if self.shared_expert_gate:
             self.w_shared_gate = param(init(rngs.params(), (1, d), param_dtype), replicated, mesh)
@@ -227,13 +192,30 @@ class MoE(nnx.Module):
         """The axis rules in force: `axis_rules`, or the defaults of `make_mesh`'s mesh."""
         return AxisRules() if self.axis_rules is None else self.axis_rules
 
+    # Read by the routed stage (`ExpertStage`), `moe_jax.convert` and callers: the option groups' fields.
     @property
-    def ep_strategy(self) -> str:
-        return self.expert_parallel.strategy
+    def backend(self) -> str | BackendTable:
+        return self.gemm.backend
 
     @property
-    def capacity_factor(self) -> float | None:
-        return self.expert_parallel.capacity_factor
+    def gemm_kernel(self) -> str:
+        return self.gemm.kernel
+
+    @property
+    def row_gather(self) -> str:
+        return self.gemm.row_gather
+
+    @property
+    def precision(self) -> lax.Precision | None:
+        return self.gemm.precision
+
+    @property
+    def fused_gate_up(self) -> bool:
+        return self.gemm.fused_gate_up
+
+    @property
+    def shared_expert_gate(self) -> bool:
+        return self.shared_experts is not None and self.shared_experts.gate
 
     def __call__(
         self, x: jax.Array, *, mask: jax.Array | None = None, routing: routing_lib.Routing | None = None,
@@ -241,28 +223,55 @@ class MoE(nnx.Module):
     ) -> tuple[jax.Array, MoEStats] | tuple[jax.Array, MoEStats, routing_lib.Routing]:
         """`y, stats = moe(x, mask=..., routing=...)`.
 
-        x: `[B, S, D]` or `[T, D]`. mask: bool with the leading shape of `x`, True = real token;
-        masked tokens reach nothing: their output is zero (routed and shared), they count in no
-        statistic and get exactly zero gradient.
-        routing: optional `Routing` of the T = B*S flattened tokens; skips the router (z_loss is
-        then 0) and gradients reach `routing.weights_TK`.
+        x: a JAX or NumPy array `[B, S, D]` or `[T, D]` (NumPy float64 is read as JAX reads it:
+        float32 unless x64 is on). Under an Explicit mesh any sharding of x works; y has x's.
+        mask: bool with the leading shape of `x`, True = real token; masked tokens reach nothing:
+        their output is zero (routed and shared), they count in no statistic and get exactly zero
+        gradient.
+        routing: optional `moe_jax.routing.Routing` of the T = B*S flattened tokens; skips the
+        router (z_loss is then 0) and gradients reach `routing.weights_TK`. Its expert ids must lie
+        in `[0, E)`: concrete ids outside are a ValueError; traced ones (under jit) cannot be
+        checked: their routes reach no expert, count in `MoEStats.dropped` and in no `counts_E` or
+        `dropped_E` slot, on one device and on every mesh alike.
         return_routing: also return the `Routing` the layer used (expert indices, combine weights,
         router probabilities of the T flattened tokens), for logging, analysis or distillation.
         Returns `y` (shape of `x`, compute dtype) and `MoEStats` (and the `Routing`).
+
+        Every argument is checked before anything is computed.
         """
-        x_TD, mask_T, seq_BS, dtype = flatten_inputs(x, mask, self.d_model, self.dtype)
+        return_routing = check_bool("return_routing", return_routing)
+        x = check_input(x, self.d_model)
+        mask = check_mask(mask, x.shape[:-1])
+        if routing is not None:
+            check_routing(routing, math.prod(x.shape[:-1]), self.top_k, self.num_experts)
+        dtype = compute_dtype(x, self.dtype)
+        with self._mesh_context(x):
+            y, stats, routing = self._forward(x, mask, routing, dtype)
+        return (y, stats, routing) if return_routing else (y, stats)
+
+    def _forward(self, x, mask, routing, dtype):
+        seq_BS = tuple(x.shape[:2]) if x.ndim == 3 else (1, x.shape[0])
+        # Under Explicit axes: tokens split as x's are (whatever its sharding), then as the rules say.
+        mesh = explicit_mesh()
+        axes = None if mesh is None else token_axes(x)
+        x_TD = to_tokens(x, x.ndim - 1, axes)
+        mask_T = None if mask is None else to_tokens(mask, mask.ndim, axes)
         placement = self._placement(x_TD)
+        if mesh is not None and placement is not None:
+            axes = placement[1].tokens
+            x_TD, mask_T = on_tokens((x_TD, mask_T), axes)
         # Padding tokens may hold anything: zero them (where, so NaN cannot leak into gradients)
         # before they reach the router and the routed experts.
         real_TD = x_TD if mask_T is None else jnp.where(mask_T[:, None], x_TD, jnp.zeros((), x_TD.dtype))
 
-        if routing is None:
+        injected = routing is not None
+        if injected:
+            routing = on_tokens(routing_lib.Routing(*(jnp.asarray(a) for a in routing)), axes)
+            z_loss = jnp.zeros((), jnp.float32)
+        else:
             logits_TE = jnp.dot(real_TD.astype(jnp.float32), self.w_router[...].astype(jnp.float32).T, precision=_HI)
             routing = self.router.route(logits_TE, selection_bias_E=self.selection_bias[...])
             z_loss = routing_lib.z_loss(logits_TE, mask_T=mask_T)
-        else:
-            check_routing(routing, x_TD.shape[0], self.top_k, self.num_experts)
-            z_loss = jnp.zeros((), jnp.float32)
 
         routed_in_TD = real_TD.astype(dtype)
         if self.latent_dim is not None:
@@ -274,6 +283,10 @@ class MoE(nnx.Module):
             routed = single_device(stage, *args)
         else:
             routed = routed_on_mesh(stage, *placement, self.expert_parallel, *args)
+        dropped = routed.dropped
+        if injected and routed.kept_E is None:
+            # Expert parallelism counts routes to ids outside [0, E) as undelivered; so does every other case.
+            dropped = dropped + _invalid_routes(routing.expert_idx_TK, mask_T, self.num_experts)
         y_TD = routed.y_TD.astype(jnp.float32)
         if self.latent_dim is not None:
             y_TD = linear(routed.y_TD, self.w_latent_up[...], dtype, self.precision)
@@ -283,16 +296,48 @@ class MoE(nnx.Module):
                 gate_T1 = jax.nn.sigmoid(linear(real_TD, self.w_shared_gate[...], dtype, self.precision))
                 shared_TD = gate_T1 * shared_TD
             y_TD = y_TD + shared_TD
-        stats = moe_stats(routing, z_loss=z_loss, mask_T=mask_T, seq_BS=seq_BS, num_experts=self.num_experts,
-                          gemm=routed.gemm, dropped=routed.dropped,
-                          kept_E=routed.kept_E)
-        y = y_TD.astype(dtype).reshape(x.shape[:-1] + (self.d_model,))
-        return (y, stats, routing) if check_bool("return_routing", return_routing) else (y, stats)
+        # The sequence-wise statistics read the per-token arrays as [B, S, ...]: on token axes that split so.
+        stats_routing, stats_mask = routing, mask_T
+        if mesh is not None and split_axes(axes, seq_BS, mesh) != axes:
+            stats_routing, stats_mask = on_tokens((routing, mask_T), split_axes(axes, seq_BS, mesh))
+        stats = moe_stats(stats_routing, z_loss=z_loss, mask_T=stats_mask, seq_BS=seq_BS,
+                          num_experts=self.num_experts, gemm=routed.gemm, dropped=dropped, kept_E=routed.kept_E)
+        return unflatten(y_TD.astype(dtype), x), stats, routing
 
     def update_selection_bias(self, counts_E: jax.Array, step_size) -> None:
         """Loss-free balancing step: `bias += step_size * sign(mean(counts) - counts)` (outside the
-        gradient; pass `stats.counts_E`, already global)."""
+        gradient; pass `stats.counts_E`, already global). `step_size`: a number >= 0 or a float scalar
+        array (e.g. a schedule's value)."""
         self.selection_bias[...] = routing_lib.update_selection_bias(self.selection_bias[...], counts_E, step_size)
+
+    def _warn_unused_capacity(self) -> None:
+        factor = self.expert_parallel.capacity_factor
+        if factor is not None:
+            warnings.warn(
+                f"expert_parallel=EPOptions(capacity_factor={factor}) has no effect: this MoE layer's mesh does not "
+                "split experts (no expert axis of size > 1), so no rows are exchanged and none are dropped. Drop "
+                "the capacity factor, or give the layer a mesh whose expert axis has size > 1.",
+                UserWarning, stacklevel=3,
+            )
+
+    def _mesh_context(self, x):
+        """The layer's own Explicit mesh as the ambient one, when the caller has not set it."""
+        if self.mesh is None or not is_explicit(self.mesh):
+            return contextlib.nullcontext()
+        ambient = jax.sharding.get_abstract_mesh()
+        if ambient.manual_axes:
+            return contextlib.nullcontext()  # `_placement` refuses this with its own message
+        if not ambient.empty:
+            if ambient != self.mesh.abstract_mesh:
+                raise ValueError(
+                    f"this MoE layer was built on the mesh {dict(self.mesh.shape)} but is called under "
+                    f"jax.set_mesh of another one ({dict(ambient.shape)}); call it under jax.set_mesh(layer.mesh), "
+                    "or outside any jax.set_mesh (the layer enters its own mesh)."
+                )
+            return contextlib.nullcontext()
+        tracing = any(isinstance(a, jax.core.Tracer) for a in (x, self.w_router.get_value()))
+        # `jax.set_mesh` cannot be entered under `jit`; there the abstract mesh is what types the arrays.
+        return jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh) if tracing else jax.set_mesh(self.mesh)
 
     def _placement(self, x_TD) -> tuple[object, AxisRules] | None:
         """`(mesh, rules)` the routed stage runs `shard_map` over, or None to run it on the arrays."""
@@ -309,9 +354,13 @@ class MoE(nnx.Module):
         if self.mesh is not None:
             mesh, rules = self.mesh, self.rules
         elif context.empty:
+            if self.axis_rules is not None and self.axis_rules.experts is not None:
+                self._warn_unused_capacity()
             return None
         elif self.axis_rules is not None:
             mesh, rules = context, self.axis_rules
+            if rules.check(mesh, self.num_experts) == 1:
+                self._warn_unused_capacity()
         else:
             # No rules: follow an Explicit sharding of the token dimension, data parallel.
             spec = jax.typeof(x_TD).sharding.spec
@@ -326,3 +375,11 @@ class MoE(nnx.Module):
         """Expert weights in the compute dtype: `(w_gate_up, w_down)` or `(w_gate, w_up, w_down)`."""
         names = ("w_gate_up", "w_down") if self.fused_gate_up else ("w_gate", "w_up", "w_down")
         return tuple(getattr(self, n)[...].astype(dtype) for n in names)
+
+
+def _invalid_routes(idx_TK, mask_T, num_experts: int) -> jax.Array:
+    """int32: routes of real tokens whose expert id lies outside `[0, E)`."""
+    bad_TK = (idx_TK < 0) | (idx_TK >= num_experts)
+    if mask_T is not None:
+        bad_TK = bad_TK & mask_T[:, None]
+    return jnp.sum(bad_TK, dtype=jnp.int32)

@@ -102,7 +102,10 @@ def _build_parser() -> argparse.ArgumentParser:
         type=_int_list("rank list", minimum=0),
         default=None,
         metavar="R0,R1,...",
-        help="owning rank of each expert (one entry per expert); implies the per-rank columns",
+        help=(
+            "owning rank of each expert (one entry per expert); implies the per-rank columns. Without --ranks "
+            "every rank from 0 to the largest named must own an expert"
+        ),
     )
     parser.add_argument(
         "--capacity",
@@ -176,6 +179,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         rank_kwargs["expert_rank_E"] = np.asarray(args.expert_ranks, dtype=np.int64)
         if args.ranks is not None and max(args.expert_ranks) >= args.ranks:
             parser.error(f"--expert-ranks names rank {max(args.expert_ranks)}, but --ranks is {args.ranks}")
+        empty = sorted(set(range(max(args.expert_ranks) + 1)) - set(args.expert_ranks))
+        if args.ranks is None and empty:
+            # Without --ranks the rank count is read as max + 1; ranks that own no expert would count in the
+            # imbalance mean unasked.
+            top = max(args.expert_ranks)
+            parser.error(
+                f"--expert-ranks names ranks up to {top} but rank(s) {','.join(map(str, empty))} own no expert; "
+                f"pass --ranks {top + 1} to count {top + 1} ranks (the empty ones included), or number the ranks "
+                f"0..{len(set(args.expert_ranks)) - 1}"
+            )
     elif args.ranks is not None and num_experts % args.ranks:
         parser.error(f"--ranks {args.ranks} must divide the number of experts ({num_experts}); or give --expert-ranks")
     if args.ranks is not None:

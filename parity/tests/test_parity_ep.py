@@ -39,7 +39,7 @@ import torch.distributed as dist
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from moe_jax.layers import MoE
+from moe_jax.layers import EPOptions, GemmOptions, MoE
 from moe_jax.parallel import activation_spec, make_mesh
 from moe_jax.routing import Routing, SelectedSoftmax
 from parity.compare import THRESHOLDS, compare_tensor
@@ -222,10 +222,9 @@ def our_results(world: int, ep: int, case: str, strategy: str) -> dict:
         router=SelectedSoftmax(sz.top_k),
         # On host devices the grouped GEMM runs as lax.ragged_dot: the Pallas interpreter would
         # only add minutes (its parity is covered by the single-device suites).
-        backend="auto" if gpu else "xla",
-        precision=jax.lax.Precision.HIGHEST,
+        gemm=GemmOptions(backend="auto" if gpu else "xla", precision=jax.lax.Precision.HIGHEST),
         mesh=mesh,
-        ep_strategy=strategy,
+        expert_parallel=EPOptions(strategy=strategy),
         rngs=nnx.Rngs(0),
     )
     load_state(model, {name: getattr(prob, name) for name in PARAMS})

@@ -1,0 +1,108 @@
+"""The MoE layer's option groups: how its grouped GEMMs run (`GemmOptions`) and its shared experts
+(`SharedExperts`). Expert parallelism has its own group, `moe_jax.parallel.EPOptions`.
+
+Each group is a frozen dataclass checked when it is built (a bad value is an error naming the
+field and what it accepts), hashable, so a layer holding one stays a static part of its graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from jax import lax
+
+from moe_jax.ops import BackendTable, resolve_backend
+from moe_jax.validation import check_bool, check_int, is_int
+
+__all__ = ["GEMM_KERNELS", "ROW_GATHERS", "GemmOptions", "SharedExperts"]
+
+GEMM_KERNELS = ("auto", "static")
+ROW_GATHERS = ("auto", "fused", "separate")
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmOptions:
+    """How the routed experts' grouped GEMMs run (and the row gathers and EP send plan beside them).
+
+    backend: `"auto"` (on GPU per kernel from `moe_jax.ops.H200_BACKENDS`; XLA elsewhere),
+      `"pallas_triton"`, `"triton"` (official Triton through jax_triton, GPU only), `"mosaic_gpu"`
+      (Pallas Mosaic GPU grouped GEMMs) or `"xla"`; the row gathers and EP's send plan use it too
+      (on `pallas_triton` where the backend has no kernel of its own). A
+      `moe_jax.ops.BackendTable` is `"auto"` with a per-kernel table of its own, e.g.
+      `H200_BACKENDS.replace({("gmm_nn", "prefill"): ("mosaic_gpu", "triton", "pallas_triton")})`
+      to run the input gradient on Mosaic GPU where it takes the shapes.
+    kernel: how the Pallas backend picks each grouped GEMM's kernel: `"auto"` (default), the
+      per-device tuned selector (`moe_jax.ops.gmm.pallas_triton.selector`: from the packed rows and, where the
+      table says it pays, the routing histogram, on device); `"static"`, the shape table
+      (`moe_jax.ops.gmm_config`; reproducible across histograms). `MoEStats.kernel_counts_C` says
+      which ran.
+    row_gather: how the routed rows reach the gate/up GEMM: `"fused"`, the GEMM reads each row
+      through the packing's ids inside its kernel (no packed copy in memory;
+      `moe_jax.ops.grouped_linear(rows=...)`): the token rows off expert parallelism, the receive
+      buffer under it (`ep_moe(fuse_regroup=True)`; the pairwise transport's two sources are
+      still regrouped first); `"separate"`, a row gather writes the packed rows first; `"auto"`
+      (default), fused on the backends where that measured faster (`moe_jax.ops.AUTO_FUSED_GATHER`,
+      none on the H200 yet). Equal results.
+    precision: a `jax.lax.Precision` for the expert, shared-expert and latent GEMMs (default None:
+      HIGHEST for fp32 operands).
+    fused_gate_up: run gate and up as one grouped GEMM of 2F columns. This is also the parameter
+      layout: the layer then holds `w_gate_up [E, 2F, Din]` (gate rows first) instead of
+      `w_gate`/`w_up [E, F, Din]` (`moe_jax.convert` reads and writes either).
+    """
+
+    backend: str | BackendTable = "auto"
+    kernel: str = "auto"
+    row_gather: str = "auto"
+    precision: lax.Precision | None = None
+    fused_gate_up: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.backend, Mapping) and not isinstance(self.backend, BackendTable):
+            raise TypeError(
+                "GemmOptions.backend got a plain mapping; wrap a per-kernel table as "
+                "moe_jax.ops.BackendTable.of({(kernel, shape class): (backend, ...), ...}), or pass a backend name."
+            )
+        if not isinstance(self.backend, (str, BackendTable)):
+            raise TypeError(f"GemmOptions.backend must be a backend name or a moe_jax.ops.BackendTable; got "
+                            f"{type(self.backend).__name__} {self.backend!r}.")
+        resolve_backend(self.backend)  # ValueError naming the choices for an unknown name
+        if self.kernel not in GEMM_KERNELS:
+            raise ValueError(f"GemmOptions.kernel={self.kernel!r}: use one of {GEMM_KERNELS} ('auto': the tuned "
+                             "on-device selector picks each GEMM's kernel from the routing histogram; 'static': "
+                             "from the shape).")
+        if self.row_gather not in ROW_GATHERS:
+            raise ValueError(f"GemmOptions.row_gather={self.row_gather!r}: use one of {ROW_GATHERS} ('fused': the "
+                             "gate/up GEMM reads token rows through the packing's ids; 'separate': pack the rows "
+                             "first).")
+        if self.precision is not None and not isinstance(self.precision, lax.Precision):
+            raise TypeError(f"GemmOptions.precision={self.precision!r}: use None or a jax.lax.Precision (e.g. "
+                            "jax.lax.Precision.HIGHEST).")
+        object.__setattr__(self, "fused_gate_up", check_bool("GemmOptions.fused_gate_up", self.fused_gate_up))
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedExperts:
+    """Shared experts that see every real token (DeepSeekMoE; Qwen2-MoE's gated one).
+
+    count: how many shared experts (>= 1); they are merged into one SwiGLU of width `d_ff`.
+    d_ff: that SwiGLU's hidden width (default: the routed experts' `d_ff` times `count`).
+    gate: scale the shared output per token by `sigmoid(x W_sg^T)`, `w_shared_gate [1, D]`
+      (Qwen2-MoE's `shared_expert_gate`).
+    """
+
+    count: int = 1
+    d_ff: int | None = None
+    gate: bool = False
+
+    def __post_init__(self):
+        if is_int(self.count) and self.count == 0:
+            raise ValueError("SharedExperts.count=0: a layer without shared experts takes shared_experts=None.")
+        object.__setattr__(self, "count", check_int("SharedExperts.count", self.count))
+        if self.d_ff is not None:
+            object.__setattr__(self, "d_ff", check_int("SharedExperts.d_ff", self.d_ff))
+        object.__setattr__(self, "gate", check_bool("SharedExperts.gate", self.gate))
+
+    def width(self, d_ff: int) -> int:
+        """The merged SwiGLU's hidden width for routed experts of width `d_ff`."""
+        return self.d_ff if self.d_ff is not None else d_ff * self.count
