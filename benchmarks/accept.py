@@ -52,10 +52,10 @@ KERNEL_NAMES = r"moe_jax_gmm|moe_jax_tgmm|mosaic|_body"
 def _layer_step(shape, dtype, backend):
     from flax import nnx
 
-    from moe_jax.layers import MoE
+    from moe_jax.layers import GemmOptions, MoE
 
     t, d, f, e, k = shape
-    layer = MoE(d, f, e, k, dtype=dtype, backend=backend, rngs=nnx.Rngs(0))
+    layer = MoE(d, f, e, k, dtype=dtype, gemm=GemmOptions(backend=backend), rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.PRNGKey(1), (t, d), jnp.float32).astype(dtype)
 
     @nnx.jit

@@ -35,7 +35,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from benchmarks.timing import compile_jax, time_compiled
 from moe_jax import convert
-from moe_jax.layers import MoE
+from moe_jax.layers import MoE, SharedExperts
 from moe_jax.parallel import AxisRules, make_mesh
 from moe_jax.routing import SoftmaxTopK
 from moe_jax.testing import rel_err, tolerance
@@ -92,7 +92,7 @@ def converted_vs_native(tokens: int) -> dict:
 def user_meshes(tokens: int) -> list[dict]:
     devices = jax.devices()
     n = len(devices)
-    base = MoE(1024, 512, 64, 4, num_shared_experts=1, dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
+    base = MoE(1024, 512, 64, 4, shared_experts=SharedExperts(1), dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
     x = jax.random.normal(jax.random.PRNGKey(1), (tokens, 1024), jnp.bfloat16)
     t_base, y_base = _time(base, x, reps=5)
     rows = [dict(case="no mesh", ms=t_base * 1e3, rel_err=0.0)]
@@ -106,7 +106,7 @@ def user_meshes(tokens: int) -> list[dict]:
         ("no mesh, ambient Explicit batch", batch, {}, None),
     ]
     for name, mesh, kw, inputs in cases:
-        layer = MoE(1024, 512, 64, 4, num_shared_experts=1, dtype=jnp.bfloat16, rngs=nnx.Rngs(1), **kw)
+        layer = MoE(1024, 512, 64, 4, shared_experts=SharedExperts(1), dtype=jnp.bfloat16, rngs=nnx.Rngs(1), **kw)
         with jax.set_mesh(mesh):
             xs = inputs if inputs is not None else jax.device_put(x, NamedSharding(mesh, PartitionSpec("batch")))
             t, y = _time(layer, xs, reps=5)

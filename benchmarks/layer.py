@@ -8,7 +8,7 @@ top-2 of 8), DeepSeek-V3 (T=4096, D=7168, F=2048, top-8 of 256).
 
 Ours: `moe_jax.layers.MoE` (one variant per `--variants` entry: `auto` the default layer, whose
 `backend="auto"` picks per kernel (`moe_jax.ops.gmm.plan`); `pallas` all on
-`pallas_triton`; `static` that with `gemm_kernel="static"`; `triton` all GEMMs on `triton`; `mosaic` all on
+`pallas_triton`; `static` that with `GemmOptions(kernel="static")`; `triton` all GEMMs on `triton`; `mosaic` all on
 `mosaic_gpu`; `mosaic-dgrad` / `mosaic-fwd-dgrad` the default's table (`moe_jax.ops.BackendTable`)
 with the prefill input gradient / forward and input gradient on `mosaic_gpu` where it takes the
 shapes; `fused` / `separate` the default with `row_gather` forced either way), the gradient of
@@ -38,7 +38,7 @@ from flax import nnx
 
 from benchmarks.gmm import to_torch
 from benchmarks.timing import compile_jax, run_meta, time_compiled, time_torch
-from moe_jax.layers import MoE
+from moe_jax.layers import GemmOptions, MoE
 from moe_jax.ops import H200_BACKENDS
 from moe_jax.routing import SoftmaxTopK
 
@@ -64,7 +64,7 @@ SHAPES = (
     LayerShape("deepseek-v3", 4096, 7168, 2048, 256, 8),
 )
 MOSAIC_FIRST = ("mosaic_gpu", "triton", "pallas_triton")  # Mosaic where it takes the shapes, else as `auto`
-VARIANTS = {"auto": dict(), "pallas": dict(backend="pallas_triton"), "static": dict(backend="pallas_triton", gemm_kernel="static"),
+VARIANTS = {"auto": dict(), "pallas": dict(backend="pallas_triton"), "static": dict(backend="pallas_triton", kernel="static"),
             "triton": dict(backend="triton"), "separate": dict(row_gather="separate"),
             "fused": dict(row_gather="fused"), "mosaic": dict(backend="mosaic_gpu"),
             "mosaic-dgrad": dict(backend=H200_BACKENDS.replace({("gmm_nn", "prefill"): MOSAIC_FIRST})),
@@ -72,9 +72,11 @@ VARIANTS = {"auto": dict(), "pallas": dict(backend="pallas_triton"), "static": d
                                                                     ("gmm_nn", "prefill"): MOSAIC_FIRST}))}
 
 
-def _layer(shape: LayerShape, **kw) -> MoE:
+def _layer(shape: LayerShape, **gemm) -> MoE:
+    """The layer at `shape` with `GemmOptions(**gemm)` (built here, not at import: a `triton`
+    backend is checked against the platform when built)."""
     return MoE(shape.d_model, shape.d_ff, shape.experts, shape.top_k, router=SoftmaxTopK(shape.top_k, renormalize=True),
-               dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0), **kw)
+               dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, gemm=GemmOptions(**gemm), rngs=nnx.Rngs(0))
 
 
 def _ours(layer: MoE, x, reps: int):

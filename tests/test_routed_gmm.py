@@ -87,7 +87,7 @@ def test_fit_writes_a_loadable_tables_module(tmp_path):
 def test_padding_cli_says_what_the_selector_runs(capsys):
     assert padding_main(["100,32,0,0,0,0,0,0", "--tiles", "16", "--gemm", "1536,2048"]) == 0
     out = capsys.readouterr().out
-    assert "selector (gemm_kernel='auto') for a GEMM of N=1536, K=2048, M=132: runs " in out
+    assert "selector (GemmOptions(kernel='auto')) for a GEMM of N=1536, K=2048, M=132: runs " in out
     assert "effective experts = 1.581" in out and "tuned at (N, K, E) = (1536, 2048, 128)" in out
     with pytest.raises(SystemExit):
         padding_main(["1,2", "--gemm", "3"])

@@ -21,19 +21,24 @@ class MoEStats(NamedTuple):
     counts_E: int32 `[E]`, real routes per expert (masked tokens excluded).
     tokens: int32 scalar, real tokens.
     executed_rows: int32 scalar, rows the gate/up grouped GEMM executes, `sum_e ceil(t_e / bm) * bm`
-      at the tile height bm of the candidate that ran (the selector's pick with `gemm_kernel="auto"`,
-      the shape table's with `"static"`), summed over devices; on the xla backend the useful rows
+      at the tile height bm of the kernel that ran (its plan's: on `pallas_triton` the selector's
+      pick with `GemmOptions(kernel="auto")`, the shape table's with `"static"`; on `triton` and
+      `mosaic_gpu` their own tiles), summed over devices; on the xla backend the useful rows
       (XLA's tiling is its own, so no tile padding is claimed). Under a mesh this is per-device
       grouping, so it can exceed the single-device figure.
     executed_rows_max: int32 scalar, the largest single device's executed rows (the slowest rank).
     useful_rows: int32 scalar, rows fed to the grouped GEMMs (U), summed over devices.
     useful_rows_max: int32 scalar, the largest single device's U.
     kernel_counts_C: int32 `[C]`, devices whose gate/up GEMM ran each `moe_jax.ops.CANDIDATES`
-      member (in its order; all zero on the xla backend).
+      member (in its order; all zero on the backends without those candidates: `triton`,
+      `mosaic_gpu`, `xla`).
     padding_fraction: f32 scalar, (executed_rows - useful_rows) / executed_rows.
-    dropped: int32 scalar, routes dropped by EP capacity (0 when dropless or without ep > 1).
-    dropped_E: int32 `[E]`, those drops per expert (`counts_E - dropped_E` is what the experts
-      executed).
+    dropped: int32 scalar, routes of real tokens that reached no expert: dropped by EP capacity (0 when
+      dropless or without ep > 1), plus those of an injected routing whose expert id lies outside
+      [0, E) (traced ids; concrete ones are refused), counted alike on one device and on every mesh.
+    dropped_E: int32 `[E]`, the capacity drops per expert (`counts_E - dropped_E` is what the experts
+      executed); ids outside [0, E) have no slot here nor in `counts_E`: `dropped - sum(dropped_E)`
+      counts them.
     """
 
     aux_loss: jax.Array

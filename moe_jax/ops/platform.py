@@ -90,7 +90,7 @@ class BackendTable(Mapping):
     """`backend="auto"` with its own table: for each `(kernel, shape class)` of the grouped GEMMs
     (kernels `gmm_nt`, `gmm_nn`, `tgmm`; classes `SHAPE_CLASSES`), the backends to try in order
     on a GPU (`moe_jax.ops.gmm.plan` runs the first that supports the call). Pass it wherever a
-    backend name goes (`gmm`, `tgmm`, `grouped_linear`, the layer's `GemmOptions`); ops without
+    backend name goes (`gmm`, `tgmm`, `grouped_linear`, `MoE(gemm=GemmOptions(backend=...))`); ops without
     per-kernel choices (row gathers, EP's send plan) and every op off GPU read it as `"auto"`. A
     read-only mapping, hashable (it sits in jit-static options); build it from a dict with
     `BackendTable.of` or from another table with `replace`.
@@ -99,7 +99,7 @@ class BackendTable(Mapping):
     entries: tuple[tuple[tuple[str, str], tuple[str, ...]], ...]
 
     def __post_init__(self):
-        if isinstance(self.entries, Mapping):
+        if isinstance(self.entries, Mapping) or not isinstance(self.entries, tuple):
             raise TypeError("BackendTable takes a tuple of ((kernel, shape class), backends) entries; build one from a "
                             "dict with BackendTable.of({...}).")
         for key, choices in self.entries:

@@ -120,7 +120,7 @@ def _build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N,K",
         help=(
-            "also say which kernel gemm_kernel='auto' runs for these counts in a forward grouped GEMM "
+            "also say which kernel GemmOptions(kernel='auto') runs for these counts in a forward grouped GEMM "
             "of N output and K input columns (M = sum of the counts): the histogram features, the tuned "
             "table and its cell"
         ),
@@ -142,7 +142,7 @@ def _selector_lines(counts: list[int], gemm: list[int]) -> list[str]:
     name = list(CANDIDATES)[int(pick.candidate)]
     row, col = table.row(num_rows), int(table.column(f))
     return [
-        f"selector (gemm_kernel='auto') for a GEMM of N={n}, K={k}, M={num_rows}: runs {name} "
+        f"selector (GemmOptions(kernel='auto')) for a GEMM of N={n}, K={k}, M={num_rows}: runs {name} "
         f"({CANDIDATES[name].name}), P = {int(pick.executed_rows)}",
         f"  features: U = {int(f.useful_rows)}, active = {int(f.active)}, max rows = {int(f.max_rows)}, "
         f"effective experts = {float(f.effective):.3f}",
