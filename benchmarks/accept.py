@@ -75,26 +75,37 @@ def _rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def layers(args) -> None:
+def _shape_rows(shape) -> list[dict]:
+    """The cells of one layer shape: each dtype on each backend, `xla` first (the reference)."""
     rows = []
-    for shape in LAYER_SHAPES:
-        for dtype in ("float32", "bfloat16"):
-            ref = None
-            for backend in ("xla",) + tuple(b for b in LAYER_BACKENDS if b != "xla"):
-                start = time.perf_counter()
-                try:
-                    y, dx, dparams = _layer_step(shape, jnp.dtype(dtype), backend)
-                    finite = all(bool(jnp.isfinite(leaf).all()) for leaf in jax.tree.leaves((y, dx, dparams)))
-                    if ref is None:
-                        ref = (y, dx)
-                    err = max(_rel(y, ref[0]), _rel(dx, ref[1]))
-                    cell = "ok" if finite and err <= TOLERANCE[dtype] else f"WRONG (finite={finite}, rel err {err:.2e})"
-                except Exception as exc:  # noqa: BLE001  (every failure is a cell of the table)
-                    err, cell = None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-                    traceback.print_exc(limit=3)
-                rows.append(dict(shape=shape, dtype=dtype, backend=backend, cell=cell, rel_err=err,
-                                 seconds=round(time.perf_counter() - start, 1)))
-                print(json.dumps(rows[-1]), flush=True)
+    for dtype in ("float32", "bfloat16"):
+        ref = None
+        for backend in ("xla",) + tuple(b for b in LAYER_BACKENDS if b != "xla"):
+            start = time.perf_counter()
+            try:
+                y, dx, dparams = _layer_step(shape, jnp.dtype(dtype), backend)
+                finite = all(bool(jnp.isfinite(leaf).all()) for leaf in jax.tree.leaves((y, dx, dparams)))
+                if ref is None:
+                    ref = (y, dx)
+                err = max(_rel(y, ref[0]), _rel(dx, ref[1]))
+                cell = "ok" if finite and err <= TOLERANCE[dtype] else f"WRONG (finite={finite}, rel err {err:.2e})"
+            except Exception as exc:  # noqa: BLE001  (every failure is a cell of the table)
+                err, cell = None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+                traceback.print_exc(limit=3)
+            rows.append(dict(shape=shape, dtype=dtype, backend=backend, cell=cell, rel_err=err,
+                             seconds=round(time.perf_counter() - start, 1)))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def layers(args) -> None:
+    if args.jobs > 1:  # one process per shape: the cells are mostly compile time, on the host's cores
+        import multiprocessing
+
+        with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
+            rows = [row for shape_rows in pool.map(_shape_rows, LAYER_SHAPES) for row in shape_rows]
+    else:
+        rows = [row for shape in LAYER_SHAPES for row in _shape_rows(shape)]
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)
@@ -216,7 +227,7 @@ def summary(args) -> None:
 
     lines = [f"# GPU acceptance run, {time.strftime('%Y-%m-%d')}", "",
              f"Command: `benchmarks/gpu_run.sh accept` on one H200; commit {args.commit}.", ""]
-    pip = read("pip.txt").strip().replace("\n", "; ")
+    pip = "; ".join(re.sub(r"\s+", " ", ln.strip()) for ln in read("pip.txt").splitlines() if ln.strip())
     lines += [f"Versions: {pip}", ""]
     last = [ln for ln in read("tests.log").splitlines() if re.search(r"\d+ (passed|failed)", ln)]
     lines += [f"- `pytest tests parity` compiled: {last[-1].strip('= ') if last else 'no result (see the log)'}"]
@@ -250,6 +261,7 @@ def main(argv=None) -> None:
     sub = p.add_subparsers(dest="cmd", required=True)
     q = sub.add_parser("layers")
     q.add_argument("--json", default=None)
+    q.add_argument("--jobs", type=int, default=1, help="processes (one shape each)")
     q = sub.add_parser("launch")
     q.add_argument("--labels", required=True)
     q = sub.add_parser("ncu-table")
