@@ -15,6 +15,7 @@ import jax
 from tqdm.auto import tqdm
 
 from moe_jax.ops import resolve_backend
+from moe_jax.ops.platform import on_gpu
 from moe_jax.parallel import STRATEGIES as EP_STRATEGIES
 
 from .checkpoints import Checkpoints
@@ -54,6 +55,13 @@ _nonnegative_int = _number_type(int, positive=False)
 _positive_int = _number_type(int, positive=True)
 _nonnegative_float = _number_type(float, positive=False)
 _positive_float = _number_type(float, positive=True)
+
+
+def _backend_line(backend: str) -> str:
+    """What the grouped GEMMs run on here: `auto` is per kernel on a GPU (`H200_BACKENDS`)."""
+    if backend == "auto" and on_gpu():
+        return "auto (per kernel: Pallas forward, official Triton gradients at prefill where jax_triton imports)"
+    return resolve_backend(backend)
 
 
 def _fraction(text: str) -> float:
@@ -108,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("execution")
     g.add_argument("--backend", choices=BACKENDS, default="auto",
-                   help="grouped-GEMM backend (auto: Pallas kernels on GPU, XLA ragged_dot elsewhere)")
+                   help="grouped-GEMM backend (auto: per kernel on a GPU, moe_jax.ops.H200_BACKENDS: Pallas forward, "
+                        "official Triton gradients at prefill; XLA ragged_dot elsewhere)")
     g.add_argument("--ep", type=_positive_int, default=None,
                    help="expert-parallel size: mesh ('data', 'ep') over all devices; batch is split over all")
     g.add_argument("--ep-strategy", choices=EP_STRATEGIES, default="padded",
@@ -208,7 +217,7 @@ def run(args: argparse.Namespace) -> dict:
         f"corpus: {source}, {len(split.train):,} train / {len(split.val):,} val bytes | "
         f"devices: {jax.device_count()} x {jax.devices()[0].platform}"
         + (f" | mesh {dict(mesh.shape)}" if mesh is not None else "")
-        + f" | grouped GEMM: {resolve_backend(args.backend)}"
+        + f" | grouped GEMM: {_backend_line(args.backend)}"
     )
 
     with Checkpoints(out / "checkpoints") as ckpt:
