@@ -37,7 +37,7 @@ def test_render_ratios_and_missing_peers():
 
 def test_render_committed_result():
     """The kept H200 result (written before the decode summary key was renamed) still renders."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks/results/2026-11-30-h200-gmm.json"
+    path = Path(__file__).resolve().parents[1] / "benchmarks/results/archive/2026-11-30-h200-gmm.json"
     md = render(json.loads(path.read_text()))
     assert "# Grouped GEMM on NVIDIA H200 — 2026-11-30" in md
     assert "- decode, fraction of copy bandwidth (target ≥ 0.7): " in md
