@@ -30,7 +30,7 @@ L=${LANE:+$LANE-}
 phases=()
 for phase in "$@"; do
   if [ "$phase" = accept ]; then
-    phases+=(env jax-triton accept-tests:540 accept-example:240 accept-layers:420 accept-compiled:300 accept-ncu:420 accept-summary)
+    phases+=(env jax-triton accept-tests:540 accept-example:240 accept-layers:540 accept-compiled:300 accept-ncu:420 accept-summary)
   else
     phases+=("$phase")
   fi
@@ -75,7 +75,7 @@ for phase in "${phases[@]}"; do
                         | tr '\r' '\n' | grep -v '^ *$' > "$OUT/${L}example_$dt.log"
                       echo "exit ${PIPESTATUS[0]}" >> "$OUT/${L}example_$dt.log"; tail -4 "$OUT/${L}example_$dt.log"
                     done ;;
-    accept-layers) timeout "$limit" python3 -m benchmarks.accept layers --jobs 5 --json "$OUT/${L}accept_layers.json" 2>&1 | tee "$OUT/${L}accept_layers.log" | tail -14 ;;
+    accept-layers) timeout "$limit" python3 -m benchmarks.accept layers --json "$OUT/${L}accept_layers.json" 2>&1 | tee "$OUT/${L}accept_layers.log" | tail -14 ;;
     accept-compiled) timeout "$limit" env -u TRITON_INTERPRET python3 -m tests.compiled_resources --jobs ${NPROC:-14} > "$OUT/${L}compiled.jsonl" 2> "$OUT/${L}compiled.err"
                      python3 -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]; print(len(r), 'compiled; model below the compiler on', sum(x['compiled']>x['model'] for x in r), '; exact on', sum(x['compiled']==x['model'] for x in r))" "$OUT/${L}compiled.jsonl" ;;
     accept-ncu) timeout "$limit" ncu --clock-control none --print-units base --csv --log-file "$OUT/${L}accept_ncu.csv" \

@@ -121,8 +121,13 @@ class Executed(NamedTuple):
 
 
 def useful_rows(group_sizes: jax.Array, num_rows: int) -> jax.Array:
-    """U: rows in groups after the kernels' clamp (negative sizes as zero, at most `num_rows`)."""
-    from moe_jax.ops.gmm.schedule import clamp_group_sizes  # noqa: PLC0415 (schedule imports nothing of ours)
+    """U: rows in groups after the kernels' clamp (negative sizes as zero, at most `num_rows`):
+    the clipped sizes' int32 sum, capped, where it cannot overflow (E * M < 2**31), else the
+    exact clamp's total."""
+    if group_sizes.shape[0] * num_rows < 2**31:
+        clipped = jnp.clip(group_sizes, 0, num_rows).astype(jnp.int32)  # clip first: unsigned sizes stay large
+        return jnp.minimum(jnp.sum(clipped, dtype=jnp.int32), num_rows)
+    from moe_jax.ops.gmm.schedule import clamp_group_sizes  # noqa: PLC0415
 
     return clamp_group_sizes(group_sizes, num_rows)[-1]
 

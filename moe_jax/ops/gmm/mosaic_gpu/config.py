@@ -2,9 +2,10 @@
 
 Legend: M packed rows, K reduction width, N output width.
 
-Mosaic GPU allocates exactly what the kernel asks for (`kernel._body`'s scoped allocations), so the
-model is that sum: the pipeline's A and B stages, the two compute warpgroups' output buffers, and
-the stages' barriers.
+Mosaic GPU allocates what the kernel asks for (`kernel._body`'s scoped allocations), so the model
+is that sum: the pipeline's A and B stages, the two compute warpgroups' output buffers and the
+stages' barriers, plus `RESERVED_BYTES` for what Mosaic adds beside them (on the H200, under Nsight
+Compute, 2026-12-03: one byte more than the sum, at both configurations the rule runs).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ __all__ = ["EPILOGUE_ROWS", "MosaicConfig", "ROW_ALIGN", "SHORT_K", "SHORT_K_STE
 ROW_ALIGN = 8  # TMA boxes into the swizzled tiles start on a multiple of the 8-row tiling
 EPILOGUE_ROWS = 64  # Mosaic slices the wgmma accumulator's registers in blocks of 64 rows
 BARRIER_BYTES = 8  # one mbarrier
+RESERVED_BYTES = 1024  # beside the scoped buffers (1 B measured; docs/decisions.md)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))  # wgmma operands this kernel is written for
 
 
@@ -72,12 +74,12 @@ class MosaicConfig:
 
 
 def smem_bytes(config: MosaicConfig, dtype, out_dtype) -> int:
-    """Shared memory the kernel allocates: the pipeline's A and B stages, the two warpgroups'
-    output buffers and two barriers per stage (loaded, consumed)."""
+    """Shared memory the kernel allocates (an upper bound): the pipeline's A and B stages, the two
+    warpgroups' output buffers, two barriers per stage (loaded, consumed) and `RESERVED_BYTES`."""
     stages = config.max_concurrent_steps * (config.tile_m + config.cta_n) * config.tile_k
     out_rows = config.out_buffer_rows or config.tile_m
     return (stages * jnp.dtype(dtype).itemsize + 2 * out_rows * config.tile_n * jnp.dtype(out_dtype).itemsize
-            + 2 * config.max_concurrent_steps * BARRIER_BYTES)
+            + 2 * config.max_concurrent_steps * BARRIER_BYTES + RESERVED_BYTES)
 
 
 # The most K steps at which `mosaic_config` runs one pipeline across items with 4 stages: on an H200
