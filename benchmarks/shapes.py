@@ -9,6 +9,8 @@ import dataclasses
 
 import numpy as np
 
+from moe_jax.scaleout.loads import zipf_counts as zipf
+
 
 @dataclasses.dataclass(frozen=True)
 class GemmShape:
@@ -46,29 +48,10 @@ def balanced_counts(m: int, e: int) -> np.ndarray:
 
 
 def zipf_counts(m: int, e: int, *, cap: int, s: float = 1.2, seed: int = 0) -> np.ndarray:
-    """Counts proportional to rank^-s (experts in random order), summing to `m`, each <= `cap`.
-
-    `cap` is the token count: under top-k routing an expert sees each token at most once. Overflow
-    above the cap is poured into the next experts by the same law (water filling).
-    """
-    w = np.arange(1, e + 1, dtype=np.float64) ** -s
-    counts = np.zeros(e, np.int64)
-    remaining = m
-    free = np.ones(e, bool)
-    while remaining > 0:
-        share = np.where(free, w, 0.0)
-        raw = remaining * share / share.sum()
-        add = np.floor(raw).astype(np.int64)
-        rem = remaining - add.sum()
-        order = np.argsort(-(raw - add))
-        add[order[:rem]] += 1
-        counts += add
-        over = np.maximum(counts - cap, 0)
-        counts -= over
-        remaining = int(over.sum())
-        free &= counts < cap
-    rng = np.random.default_rng(seed)
-    return counts[rng.permutation(e)]
+    """Counts proportional to rank^-s (experts in random order), summing to `m`, each <= `cap`
+    (`moe_jax.scaleout.loads.zipf_counts`: `cap` is the token count, under top-k routing an expert
+    sees each token at most once; overflow above it is poured into the next experts by the same law)."""
+    return zipf(m, e, cap=cap, s=s, seed=seed)
 
 
 def decode_counts(tokens: int, e: int = 128, top_k: int = 8, seed: int = 0) -> np.ndarray:

@@ -4,7 +4,7 @@ turned into whole row counts for a step of R ranks x T tokens x top-K.
 Legend: E experts, R ranks (sources of routes), T tokens per rank, K top-k, L layers, W steps of
 a trace window.
 
-- `zipf_counts`: the law of `benchmarks.shapes.zipf_counts` (counts proportional to rank^-s over
+- `zipf_counts`: the Zipf law the benchmarks use (counts proportional to rank^-s over
   a seeded random expert order, water-filled under a per-expert cap), the same numbers for the
   same arguments, without importing `benchmarks`.
 - Traces: `benchmarks/data/expert_counts.npz` (written by `benchmarks/traces.py`; keys
@@ -36,7 +36,7 @@ __all__ = ["Load", "read_trace", "rescale_experts", "scale_to_routes", "split_so
 def zipf_counts(routes: int, num_experts: int, *, cap: int, s: float = 1.2, seed: int = 0) -> np.ndarray:
     """`[E]` int64 counts proportional to rank^-s (experts in a seeded random order), summing to
     `routes`, each <= `cap`; the overflow above the cap is poured into the next experts by the same
-    law (water filling). Equals `benchmarks.shapes.zipf_counts(routes, E, cap=cap, s=s, seed=seed)`."""
+    law (water filling). The benchmarks' Zipf histograms (`benchmarks.shapes`) are these."""
     routes = check_int("routes", routes, minimum=0)
     e = check_int("num_experts", num_experts)
     cap = check_int("cap", cap)
