@@ -6,7 +6,7 @@ a trace window.
 
 - `zipf_counts`: the Zipf law the benchmarks use (counts proportional to rank^-s over
   a seeded random expert order, water-filled under a per-expert cap), the same numbers for the
-  same arguments, without importing `benchmarks`.
+  same arguments (`benchmarks.shapes` calls it).
 - Traces: `benchmarks/data/expert_counts.npz` (written by `benchmarks/traces.py`; keys
   `train/step{S}/layer{L}`, int64 `[E_trace]` each). A trace load is one layer's counts summed over
   the last `window` training steps. Recorded at 8 experts; `rescale_experts` spreads them over E
