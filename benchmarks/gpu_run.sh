@@ -54,7 +54,7 @@ for phase in "${phases[@]}"; do
                 XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true" python3 -m pytest tests/test_ep_moe.py -k ragged -q -rA -p no:cacheprovider; b=$?
                 exit $((a ? a : b))' 2>&1 | tee "$OUT/${L}ep_check.log" | tail -30 ;;
     ep-bench) timeout "$limit" python3 -m benchmarks.ep --ranks ${EP_RANKS:-2} ${EP_ARGS:-} --json "$OUT/${L}ep.json" 2>&1 | tee "$OUT/${L}ep.log" | tail -30 ;;
-    parity-ep) timeout "$limit" python3 -m pytest ${PARITY_EP:-tests/test_parallel_exchange.py parity/tests/test_parity_ep.py parity/tests/test_reference_ep.py} -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/${L}parity_ep.log" | tail -25 ;;
+    parity-ep) timeout "$limit" python3 -m pytest ${PARITY_EP:-tests/test_dispatch.py parity/tests/test_parity_ep.py parity/tests/test_reference_ep.py} -q -rA -p no:cacheprovider 2>&1 | tee "$OUT/${L}parity_ep.log" | tail -25 ;;
     example-ep) timeout "$limit" python3 examples/train_moe.py --ep ${EP_RANKS:-2} --steps ${STEPS:-200} --out "$OUT/${L}example_ep" 2>&1 | tr '\r' '\n' | grep -v '^ *$' | tee "$OUT/${L}example_ep.log" | tail -25 ;;
     jax-triton) python3 -m pip install -q --no-deps --no-index "${WHEELS:-.whl}"/jax_triton-*.whl 2>&1 | tail -2
                 python3 -c "import jax_triton; print('jax_triton', jax_triton.__version__)" ;;

@@ -19,7 +19,7 @@ on GPUs through the real collective (benchmarks/gpu_run.sh's ep-check phase runs
 under XLA's ragged_all_to_all decomposer flag).
 
 Linear experts, masks, NaN padding, degenerate routings at data > 1 and the layout are
-tests/test_parallel_exchange.py's; the MoE layer on a mesh is tests/test_layers_parallel.py's.
+tests/test_dispatch.py's; the MoE layer on a mesh is tests/test_layers_parallel.py's.
 
 Legend: P ep size, T tokens per rank, N = P*T tokens, D width, F expert hidden width, E experts,
 K top-k, C capacity.

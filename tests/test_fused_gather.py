@@ -37,7 +37,7 @@ def _routed(seed, tokens, top_k, experts, width, dtype, *, drop_expert=None):
     return x_TD, packing, packed_row_source(x_TD, packing)
 
 
-# mosaic_gpu takes bf16/fp16 only (tests/test_mosaic_gmm.py checks its dtype error).
+# mosaic_gpu takes bf16/fp16 only (tests/test_mosaic_gpu.py checks its dtype error).
 CASES = [(b, d) for b in BACKENDS for d in (jnp.float32, jnp.bfloat16) if not (b == "mosaic_gpu" and d == jnp.float32)]
 TOKENS = 96 if ON_GPU else 20  # 192 packed rows on GPU: at least one of Mosaic's 128-row tiles
 

@@ -4,7 +4,7 @@ Off GPU jax_triton cannot import (it needs a CUDA jaxlib), so the kernels themse
 here: interpreted by Triton on CPU tensors (the repository's conftest sets `TRITON_INTERPRET`),
 compiled on CUDA tensors on a GPU, and on any host compiled ahead of time for an H200
 (`tests/triton_aot.py`). The same launch parameters (`gmm_launch`, `tgmm_launch`) feed the
-jax_triton path, which `tests/test_ops.py` runs on a GPU through `gmm(backend="triton")`.
+jax_triton path, which `tests/test_gmm.py` runs on a GPU through `gmm(backend="triton")`.
 """
 
 import json
