@@ -4,6 +4,7 @@ The same bodies run compiled on a GPU and interpreted on CPU (`moe_jax.ops` pick
 small on CPU, larger on GPU.
 """
 
+import functools
 import re
 
 import hypothesis.strategies as st
@@ -73,9 +74,27 @@ def _split(total, e, seed, zeros=()):
 # Schedule
 
 
+def _fill(sizes, rows, fill):
+    """`sizes` clipped in order to fit `rows` (later groups come up short or empty when earlier
+    ones take all the rows); with `fill` the last group also takes every row left over, so no
+    rows lie past the groups."""
+    left, out = rows, []
+    for size in sizes:
+        out.append(min(size, left))
+        left -= out[-1]
+    if fill:
+        out[-1] += left
+    return np.asarray(out, np.int32)
+
+
+@functools.cache
+def _schedule(num_rows, block_m):
+    return jax.jit(functools.partial(make_group_metadata, num_rows=num_rows, block_m=block_m))
+
+
 def _check_schedule(sizes, m, bm):
     sizes_np = np.asarray(sizes)
-    meta = make_group_metadata(jnp.asarray(sizes_np, jnp.int32), num_rows=m, block_m=bm)
+    meta = _schedule(m, bm)(jnp.asarray(sizes_np, jnp.int32))
     e = len(sizes_np)
     g, s, t = (np.asarray(a) for a in (meta.tile_group_W, meta.tile_start_W, meta.tile_end_W))
     n = int(meta.num_tiles)
@@ -97,12 +116,15 @@ def _check_schedule(sizes, m, bm):
 
 @settings(derandomize=True, max_examples=25, deadline=None)
 @given(
-    sizes=st.lists(st.integers(0, 40), min_size=1, max_size=9),
-    slack=st.integers(0, 50),
+    sizes=st.lists(st.integers(0, 40), min_size=9, max_size=9),
+    groups=st.sampled_from([1, 2, 9]),
+    fill=st.booleans(),
     bm=st.sampled_from([1, 2, 16, 32]),
 )
-def test_schedule_invariants(sizes, slack, bm):
-    _check_schedule(sizes, sum(sizes) + slack, bm)
+def test_schedule_invariants(sizes, groups, fill, bm):
+    """M = 160 rows and E in {1, 2, 9} (one compile per E and block_m; the sizes are data): empty
+    groups, groups of one row, groups that fill M exactly or leave rows past them."""
+    _check_schedule(_fill(sizes[:groups], 160, fill), 160, bm)
 
 
 def test_schedule_bound_is_tight_for_worst_case():
@@ -390,20 +412,26 @@ def test_jit_with_traced_sizes_and_scan(backend):
     assert abs(float(run(x, ws, gs2)) - float(run_ref(x, ws, gs2))) <= 1e-4 * float(run_ref(x, ws, gs2))
 
 
-@settings(derandomize=True, max_examples=8 if not ON_GPU else 15, deadline=None)
-@given(sizes=st.lists(st.integers(0, 40), min_size=1, max_size=6), slack=st.integers(0, 20))
-def test_gmm_property_random_groupings(sizes, slack):
-    m = sum(sizes) + slack
-    if m == 0:
-        return
-    e = len(sizes)
+@functools.cache
+def _random_grouping_ops():
+    gmm_ = jax.jit(lambda x, w, gs: gmm(x, w, gs, backend="pallas_triton", config=CFG))
+    tgmm_ = jax.jit(lambda x, dy, gs: tgmm(x, dy, gs, backend="pallas_triton", config=WCFG))
+    return gmm_, tgmm_
+
+
+@settings(derandomize=True, max_examples=20, deadline=None)
+@given(sizes=st.lists(st.integers(0, 40), min_size=6, max_size=6), groups=st.sampled_from([1, 6]), fill=st.booleans())
+def test_gmm_property_random_groupings(sizes, groups, fill):
+    """Random group sizes (empty groups, one-row groups, rows past the groups or none) over M = 128
+    rows and E in {1, 6}: the sizes are data, so each E compiles once."""
+    m, e = 128, groups
+    gs = jnp.asarray(_fill(sizes[:e], m, fill))
     x, w = _inputs(12, m, 40, 24, e, jnp.float32)
-    gs = jnp.asarray(sizes, jnp.int32)
-    assert_close(gmm(x, w, gs, backend="pallas_triton", config=CFG), gmm_reference(x, w, gs),
-                 jnp.float32, f"gmm sizes={sizes} M={m}")
+    gmm_, tgmm_ = _random_grouping_ops()
+    sizes = np.asarray(gs).tolist()
+    assert_close(gmm_(x, w, gs), gmm_reference(x, w, gs), jnp.float32, f"gmm sizes={sizes} M={m}")
     dy = jax.random.normal(jax.random.PRNGKey(13), (m, 24))
-    assert_close(tgmm(x, dy, gs, backend="pallas_triton", config=WCFG), tgmm_reference(x, dy, gs),
-                 jnp.float32, f"tgmm sizes={sizes} M={m}")
+    assert_close(tgmm_(x, dy, gs), tgmm_reference(x, dy, gs), jnp.float32, f"tgmm sizes={sizes} M={m}")
 
 
 # ---------------------------------------------------------------------------------------------

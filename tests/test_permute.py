@@ -16,18 +16,29 @@ from moe_jax.permute import Packing, combine, gather_rows, pack, pack_rows, stab
 SETTINGS = settings(derandomize=True, max_examples=12, deadline=None)
 
 
+# (tokens, top_k, experts) of the routings: one expert; top-3 of 7 (some experts empty); top-2 of
+# 4; a single token. Shapes come from this short list so each test compiles a few programs, and the
+# routings themselves (experts, masks) are values drawn per example; zero tokens is
+# test_zero_tokens.
+ROUTING_SHAPES = [(9, 1, 1), (9, 3, 7), (6, 2, 4), (1, 2, 2)]
+
+
 @st.composite
-def routings(draw, max_tokens=9):
+def routings(draw):
     """(expert_idx_TK, mask_T, E): distinct experts per token, E up to 7 (so some are empty)."""
-    num_experts = draw(st.integers(1, 7))
-    top_k = draw(st.integers(1, min(3, num_experts)))
-    num_tokens = draw(st.integers(0, max_tokens))
+    num_tokens, top_k, num_experts = draw(st.sampled_from(ROUTING_SHAPES))
     seed = draw(st.integers(0, 2**16))
     rng = np.random.default_rng(seed)
     rows = [rng.choice(num_experts, size=top_k, replace=False) for _ in range(num_tokens)]
     idx = np.asarray(rows, np.int32).reshape(num_tokens, top_k)
     mask = rng.random(num_tokens) < draw(st.sampled_from([1.0, 0.7, 0.0]))
     return idx, mask, num_experts
+
+
+# Compiled once per routing shape (the property tests' examples share them).
+_pack = jax.jit(pack, static_argnums=1)
+_pack_rows = jax.jit(pack_rows)
+_combine = jax.jit(combine)
 
 
 def _numpy_packing(idx, mask, num_experts):
@@ -41,7 +52,7 @@ def _numpy_packing(idx, mask, num_experts):
 @given(routings())
 def test_pack_matches_numpy_stable_sort(case):
     idx, mask, num_experts = case
-    p = jax.jit(pack, static_argnums=1)(jnp.asarray(idx), num_experts, mask_T=jnp.asarray(mask))
+    p = _pack(jnp.asarray(idx), num_experts, mask_T=jnp.asarray(mask))
     order, sizes = _numpy_packing(idx, mask, num_experts)
     np.testing.assert_array_equal(p.order_R, order)
     np.testing.assert_array_equal(p.group_sizes_E, sizes)
@@ -54,14 +65,14 @@ def test_pack_matches_numpy_stable_sort(case):
 
 
 @SETTINGS
-@given(routings(), st.integers(1, 5))
+@given(routings(), st.sampled_from([1, 5]))
 def test_gather_rows_zero_past_groups_even_for_nan_tokens(case, width):
     idx, mask, num_experts = case
     rng = np.random.default_rng(0)
     x = rng.standard_normal((idx.shape[0], width)).astype(np.float32)
     x[~mask] = np.nan  # masked tokens may hold anything
-    p = pack(jnp.asarray(idx), num_experts, mask_T=jnp.asarray(mask))
-    rows = np.asarray(pack_rows(jnp.asarray(x), p))
+    p = _pack(jnp.asarray(idx), num_experts, mask_T=jnp.asarray(mask))
+    rows = np.asarray(_pack_rows(jnp.asarray(x), p))
     used = int(np.sum(p.group_sizes_E))
     np.testing.assert_array_equal(rows[:used], x[np.asarray(p.token_R)[:used]])
     np.testing.assert_array_equal(rows[used:], 0.0)
@@ -80,8 +91,8 @@ def test_round_trip_with_identity_experts_is_identity(case):
     w = np.full((num_tokens, top_k), 1.0 / top_k if top_k != 3 else 0.25, np.float32)
     if top_k == 3:
         w[:, 0] = 0.5
-    p = pack(jnp.asarray(idx), num_experts, mask_T=jnp.asarray(mask))
-    y = combine(pack_rows(jnp.asarray(x), p), jnp.asarray(w), p, mask_T=jnp.asarray(mask))
+    p = _pack(jnp.asarray(idx), num_experts, mask_T=jnp.asarray(mask))
+    y = _combine(_pack_rows(jnp.asarray(x), p), jnp.asarray(w), p, mask_T=jnp.asarray(mask))
     np.testing.assert_array_equal(np.asarray(y), np.where(mask[:, None], x, 0.0))
 
 

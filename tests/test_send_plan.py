@@ -4,6 +4,8 @@ reference, a worked example, edge cases, argument errors and the kernel's GPU lo
 The Pallas kernel runs compiled on a GPU and interpreted on CPU, from the same test bodies.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,6 +33,14 @@ def _plan_all(expert_R, real_R=None, **kw):
     return want
 
 
+@functools.cache
+def _jitted(backend, **kw):
+    """`plan_sends` (the reference when `backend` is None) compiled for one layout's static arguments."""
+    if backend is None:
+        return jax.jit(functools.partial(plan_sends_reference, **kw))
+    return jax.jit(functools.partial(plan_sends, backend=backend, **kw))
+
+
 def test_worked_example():
     """T=4 tokens, top-2, 4 experts on 2 ranks, capacity 3. Rank 1 is offered routes 1, 2, 3, 5, 6
     (token order) and keeps the first three; each block is ordered by (expert, route)."""
@@ -54,7 +64,63 @@ def test_worked_example():
     np.testing.assert_array_equal(tight.send_ids_S, [0, 2, 0, 1, -1, -1, -1, -1, -1, -1])
 
 
-@settings(max_examples=40, deadline=None)
+def _random_routing(rng, tokens, top_k, experts, invalid, skew):
+    """Expert ids `[T*K]` with hot experts (a Pareto popularity; `skew` is its shape, smaller is
+    hotter) and about `invalid` of them out of range (-1, E, E + 5)."""
+    routes = tokens * top_k
+    popularity = rng.pareto(skew, experts) + 1e-3
+    expert_R = rng.choice(experts, routes, p=popularity / popularity.sum())
+    bad = rng.random(routes) < invalid
+    expert_R[bad] = rng.choice([-1, experts, experts + 5], bad.sum())
+    return expert_R
+
+
+def _check_backends(layout, seed, invalid, skew, mask_rate):
+    """Both backends against the sorting reference on one random routing of `layout`: the shapes
+    and static arguments are the layout's, the routing, out-of-range ids and masked tokens are
+    values, so each layout compiles once for any number of routings."""
+    tokens, top_k, ep, local, capacity_frac, padded, masked, spare, small_tiles = layout
+    rng = np.random.default_rng(seed)
+    experts, routes = ep * local, tokens * top_k
+    expert_R = _random_routing(rng, tokens, top_k, experts, invalid, skew)
+    real_R = jnp.asarray(rng.random(tokens) >= mask_rate).repeat(top_k) if masked else None
+    capacity = max(1, round(capacity_frac * routes))
+    send_rows = (ep * capacity if padded else routes) + spare
+    tiles = SendPlanTiles(block=4, chunk=16) if small_tiles else SendPlanTiles()
+    kw = dict(num_experts=experts, ep=ep, capacity=capacity, top_k=top_k, padded=padded, send_rows=send_rows,
+              tiles=tiles)
+    expert_R = jnp.asarray(expert_R, jnp.int32)
+    want = _jitted(None, **kw)(expert_R, real_R)
+    for backend in BACKENDS:
+        _assert_plans_equal(_jitted(backend, **kw)(expert_R, real_R), want, backend)
+
+
+# (tokens, top_k, ep, local experts, capacity / routes, padded, masked, spare send rows, small tiles):
+# one rank to four, heavy dropping to none, both layouts, with and without a mask and spare rows,
+# R from 1 to 280 and never a power of two but once; small tiles make the kernel loop over many
+# chunks (4 routes per program, 16 per step), as large R does.
+LAYOUTS = {
+    "one-route": (1, 1, 1, 1, 1.0, True, False, 0, False),
+    "ep3-heavy-drop": (37, 2, 3, 3, 0.1, True, True, 3, True),
+    "ep4-dropless-tight": (70, 4, 4, 9, 1.2, False, True, 5, True),
+    "ep2-half-tight": (23, 3, 2, 5, 0.4, False, False, 0, False),
+    "ep4-top1-padded": (50, 1, 4, 1, 0.3, True, True, 1, False),
+    "ep1-small-tiles": (16, 4, 1, 7, 0.6, False, False, 2, True),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS.values(), ids=LAYOUTS.keys())
+@settings(derandomize=True, max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**16), invalid=st.sampled_from([0.0, 0.15, 0.5]), skew=st.sampled_from([0.3, 1.0, 5.0]),
+       mask_rate=st.sampled_from([0.0, 0.25, 0.9]))
+def test_backends_match_the_sorting_reference(layout, seed, invalid, skew, mask_rate):
+    """Any routing (ids out of range, masked tokens, hot experts via a skewed draw) of each layout
+    equals the sorting reference on both backends."""
+    _check_backends(layout, seed, invalid, skew, mask_rate)
+
+
+@pytest.mark.slow
+@settings(derandomize=True, max_examples=10, deadline=None)
 @given(
     tokens=st.integers(1, 70),
     top_k=st.integers(1, 4),
@@ -63,28 +129,16 @@ def test_worked_example():
     capacity_frac=st.floats(0.05, 1.2),
     padded=st.booleans(),
     masked=st.booleans(),
-    invalid=st.sampled_from([0.0, 0.15]),
     spare=st.integers(0, 5),
     small_tiles=st.booleans(),
     seed=st.integers(0, 2**16),
+    invalid=st.sampled_from([0.0, 0.15]),
 )
-def test_backends_match_the_sorting_reference(tokens, top_k, ep, local, capacity_frac, padded, masked, invalid,
-                                              spare, small_tiles, seed):
-    """Any routing (ids out of range, masked tokens, hot experts via a skewed draw), any
-    capacity from heavy dropping to none, both layouts, spare send rows; `small_tiles` makes the
-    kernel loop over many chunks (4 routes per program, 16 per step), as large R does."""
-    rng = np.random.default_rng(seed)
-    experts, routes = ep * local, tokens * top_k
-    popularity = rng.pareto(1.0, experts) + 1e-3
-    expert_R = rng.choice(experts, routes, p=popularity / popularity.sum())
-    bad = rng.random(routes) < invalid
-    expert_R[bad] = rng.choice([-1, experts, experts + 5], bad.sum())
-    real_R = jnp.asarray(rng.random(tokens) > 0.25).repeat(top_k) if masked else None
-    capacity = max(1, round(capacity_frac * routes))
-    send_rows = (ep * capacity if padded else routes) + spare
-    tiles = SendPlanTiles(block=4, chunk=16) if small_tiles else SendPlanTiles()
-    _plan_all(jnp.asarray(expert_R, jnp.int32), real_R, num_experts=experts, ep=ep, capacity=capacity,
-              top_k=top_k, padded=padded, send_rows=send_rows, tiles=tiles)
+def test_backends_match_the_sorting_reference_on_random_layouts(tokens, top_k, ep, local, capacity_frac, padded,
+                                                                masked, spare, small_tiles, seed, invalid):
+    """The same on random layouts (each example compiles both backends anew)."""
+    _check_backends((tokens, top_k, ep, local, capacity_frac, padded, masked, spare, small_tiles), seed, invalid,
+                    1.0, 0.25)
 
 
 @pytest.mark.parametrize("case", ["one_hot_expert", "nothing_dropped", "all_invalid", "single_route", "multi_chunk"])
