@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+# Subprocesses (the benchmark's gloo workers): the slow lane, run on one pin only.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -47,6 +47,7 @@ def _subprocess_env(host_devices: int | None) -> dict:
     return env
 
 
+@pytest.mark.slow  # 40 steps, checkpoints and the plot; short runs below train on every pin
 def test_overfit_loss_falls_and_artifacts_written(tmp_path):
     corpus = tmp_path / "tiny.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 40)
@@ -84,6 +85,7 @@ def test_overfit_loss_falls_and_artifacts_written(tmp_path):
     assert decode["decode/T3/layer0"].sum() == 3 * 2 and decode["decode/T3/layer0"].shape == (4,)
 
 
+@pytest.mark.slow  # four runs of the example
 def test_resume_continues_the_same_trajectory(tmp_path):
     """Simulate preemption after the step-3 checkpoint: the resumed steps 4..6 repeat the original ones.
 
@@ -231,6 +233,7 @@ def _finish(*runs: tuple[subprocess.Popen, Path], timeout=240) -> list[str]:
     return outputs
 
 
+@pytest.mark.slow  # a subprocess
 def test_ep2_on_two_host_devices_matches_single_device(tmp_path, single_device_ce):
     out = tmp_path / "ep"
     (output,) = _finish(
@@ -251,6 +254,7 @@ def test_ep2_on_two_host_devices_matches_single_device(tmp_path, single_device_c
             assert layer["rank_imbalance"] == pytest.approx(rows.max() / rows.mean())
 
 
+@pytest.mark.slow  # two subprocesses
 def test_two_processes_with_jax_distributed_match_single_device(tmp_path, single_device_ce):
     with socket.socket() as sock:  # a free port for the coordinator
         sock.bind(("localhost", 0))

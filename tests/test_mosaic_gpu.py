@@ -16,6 +16,9 @@ SMALL = MosaicConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2)
 # The forward kernel's options, alone and together.
 OPTIONS = {"plain": {}, "across-items": dict(pipeline_across_items=True), "half-buffer": dict(out_buffer_rows=64),
            "both": dict(pipeline_across_items=True, out_buffer_rows=64)}
+# Off GPU the interpreter makes each case slow: one (plain options, the ragged case) runs on every
+# pin, the rest in the slow lane.
+INTERPRETED_SLOW = [] if ON_GPU else [pytest.mark.slow]
 
 
 def _inputs(seed, m, k, n, e, transpose_rhs=True):
@@ -25,19 +28,20 @@ def _inputs(seed, m, k, n, e, transpose_rhs=True):
     return x, w
 
 
-@pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
+@pytest.mark.parametrize("options", [pytest.param(v, id=n, marks=INTERPRETED_SLOW if n != "plain" else [])
+                                     for n, v in OPTIONS.items()])
 @pytest.mark.parametrize("transpose_rhs,sizes,m,k,tile_m", [
     # ragged groups, an empty one, rows past the sum (NaN in lhs); one full tile, at row 0
-    (True, (70, 0, 33, 80), 200, 128, 64),
+    pytest.param(True, (70, 0, 33, 80), 200, 128, 64, id="ragged-nt"),
     # one hot group over all rows, the input-gradient layout; two full tiles, then a partial one
-    (False, (0, 136, 0), 136, 128, 64),
+    pytest.param(False, (0, 136, 0), 136, 128, 64, id="one-hot-nn", marks=INTERPRETED_SLOW),
     # no rows in any group: all zeros, from one full zero-fill tile
-    (True, (0, 0), 64, 128, 64),
+    pytest.param(True, (0, 0), 64, 128, 64, id="all-empty", marks=INTERPRETED_SLOW),
     # a group of two full tiles of two sub-tiles each, more K steps than stages
-    (True, (256, 0, 40), 320, 256, 128),
+    pytest.param(True, (256, 0, 40), 320, 256, 128, id="full-tiles", marks=INTERPRETED_SLOW),
     # ragged groups in 128-row tiles: tiles' rows split unevenly between 64-row halves
-    (True, (70, 0, 33, 97), 200, 128, 128),
-], ids=["ragged-nt", "one-hot-nn", "all-empty", "full-tiles", "ragged-128"])
+    pytest.param(True, (70, 0, 33, 97), 200, 128, 128, id="ragged-128", marks=INTERPRETED_SLOW),
+])
 def test_mosaic_gmm_matches_reference(transpose_rhs, sizes, m, k, tile_m, options):
     n = 128 if transpose_rhs else 256
     config = MosaicConfig(tile_m, SMALL.tile_n, SMALL.tile_k, SMALL.max_concurrent_steps, **options)

@@ -59,6 +59,7 @@ def test_tuned_16_bit_choices_run_as_tuned(reached):
     assert fell_back == {"float32"}
 
 
+@pytest.mark.slow  # a subprocess compiling a kernel of each kind with Triton for sm_90
 def test_the_model_bounds_the_compiled_kernels():
     """One compilation of each kind of kernel (backend, kernel, family, operand width, fp32 at full
     precision or TF32, row gather), the one the model gives the most bytes: Triton's compiler never

@@ -32,6 +32,12 @@ TILES = [
 SIZES = [(0, 17, 30, 0, 13), (60, 0, 0, 0, 0), (0, 0, 0, 0, 0), (12, 12, 12, 12, 12), (1, 0, 1, 0, 1)]
 
 
+def _ragged_on_every_pin(sizes, ids):
+    """Parameters of `sizes`: the ragged grouping runs on every pin, the others (Triton's interpreter
+    on CPU, the same kernels) in the slow lane."""
+    return [pytest.param(s, id=i, marks=[] if i == "ragged" else [pytest.mark.slow]) for s, i in zip(sizes, ids)]
+
+
 def _t(a, dtype=None):
     t = torch.from_numpy(np.array(jnp.asarray(a, jnp.float32))).to(DEVICE)
     return t if dtype is None else t.to(dtype)
@@ -45,7 +51,7 @@ def _inputs(seed, m, k, n, e, transpose_rhs=True):
 
 
 @pytest.mark.parametrize("tiles", TILES, ids=["tiles16", "tiles32-swizzle3"])
-@pytest.mark.parametrize("sizes", SIZES, ids=["ragged", "one-hot", "all-empty", "even", "singletons"])
+@pytest.mark.parametrize("sizes", _ragged_on_every_pin(SIZES, ["ragged", "one-hot", "all-empty", "even", "singletons"]))
 @pytest.mark.parametrize("transpose_rhs", [True, False], ids=["nt", "nn"])
 def test_gmm_kernel_matches_reference_and_writes_every_row(tiles, sizes, transpose_rhs):
     """fp32 (IEEE products): every row written (NaN-poisoned output), rows past the groups zero;
@@ -124,7 +130,7 @@ def test_gmm_kernel_bf16_rounds_like_the_reference():
     assert_close(y.float().cpu().numpy(), gmm_reference(xb, wb, jnp.asarray([20, 0, 25])), jnp.bfloat16, "bf16")
 
 
-@pytest.mark.parametrize("sizes", SIZES[:4], ids=["ragged", "one-hot", "all-empty", "even"])
+@pytest.mark.parametrize("sizes", _ragged_on_every_pin(SIZES[:4], ["ragged", "one-hot", "all-empty", "even"]))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_tgmm_kernel_matches_reference(sizes, dtype):
     """Weight gradient: every element written (NaN-poisoned output), empty groups exactly zero, the
@@ -195,6 +201,7 @@ def test_importing_jax_triton_keeps_the_triton_cache_dir(tmp_path, monkeypatch, 
             sys.modules["jax_triton"] = real
 
 
+@pytest.mark.slow  # a subprocess compiling for sm_90
 def test_kernels_compile_for_h200_with_wgmma_and_pipelined_loads():
     """The kernels, with and without the row gather,
     at the tiles the tables give them, compile ahead of time for sm_90 to a cubin (on any host:

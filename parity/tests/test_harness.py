@@ -64,8 +64,16 @@ def unused_experts(problem: harness.ParityProblem, num_experts: int) -> np.ndarr
 # Layer parity: the case matrix
 
 
+def _slow_but(*fast):
+    """Parameters for `pytest.mark.parametrize`: the listed values run on every pin, the others
+    (the reference's Triton kernels interpreted on CPU) in the slow lane."""
+    def params(values):
+        return [pytest.param(v, id=str(v), marks=[] if v in fast else [pytest.mark.slow]) for v in values]
+    return params
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", list(LAYER_CASES), ids=list(LAYER_CASES))
+@pytest.mark.parametrize("case", _slow_but("balanced")(LAYER_CASES))
 def test_layer_parity(case, dtype):
     config = make_config(dtype=dtype, **LAYER_CASES[case])
     problem = harness.build_problem(config)
@@ -86,7 +94,7 @@ def test_layer_parity(case, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("skew", harness.SKEWS)
+@pytest.mark.parametrize("skew", _slow_but("balanced")(harness.SKEWS))
 @pytest.mark.parametrize("router", harness.ROUTERS)
 def test_router_parity(router, skew, dtype):
     config = make_config(router=router, skew=skew, dtype=dtype, top_k=min(8, SIZES["num_experts"] // 2))
@@ -261,6 +269,7 @@ def test_time_ep_needs_ep_size_accelerators(monkeypatch):
 # Command line
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_cli_help_lists_the_options():
     out = subprocess.run(
         [sys.executable, "-m", "parity", "--help"], capture_output=True, text=True, check=True, timeout=60,

@@ -49,6 +49,10 @@ from parity.reference.ep import ep_moe_forward, make_parallel_groups, reduce_gra
 from parity.reference.launch import rank_device, run_ranks
 from parity.theirs import precise_matmuls
 
+# Spawned torch.distributed ranks beside our layer on host meshes: the slow lane (our layer on the same
+# meshes is tests/test_layers_parallel.py's, on both pins).
+pytestmark = pytest.mark.slow
+
 TOL = THRESHOLDS["float32"]
 PARAMS = ("w_router", "w_gate", "w_up", "w_down")  # the layer's nnx.Params, as Problem fields
 

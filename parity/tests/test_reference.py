@@ -48,6 +48,9 @@ from parity.reference import (
     z_loss,
 )
 
+# The torch/Triton reference alone (Triton interpreted on CPU), independent of the JAX pin: the slow lane.
+pytestmark = pytest.mark.slow
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ON_GPU = DEVICE.type == "cuda"
 

@@ -43,6 +43,9 @@ from parity.reference.ep import (
 )
 from parity.reference.launch import RankFailed, pick_backend, rank_device, run_ranks
 
+# Spawned torch.distributed ranks, Triton interpreted on CPU; torch only, so one pin suffices: the slow lane.
+pytestmark = pytest.mark.slow
+
 T, D, F, E, K = 6, 16, 32, 8, 2
 BIG = 100.0  # a selection bias that dominates O(1) router logits
 
