@@ -125,6 +125,7 @@ def test_resume_continues_the_same_trajectory(tmp_path):
     ],
     ids=["selected_softmax-seq_aux-shared-untied", "sigmoid_grouped-none-latent-bf16"],
 )
+@pytest.mark.slow  # whole training runs; the one-step run below trains on every pin
 def test_router_and_balance_choices_train(tmp_path, extra):
     out = tmp_path / "run"
     cli.main(TINY + extra + ["--steps", "2", "--out", str(out)])

@@ -134,7 +134,9 @@ def test_fused_path_writes_no_packed_rows_and_lowers_for_h200():
     assert sorted(names) == ["moe_jax_gmm", "moe_jax_gmm", "moe_jax_tgmm"], names
 
 
-@pytest.mark.parametrize("fused_gate_up", [True, False], ids=["fused-gate-up", "gate-and-up"])
+# The fused gate/up layout in the slow lane: the row gather it reads is the same.
+@pytest.mark.parametrize("fused_gate_up", [pytest.param(True, id="fused-gate-up", marks=pytest.mark.slow),
+                                           pytest.param(False, id="gate-and-up")])
 def test_layer_row_gather_fused_equals_separate(fused_gate_up):
     """The layer's output and every gradient are the same bits with the gather fused into the
     gate/up GEMM or run first (`auto` is one of the two, `AUTO_FUSED_GATHER`), but for the input gradient with

@@ -491,6 +491,7 @@ def test_bad_option_groups_name_the_field(build, error, match):
         build()
 
 
+@pytest.mark.slow  # eager, element by element; tests/test_gmm.py's vmap test runs on every pin
 def test_layer_under_vmap_equals_per_element_calls():
     """jax.vmap over a leading axis (the default CPU backend's ragged_dot has no such batching
     rule: the grouped GEMMs map element by element), forward and gradients."""

@@ -92,8 +92,14 @@ MESHES = {
 }
 
 
+# Meshes whose siblings run on every pin (three axes: tensor_left_alone; data parallel: the fused
+# row gather's test below) are in the slow lane.
+SLOW_MESHES = ("data_fsdp_expert", "data_parallel_only")
+
+
 @pytest.mark.parametrize("axis_type", [AUTO, EXPLICIT], ids=["auto", "explicit"])
-@pytest.mark.parametrize("name", list(MESHES))
+@pytest.mark.parametrize("name", [pytest.param(n, id=n, marks=[pytest.mark.slow] if n in SLOW_MESHES else [])
+                                  for n in MESHES])
 def test_user_mesh_matches_single_device(name, axis_type):
     shape, names, rules = MESHES[name]
     mesh = jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape), devices=HOST[:8])
@@ -181,13 +187,12 @@ def _odd_inputs(b, s, seed):
 @pytest.mark.parametrize(
     "ep, data, b, s, spec",
     [
-        (2, 4, 2, 32, PartitionSpec()),
-        (2, 4, 6, 4, PartitionSpec()),
-        (1, 8, 4, 16, PartitionSpec()),
-        (2, 4, 2, 32, PartitionSpec(None, ("data", "ep"))),
-        (2, 4, 6, 4, PartitionSpec("ep")),
+        pytest.param(2, 4, 2, 32, PartitionSpec(), id="ep2-B2"),
+        pytest.param(2, 4, 6, 4, PartitionSpec(), id="ep2-B6", marks=pytest.mark.slow),
+        pytest.param(1, 8, 4, 16, PartitionSpec(), id="data8-B4", marks=pytest.mark.slow),
+        pytest.param(2, 4, 2, 32, PartitionSpec(None, ("data", "ep")), id="ep2-B2-sequence-sharded"),
+        pytest.param(2, 4, 6, 4, PartitionSpec("ep"), id="ep2-B6-batch-over-ep"),
     ],
-    ids=["ep2-B2", "ep2-B6", "data8-B4", "ep2-B2-sequence-sharded", "ep2-B6-batch-over-ep"],
 )
 def test_explicit_make_mesh_with_batches_the_token_split_does_not_fit(ep, data, b, s, spec):
     """An Explicit make_mesh layer on batches whose B*S tokens split over the 8 devices but whose
@@ -207,8 +212,10 @@ def test_explicit_make_mesh_with_batches_the_token_split_does_not_fit(ep, data, 
 
 @pytest.mark.parametrize(
     "spec",
-    [PartitionSpec(None, "b"), PartitionSpec("a", "b"), PartitionSpec(None, None, "b"), PartitionSpec("a", None, "b")],
-    ids=["sequence", "batch-and-sequence", "width", "batch-and-width"],
+    [pytest.param(PartitionSpec(None, "b"), id="sequence", marks=pytest.mark.slow),
+     pytest.param(PartitionSpec("a", "b"), id="batch-and-sequence"),
+     pytest.param(PartitionSpec(None, None, "b"), id="width", marks=pytest.mark.slow),
+     pytest.param(PartitionSpec("a", None, "b"), id="batch-and-width")],
 )
 def test_no_mesh_layer_on_sequence_or_width_sharded_explicit_input(spec):
     """A layer without a mesh under an ambient Explicit mesh, on input sharded over the sequence or

@@ -274,6 +274,7 @@ def _scanned_loss(stack, x, cot):
 _scanned_grad = nnx.jit(nnx.value_and_grad(_scanned_loss, argnums=(0, 1), has_aux=True))
 
 
+@pytest.mark.slow  # test_layers.py's scanned stack and the mesh cases above run on every pin
 def test_scanned_stack_on_mesh_matches_single_device():
     """An nnx.scan over a vmap-built 2-layer stack of ep = 2, data = 2 layers: the stacked expert
     weights stay split over "ep" behind the layer axis, and the output, per-layer counts and every
