@@ -239,7 +239,9 @@ def _rank_main(rank: int, world: int, plan):
 def _rank_raises(rank: int, world: int):
     if rank == 1:
         raise ValueError("boom from rank 1")
-    dist.barrier()  # never completes: rank 1 is gone, so the launcher must stop this rank
+    # Never completes, so the launcher must stop this rank. Not a collective: a barrier fails here
+    # too once rank 1's connection closes, and under load that failure could be reported first.
+    time.sleep(120)
 
 
 def _rank_sleeps(rank: int, world: int):
