@@ -3,7 +3,7 @@ backend and dtype at the layer shapes, the resource model against the compiled k
 run's summary. `benchmarks/gpu_run.sh accept` runs every phase in order; docs/acceptance.md says
 what each proves.
 
-    python -m benchmarks.accept layers [--json PATH]         # the fp32/bf16 layer table
+    python -m benchmarks.accept layers [--shapes 3,4] [--json PATH]  # the fp32/bf16 layer table
     python -m benchmarks.accept launch --labels PATH         # each Pallas/Mosaic kernel once (under ncu)
     python -m benchmarks.accept ncu-table CSV --labels PATH  # their shared memory beside the model's
     python -m benchmarks.accept summary OUT_DIR              # the committed summary, from the logs
@@ -101,13 +101,10 @@ def _shape_rows(shape) -> list[dict]:
 
 
 def layers(args) -> None:
-    if args.jobs > 1:  # one process per shape: the cells are mostly compile time, on the host's cores
-        import multiprocessing
-
-        with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
-            rows = [row for shape_rows in pool.map(_shape_rows, LAYER_SHAPES) for row in shape_rows]
-    else:
-        rows = [row for shape in LAYER_SHAPES for row in _shape_rows(shape)]
+    # One process, one cell after another: XLA's fp32 layer needs 48-64 GiB at the two largest
+    # shapes, and beside a second process its allocations or its autotuning failed.
+    shapes = [LAYER_SHAPES[int(i)] for i in args.shapes.split(",")] if args.shapes else LAYER_SHAPES
+    rows = [row for shape in shapes for row in _shape_rows(shape)]
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)
@@ -263,7 +260,7 @@ def main(argv=None) -> None:
     sub = p.add_subparsers(dest="cmd", required=True)
     q = sub.add_parser("layers")
     q.add_argument("--json", default=None)
-    q.add_argument("--jobs", type=int, default=1, help="processes (one shape each)")
+    q.add_argument("--shapes", default=None, help="indices into LAYER_SHAPES, e.g. 3,4 (default: all)")
     q = sub.add_parser("launch")
     q.add_argument("--labels", required=True)
     q = sub.add_parser("ncu-table")
