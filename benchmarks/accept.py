@@ -216,6 +216,47 @@ def ncu_table(args) -> None:
                   f"gather={r['gather']}: model {r['model']} B, compiled {r['compiled']} B")
 
 
+# What XLA's own layer reports when a shape does not fit one GPU: `ragged_dot` is expanded densely
+# over the groups, so its memory grows with E (its autotuner fails the same way when what is left
+# cannot hold a candidate's buffers).
+XLA_OUT_OF_MEMORY = r"RESOURCE_EXHAUSTED: Out of memory|NOT_FOUND: All configs failed during profiling"
+
+
+def verdict(out: str) -> list[tuple[str, bool, str]]:
+    """The green criteria of docs/acceptance.md, each `(check, passed, detail)`, from the logs under
+    `out`: no test failed; both example runs exit 0 with a falling loss; every layer cell of our
+    backends is ok or a ValueError, and every `xla` cell ok or XLA's out-of-memory; the model never
+    below a compiled kernel (Triton's compiler, and Nsight Compute's reading of XLA's launches)."""
+
+    def read(name):
+        path = os.path.join(out, name)
+        return open(path).read() if os.path.exists(path) else ""
+
+    checks = []
+    counts = {w: int(n) for n, w in re.findall(r"(\d+) (passed|failed|error|errors)\b", read("tests.log"))}
+    checks.append(("tests and parity compiled", counts.get("passed", 0) > 0 and not counts.get("failed")
+                   and not counts.get("error") and not counts.get("errors"), str(counts or "no result")))
+    for dt in ("float32", "bfloat16"):
+        log = read(f"example_{dt}.log")
+        loss = re.findall(r"loss ([\d.]+) -> ([\d.]+)", log)
+        falls = bool(loss) and float(loss[-1][1]) < float(loss[-1][0])
+        checks.append((f"example {dt}", "exit 0" in log and falls, f"loss {' -> '.join(loss[-1]) if loss else '?'}"))
+    rows = json.loads(read("accept_layers.json") or "[]")
+    bad = [r for r in rows if not (r["cell"] == "ok" or (r["backend"] != "xla" and r["cell"].startswith("ValueError"))
+                                   or (r["backend"] == "xla" and re.search(XLA_OUT_OF_MEMORY, r["cell"])))]
+    cells = len(LAYER_SHAPES) * 2 * len(LAYER_BACKENDS)
+    checks.append(("layer table", len(rows) == cells and not bad,
+                   f"{len(rows)} of {cells} cells; not ok: {[(r['shape'], r['dtype'], r['backend']) for r in bad]}"))
+    compiled = [json.loads(ln) for ln in read("compiled.jsonl").splitlines() if ln.startswith("{")]
+    under = [r for r in compiled if r["compiled"] > r["model"]]
+    checks.append(("model vs Triton's compiler", bool(compiled) and not under, f"{len(compiled)} compiled, {len(under)} under"))
+    launched = json.loads(read("accept_resources.json") or "[]")
+    labels = json.loads(read("accept_labels.json") or "[]")
+    checks.append(("model vs launched kernels", bool(launched) and len(launched) == len(labels)
+                   and all(r["ok"] for r in launched), f"{len(launched)} of {len(labels)} profiled"))
+    return checks
+
+
 def summary(args) -> None:
     """The acceptance summary (markdown) from the phase logs under `args.out`."""
     out = args.out
@@ -224,8 +265,11 @@ def summary(args) -> None:
         path = os.path.join(out, name)
         return open(path).read() if os.path.exists(path) else ""
 
-    lines = [f"# GPU acceptance run, {time.strftime('%Y-%m-%d')}", "",
+    checks = verdict(out)
+    green = all(ok for _, ok, _ in checks)
+    lines = [f"# GPU acceptance run, {time.strftime('%Y-%m-%d')}: {'green' if green else 'NOT green'}", "",
              f"Command: `benchmarks/gpu_run.sh accept` on one H200; commit {args.commit}.", ""]
+    lines += [f"- {'pass' if ok else 'FAIL'}: {name} ({detail})" for name, ok, detail in checks] + [""]
     pip = "; ".join(re.sub(r"\s+", " ", ln.strip()) for ln in read("pip.txt").splitlines() if ln.strip())
     lines += [f"Versions: {pip}", ""]
     last = [ln for ln in read("tests.log").splitlines() if re.search(r"\d+ (passed|failed)", ln)]

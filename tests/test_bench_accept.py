@@ -1,0 +1,71 @@
+"""The acceptance run's verdict (`benchmarks.accept.verdict`) read from a run's logs: green only when
+every criterion of docs/acceptance.md holds, and each way of failing one turns it red."""
+
+import json
+
+import pytest
+
+from benchmarks import accept
+
+
+def _write_green(tmp_path):
+    (tmp_path / "tests.log").write_text("....\n943 passed, 3 skipped, 2 warnings in 319.83s (0:05:19)\n")
+    for dt in ("float32", "bfloat16"):
+        (tmp_path / f"example_{dt}.log").write_text("done: steps 0..300 in 39.3 s | loss 5.645 -> 2.273 | val 2.3\nexit 0\n")
+    rows = []
+    for shape in accept.LAYER_SHAPES:
+        for dtype in ("float32", "bfloat16"):
+            for backend in accept.LAYER_BACKENDS:
+                cell = "ok"
+                if backend == "mosaic_gpu" and dtype == "float32":
+                    cell = "ValueError: mosaic_gpu multiplies bf16/fp16 only (wgmma), not float32"
+                if backend == "xla" and shape == accept.LAYER_SHAPES[-1]:
+                    cell = "JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying to allocate 48.00GiB"
+                rows.append(dict(shape=list(shape), dtype=dtype, backend=backend, cell=cell))
+    (tmp_path / "accept_layers.json").write_text(json.dumps(rows))
+    (tmp_path / "compiled.jsonl").write_text(json.dumps(dict(compiled=100, model=120)) + "\n")
+    (tmp_path / "accept_labels.json").write_text(json.dumps([{"model": 10}]))
+    (tmp_path / "accept_resources.json").write_text(json.dumps([{"model": 10, "compiled": 9, "ok": True}]))
+    return rows
+
+
+def _failed(tmp_path):
+    return [name for name, ok, _ in accept.verdict(str(tmp_path)) if not ok]
+
+
+def test_a_complete_passing_run_is_green(tmp_path):
+    _write_green(tmp_path)
+    assert _failed(tmp_path) == []
+
+
+@pytest.mark.parametrize("breakage, check", [
+    ("tests", "tests and parity compiled"),
+    ("example", "example float32"),
+    ("loss", "example bfloat16"),
+    ("ours-oom", "layer table"),
+    ("xla-typeerror", "layer table"),
+    ("missing-cell", "layer table"),
+    ("compiled", "model vs Triton's compiler"),
+    ("launch", "model vs launched kernels"),
+])
+def test_each_failure_turns_the_run_red(tmp_path, breakage, check):
+    rows = _write_green(tmp_path)
+    if breakage == "tests":
+        (tmp_path / "tests.log").write_text("1 failed, 942 passed in 300s\n")
+    elif breakage == "example":
+        (tmp_path / "example_float32.log").write_text("Traceback ...\nexit 1\n")
+    elif breakage == "loss":
+        (tmp_path / "example_bfloat16.log").write_text("done: loss 2.0 -> 5.6 | val 5\nexit 0\n")
+    elif breakage in ("ours-oom", "xla-typeerror", "missing-cell"):
+        if breakage == "ours-oom":  # only XLA's own layer may run out of memory
+            rows[0]["cell"] = "JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory"
+        elif breakage == "xla-typeerror":
+            next(r for r in rows if r["backend"] == "xla")["cell"] = "TypeError: boom"
+        else:
+            rows.pop()
+        (tmp_path / "accept_layers.json").write_text(json.dumps(rows))
+    elif breakage == "compiled":
+        (tmp_path / "compiled.jsonl").write_text(json.dumps(dict(compiled=121, model=120)) + "\n")
+    else:
+        (tmp_path / "accept_resources.json").write_text(json.dumps([]))
+    assert _failed(tmp_path) == [check]
