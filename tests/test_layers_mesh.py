@@ -231,18 +231,25 @@ def test_no_mesh_layer_on_sequence_or_width_sharded_explicit_input(spec):
 
 
 def test_explicit_mesh_layer_outside_set_mesh():
-    """A layer holding an Explicit mesh enters it itself (eagerly and under jit: it had to be called
-    under jax.set_mesh); under another ambient mesh it says which to use."""
+    """A layer holding an Explicit mesh enters it itself under jit (it had to be called under
+    jax.set_mesh); under another ambient mesh it says which to use. Eagerly: the next test."""
     mesh = make_mesh(ep=2, data=4, devices=HOST[:8], axis_type=EXPLICIT)
     m = _like_reference(mesh=mesh)
     x, mask, cot = _inputs()
     _assert_matches_single_device(m, x, mask, cot, "explicit mesh, no set_mesh, jit")
-    y, stats = m(x, mask=mask)
-    assert_close(y, WANT[0], jnp.float32, "explicit mesh, no set_mesh, eager")
     other = jax.make_mesh((8,), ("batch",), axis_types=(EXPLICIT,), devices=HOST[:8])
     with jax.set_mesh(other), pytest.raises(ValueError, match=r"built on the mesh .* called under jax.set_mesh of "
                                                               r"another one .* jax.set_mesh\(layer.mesh\)"):
         m(x, mask=mask)
+
+
+@pytest.mark.slow  # eager shard_map compiles op by op (about 30 s on 2 cores); the jit case is above
+def test_explicit_mesh_layer_outside_set_mesh_eagerly():
+    """The same layer called eagerly, outside any jax.set_mesh, enters its own mesh."""
+    m = _like_reference(mesh=make_mesh(ep=2, data=4, devices=HOST[:8], axis_type=EXPLICIT))
+    x, mask, _ = _inputs()
+    y, _ = m(x, mask=mask)
+    assert_close(y, WANT[0], jnp.float32, "explicit mesh, no set_mesh, eager")
 
 
 def test_inside_a_users_shard_map():
