@@ -1,6 +1,7 @@
 """Array-in, array-out ops (no Flax, no mesh, nothing above them): the grouped GEMM (`ops.gmm`)
 and the row gather (`ops.gather`), each with its kernels, backends and fp32 reference;
-`ops.platform` holds the backend names, the platform detection and the device facts."""
+`ops.platform` holds the backend names, the platform detection and the device facts; `ops.fp8`
+the FP8 recipe's blockwise quantization."""
 
 from moe_jax.ops.gather import gather_rows, gather_rows_reference
 from moe_jax.ops.gmm import (
@@ -26,6 +27,7 @@ from moe_jax.ops.gmm import (
     executed,
     gmm,
     gmm_config,
+    gmm_fp8_reference,
     gmm_reference,
     grouped_linear,
     make_group_metadata,
@@ -71,6 +73,7 @@ __all__ = [
     "gather_rows_reference",
     "gmm",
     "gmm_config",
+    "gmm_fp8_reference",
     "gmm_reference",
     "grouped_linear",
     "make_group_metadata",

@@ -11,7 +11,7 @@ from moe_jax.ops.gmm.pallas_triton import (CANDIDATES, FAMILIES, Features, GmmCo
                                            tgmm_config)
 from moe_jax.ops.gmm.plan import AUTO_FUSED_GATHER, H200_BACKENDS, LinearPlan, executed, plan, plan_linear
 from moe_jax.ops.gmm.problem import KERNELS, Executed, Plan, Problem, resolved_problem
-from moe_jax.ops.gmm.reference import gmm_reference, tgmm_reference
+from moe_jax.ops.gmm.reference import gmm_fp8_reference, gmm_reference, tgmm_reference
 from moe_jax.ops.gmm.registry import GEMM_BACKENDS
 from moe_jax.ops.gmm.schedule import GroupMetadata, clamp_group_sizes, make_group_metadata, max_tiles
 from moe_jax.ops.gmm.tiles import TileConfig, triton_smem_bytes
@@ -42,6 +42,7 @@ __all__ = [
     "executed",
     "gmm",
     "gmm_config",
+    "gmm_fp8_reference",
     "gmm_reference",
     "grouped_linear",
     "histogram_features",

@@ -1,4 +1,4 @@
-"""fp32 references for the grouped-GEMM ops, with the ops' signatures.
+"""fp32 references for the grouped-GEMM ops, with the ops' signatures, and of the FP8 recipe.
 
 Legend: M rows, K reduction width, N output width, E groups.
 
@@ -12,6 +12,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from moe_jax.ops.fp8 import BLOCK as FP8_BLOCK
+from moe_jax.ops.fp8 import Fp8Rows, Fp8Weights
 from moe_jax.ops.gmm.schedule import clamp_group_sizes
 
 _HI = jax.lax.Precision.HIGHEST
@@ -46,3 +48,34 @@ def tgmm_reference(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array) -> j
     return jnp.einsum(
         "me,mn,mk->enk", onehot_ME, dout.astype(jnp.float32), lhs.astype(jnp.float32), precision=_HI,
     )
+
+
+def gmm_fp8_reference(lhs: Fp8Rows, rhs: Fp8Weights, group_sizes: jax.Array, *, transpose_rhs: bool = True) -> jax.Array:
+    """fp32 `out` of the FP8 recipe (`moe_jax.ops.fp8`): for each 128-wide step of the contraction,
+    the e4m3 products summed in fp32, times that step's activation-tile scale and weight-block
+    scale, added in fp32. `transpose_rhs=True`: `out[M, N]`, row r of group e is `lhs[r] @ rhs[e]^T`
+    (contraction K: the forward); False: `out[M, K] = lhs[r] @ rhs[e]` (contraction N: the input
+    gradient, whose `lhs` is quantized per 1 x 128 tile of N; the 128 x 128 weight blocks serve both
+    orientations). Rows outside every group are zero."""
+    w_ENK, s_ENbKb = rhs.values_ENK, rhs.scale_ENbKb
+    num_groups = w_ENK.shape[0]
+    m, c = lhs.values_MK.shape
+    cb = -(-c // FP8_BLOCK)
+    want_c = w_ENK.shape[2] if transpose_rhs else w_ENK.shape[1]
+    if c != want_c or lhs.scale_MKb.shape != (m, cb):
+        raise ValueError(f"lhs {lhs.values_MK.shape} (scale {lhs.scale_MKb.shape}) does not contract with rhs "
+                         f"{w_ENK.shape} (transpose_rhs={transpose_rhs}): expected {want_c} columns and {cb} scales per row.")
+    g_M = row_groups(group_sizes, m)
+    e_M = jnp.minimum(g_M, num_groups - 1)
+    w_MOC = jnp.take(w_ENK, e_M, axis=0).astype(jnp.float32)
+    s_MObCb = jnp.take(s_ENbKb, e_M, axis=0)
+    if not transpose_rhs:
+        w_MOC, s_MObCb = jnp.swapaxes(w_MOC, 1, 2), jnp.swapaxes(s_MObCb, 1, 2)
+    o = w_MOC.shape[1]
+    pad = cb * FP8_BLOCK - c
+    x_MCbB = jnp.pad(lhs.values_MK.astype(jnp.float32), ((0, 0), (0, pad))).reshape(m, cb, FP8_BLOCK)
+    w_MOCbB = jnp.pad(w_MOC, ((0, 0), (0, 0), (0, pad))).reshape(m, o, cb, FP8_BLOCK)
+    partial_MOCb = jnp.einsum("mcb,mocb->moc", x_MCbB, w_MOCbB, precision=_HI)
+    s_MOCb = jnp.repeat(s_MObCb, FP8_BLOCK, axis=1)[:, :o, :]
+    out = jnp.sum(partial_MOCb * lhs.scale_MKb[:, None, :] * s_MOCb, axis=2)
+    return jnp.where((g_M < num_groups)[:, None], out, 0.0)

@@ -1,0 +1,130 @@
+"""FP8 blockwise quantization: DeepSeek-V3's recipe and the layout the FP8 grouped GEMMs read.
+
+Legend: M rows, K reduction width, N output width, E groups (experts); Kb = ceil(K / 128) and
+Nb = ceil(N / 128) blocks.
+
+The recipe (DeepSeek-AI, "DeepSeek-V3 Technical Report", arXiv:2412.19437, section 3.3, FP8
+training): values in e4m3 (`float8_e4m3fn`, largest finite 448, no infinities); one fp32 scale
+per 1x128 activation tile (a row's 128 consecutive channels of K) and one per 128x128 weight block
+(128 output channels x 128 of K); a tile's scale maps its largest magnitude onto 448, so fine
+grained tiles keep an outlier from flattening the rest of a row. A GEMM on such operands sums each
+128-wide K step's partial products in fp32 and multiplies the partial sum by the two scales of
+that step before adding it to the fp32 accumulator (`moe_jax.ops.gmm.reference.gmm_fp8_reference`
+is that recipe in fp32).
+
+`scale` is the multiplier that dequantizes: `x ~= values * scale` tile by tile. Hugging Face FP8
+checkpoints (DeepSeek-V3/R1, the Qwen3 FP8 releases) store a linear layer's `weight` (e4m3,
+`[N, K]`) with `weight_scale_inv` (fp32, `[Nb, Kb]`) in exactly this sense, so a checkpoint's
+`(weight, weight_scale_inv)` is an `Fp8Weights` of one expert without any conversion.
+
+Non-finite inputs poison their own tile and no other: the tile's amax is NaN or inf, and so is its
+dequantized value. Magnitudes past e4m3's range cannot occur after scaling, except by rounding of
+`x / scale` just above 448, which is clipped (a cast to e4m3 would turn it into NaN).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "BLOCK",
+    "FP8_DTYPE",
+    "FP8_MAX",
+    "Fp8Rows",
+    "Fp8Weights",
+    "dequantize_rows",
+    "dequantize_weights",
+    "quantize_rows",
+    "quantize_weights",
+]
+
+FP8_DTYPE = jnp.float8_e4m3fn
+FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448
+BLOCK = 128  # the recipe's tile width (activations 1 x BLOCK, weights BLOCK x BLOCK)
+
+
+class Fp8Rows(NamedTuple):
+    """Activations `values_MK` (e4m3) with `scale_MKb` (fp32): row m, channels `[128 b, 128 (b + 1))`
+    dequantize as `values * scale[m, b]`."""
+
+    values_MK: jax.Array
+    scale_MKb: jax.Array
+
+
+class Fp8Weights(NamedTuple):
+    """Expert weights `values_ENK` (e4m3, the `[E, N, K]` layout of `gmm`'s rhs) with `scale_ENbKb`
+    (fp32, one per 128 x 128 block of each expert)."""
+
+    values_ENK: jax.Array
+    scale_ENbKb: jax.Array
+
+
+def _blocks(n: int) -> int:
+    return -(-n // BLOCK)
+
+
+def _check_float(x, name: str, ndim: int, layout: str) -> jax.Array:
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == FP8_DTYPE:
+        raise TypeError(f"{name}: expected a float32/bfloat16/float16 array to quantize, got {x.dtype}.")
+    if x.ndim != ndim:
+        raise ValueError(f"{name}: expected {layout} ({ndim} dims), got shape {x.shape}.")
+    return x
+
+
+def _scale_of(amax: jax.Array) -> jax.Array:
+    # An all-zero tile gets scale 1 (any positive value dequantizes its zeros); NaN and inf stay.
+    return jnp.where(amax == 0, jnp.float32(1), amax / FP8_MAX)
+
+
+def _to_fp8(x: jax.Array, scale: jax.Array) -> jax.Array:
+    return jnp.clip(x / scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+
+
+def quantize_rows(x_MK: jax.Array) -> Fp8Rows:
+    """e4m3 values and one fp32 scale per 1 x 128 tile of each row (the last tile of a K that is not
+    a multiple of 128 is narrower; its scale is its own channels')."""
+    x_MK = _check_float(x_MK, "x_MK", 2, "[M, K] rows")
+    m, k = x_MK.shape
+    kb = _blocks(k)
+    x = jnp.pad(x_MK.astype(jnp.float32), ((0, 0), (0, kb * BLOCK - k))).reshape(m, kb, BLOCK)
+    scale_MKb = _scale_of(jnp.max(jnp.abs(x), axis=2))
+    values = _to_fp8(x, scale_MKb[:, :, None]).reshape(m, kb * BLOCK)[:, :k]
+    return Fp8Rows(values, scale_MKb)
+
+
+def quantize_weights(w_ENK: jax.Array) -> Fp8Weights:
+    """e4m3 values and one fp32 scale per 128 x 128 block of each expert's `[N, K]` matrix (edge
+    blocks are narrower)."""
+    w_ENK = _check_float(w_ENK, "w_ENK", 3, "[E, N, K] expert weights")
+    e, n, k = w_ENK.shape
+    nb, kb = _blocks(n), _blocks(k)
+    w = jnp.pad(w_ENK.astype(jnp.float32), ((0, 0), (0, nb * BLOCK - n), (0, kb * BLOCK - k)))
+    w = w.reshape(e, nb, BLOCK, kb, BLOCK)
+    scale_ENbKb = _scale_of(jnp.max(jnp.abs(w), axis=(2, 4)))
+    values = _to_fp8(w, scale_ENbKb[:, :, None, :, None]).reshape(e, nb * BLOCK, kb * BLOCK)[:, :n, :k]
+    return Fp8Weights(values, scale_ENbKb)
+
+
+def _check_scale(scale, want: tuple[int, ...], name: str) -> None:
+    if tuple(scale.shape) != want:
+        raise ValueError(f"{name}: expected shape {want} (one scale per {BLOCK}-wide block), got {tuple(scale.shape)}.")
+
+
+def dequantize_rows(rows: Fp8Rows) -> jax.Array:
+    """fp32 `[M, K]`: `values * scale` tile by tile."""
+    m, k = rows.values_MK.shape
+    _check_scale(rows.scale_MKb, (m, _blocks(k)), "Fp8Rows.scale_MKb")
+    scale_MK = jnp.repeat(rows.scale_MKb, BLOCK, axis=1)[:, :k]
+    return rows.values_MK.astype(jnp.float32) * scale_MK
+
+
+def dequantize_weights(weights: Fp8Weights) -> jax.Array:
+    """fp32 `[E, N, K]`: `values * scale` block by block."""
+    e, n, k = weights.values_ENK.shape
+    _check_scale(weights.scale_ENbKb, (e, _blocks(n), _blocks(k)), "Fp8Weights.scale_ENbKb")
+    scale_ENK = jnp.repeat(jnp.repeat(weights.scale_ENbKb, BLOCK, axis=1), BLOCK, axis=2)[:, :n, :k]
+    return weights.values_ENK.astype(jnp.float32) * scale_ENK
