@@ -16,13 +16,15 @@ first), so the input is read once for both.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
-
-from typing import NamedTuple
+import numpy as np
 
 from moe_jax.ops import LinearPlan, RowGather, gmm_reference, grouped_linear, plan_linear
 from moe_jax.ops.platform import BackendName
+from moe_jax.validation import check_int
 
 __all__ = [
     "ExpertPlans",
@@ -66,14 +68,33 @@ def _plans(plans, x_MD, rows, hidden: int, num_experts: int, fused: bool, **opti
                         gather=rows is not None, **options)
 
 
-def fuse_gate_up(w_gate_EFD: jax.Array, w_up_EFD: jax.Array) -> jax.Array:
-    """`[E, F, D]` gate and up weights -> `w_gate_up_E2FD` `[E, 2F, D]`, gate rows first."""
+def _check_shards(shards, hidden: int, what: str) -> int:
+    shards = check_int("shards", shards)
+    if hidden % shards:
+        raise ValueError(f"shards={shards} does not divide F = {hidden} of {what}; pick shards from the divisors "
+                         f"of {hidden}.")
+    return shards
+
+
+def fuse_gate_up(w_gate_EFD, w_up_EFD, *, shards: int = 1):
+    """`[E, F, D]` gate and up weights -> `w_gate_up_E2FD` `[E, 2F, D]`, gate rows first.
+
+    shards: the expert-tensor-parallel size n (F % n == 0). The 2F rows are then n blocks of 2F/n,
+    block j holding gate rows `[j*F/n, (j+1)*F/n)` then the same up rows, so splitting the fused
+    weight's rows evenly over n ranks gives every rank a fused weight of its own F/n slice, gate
+    rows first (Megatron-Core's layout of a tensor-parallel gated MLP). n = 1 (default) is the
+    plain concatenation. NumPy in, NumPy out; JAX arrays otherwise.
+    """
     if w_gate_EFD.ndim != 3 or w_gate_EFD.shape != w_up_EFD.shape:
         raise ValueError(
             f"fuse_gate_up: w_gate_EFD {tuple(w_gate_EFD.shape)} and w_up_EFD {tuple(w_up_EFD.shape)} "
             "must both be [E, F, D] of the same shape."
         )
-    return jnp.concatenate([w_gate_EFD, w_up_EFD], axis=1)
+    e, hidden, d = w_gate_EFD.shape
+    n = _check_shards(shards, hidden, "w_gate_EFD")
+    xp = np if isinstance(w_gate_EFD, np.ndarray) and isinstance(w_up_EFD, np.ndarray) else jnp
+    blocks = (w_gate_EFD.reshape(e, n, hidden // n, d), w_up_EFD.reshape(e, n, hidden // n, d))
+    return xp.concatenate(blocks, axis=2).reshape(e, 2 * hidden, d)
 
 
 def _fused_hidden(w_gate_up_E2FD: jax.Array) -> int:
@@ -85,10 +106,14 @@ def _fused_hidden(w_gate_up_E2FD: jax.Array) -> int:
     return w_gate_up_E2FD.shape[1] // 2
 
 
-def split_gate_up(w_gate_up_E2FD: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """`w_gate_up_E2FD` `[E, 2F, D]` -> `(w_gate_EFD, w_up_EFD)` (rows `[:F]` and `[F:]`)."""
+def split_gate_up(w_gate_up_E2FD, *, shards: int = 1):
+    """`w_gate_up_E2FD` `[E, 2F, D]` -> `(w_gate_EFD, w_up_EFD)`, the inverse of `fuse_gate_up`
+    with the same `shards` (1: rows `[:F]` and `[F:]`)."""
     hidden = _fused_hidden(w_gate_up_E2FD)
-    return w_gate_up_E2FD[:, :hidden], w_gate_up_E2FD[:, hidden:]
+    n = _check_shards(shards, hidden, "w_gate_up_E2FD")
+    e, _, d = w_gate_up_E2FD.shape
+    blocks = w_gate_up_E2FD.reshape(e, n, 2 * hidden // n, d)
+    return (blocks[:, :, :hidden // n].reshape(e, hidden, d), blocks[:, :, hidden // n:].reshape(e, hidden, d))
 
 
 def _check_down(x_MD, w_down_EDF, num_experts: int, hidden: int) -> None:

@@ -36,7 +36,7 @@ from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBl
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from moe_jax import GemmOptions, MoE, SharedExperts, convert, routing
-from moe_jax.parallel import make_mesh
+from moe_jax.parallel import AxisRules, make_mesh
 from moe_jax.testing import assert_close
 
 _HI = jax.lax.Precision.HIGHEST
@@ -253,6 +253,25 @@ def test_weights_land_on_the_mesh_layout():
     assert moe.w_gate[...].sharding.spec == P("ep", None, None)
     assert moe.w_down[...].sharding.spec == P("ep", None, None)
     assert moe.w_router[...].sharding.spec == P(None, None)
+    _assert_same(convert.to_state_dict(moe, config), sd)
+
+
+@pytest.mark.parametrize("ours", [OURS, OURS_FUSED], ids=["separate", "fused"])
+def test_weights_land_on_an_expert_tensor_mesh(ours):
+    """Under EP x ETP the hidden dims split over "etp"; a fused gate/up is stored in per-shard
+    blocks (each rank's rows are its [gate slice; up slice]); the round trip stays bit for bit."""
+    sd, config = _mixtral_sd()
+    mesh = make_mesh(ep=2, etp=2, data=1, devices=jax.devices("cpu")[:4])
+    moe = convert.from_state_dict(sd, config, mesh=mesh, axis_rules=AxisRules(expert_tensor="etp"), **ours)
+    assert moe.w_down[...].sharding.spec == P("ep", None, "etp")
+    if moe.fused_gate_up:
+        assert moe.w_gate_up[...].sharding.spec == P("ep", "etp", None)
+        e, two_f, _ = sd["experts.gate_up_proj"].shape
+        f = two_f // 2
+        shard = next(s for s in moe.w_gate_up[...].addressable_shards if s.index[1].start == 0 and s.index[0].start == 0)
+        np.testing.assert_array_equal(
+            shard.data, np.concatenate([sd["experts.gate_up_proj"][: e // 2, : f // 2],
+                                        sd["experts.gate_up_proj"][: e // 2, f: f + f // 2]], axis=1))
     _assert_same(convert.to_state_dict(moe, config), sd)
 
 

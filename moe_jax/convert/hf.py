@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from moe_jax.convert import specs
+from moe_jax.experts import fuse_gate_up, split_gate_up
 from moe_jax.layers import MoE
 
 __all__ = ["from_hf", "from_state_dict", "to_state_dict"]
@@ -134,11 +135,11 @@ def _build_moe(weights: dict[str, np.ndarray], kw: dict, layer_kwargs: dict) -> 
     abstractly: no random initialisation runs."""
     moe = nnx.eval_shape(lambda: MoE(**kw, **_layer_kwargs(layer_kwargs), rngs=nnx.Rngs(0)))
     weights = dict(weights)
+    if "w_gate_up" in weights and (not moe.fused_gate_up or moe.etp > 1):
+        weights["w_gate"], weights["w_up"] = split_gate_up(weights.pop("w_gate_up"))
     if moe.fused_gate_up and "w_gate_up" not in weights:
-        weights["w_gate_up"] = np.concatenate([weights.pop("w_gate"), weights.pop("w_up")], axis=1)
-    elif not moe.fused_gate_up and "w_gate_up" in weights:
-        w_gate_up_E2FD = weights.pop("w_gate_up")
-        weights["w_gate"], weights["w_up"] = w_gate_up_E2FD[:, :kw["d_ff"]], w_gate_up_E2FD[:, kw["d_ff"]:]
+        # Under expert tensor parallelism the layer's fused rows are in per-shard blocks.
+        weights["w_gate_up"] = fuse_gate_up(weights.pop("w_gate"), weights.pop("w_up"), shards=moe.etp)
     weights.setdefault("selection_bias", np.zeros((kw["num_experts"],), np.float32))
     for path, variable in nnx.to_flat_state(nnx.state(moe)):
         name = ".".join(map(str, path))
@@ -232,9 +233,13 @@ def to_state_dict(moe: MoE, hf_config, *, prefix: str = "", layout: str = "fused
         value = np.array(variable[...])
         return value if dtype is None else value.astype(dtype)
 
-    if moe.fused_gate_up:
+    if moe.fused_gate_up and moe.etp == 1:
         w_gate_up_E2FD = get("w_gate_up")
-        w_gate_EFD, w_up_EFD = w_gate_up_E2FD[:, :moe.d_ff], w_gate_up_E2FD[:, moe.d_ff:]
+        w_gate_EFD, w_up_EFD = split_gate_up(w_gate_up_E2FD)
+    elif moe.fused_gate_up:
+        # Per-shard blocks under expert tensor parallelism: back to gate rows first.
+        w_gate_EFD, w_up_EFD = split_gate_up(get("w_gate_up"), shards=moe.etp)
+        w_gate_up_E2FD = None
     else:
         w_gate_EFD, w_up_EFD = get("w_gate"), get("w_up")
         w_gate_up_E2FD = None

@@ -59,13 +59,14 @@ def check_axis_rules(axis_rules) -> AxisRules | None:
     return axis_rules
 
 
-def check_layer_mesh(mesh, rules: AxisRules, num_experts: int, backend: str) -> int:
-    """The ep size of the layer's `mesh` under `rules` (1 without a mesh)."""
+def check_layer_mesh(mesh, rules: AxisRules, num_experts: int, d_ff: int, backend: str) -> tuple[int, int]:
+    """The ep and etp sizes of the layer's `mesh` under `rules` (1, 1 without a mesh)."""
     if mesh is None:
-        return 1
+        return 1, 1
     if not isinstance(mesh, Mesh):
         raise TypeError(f"mesh={mesh!r}: must be a jax.sharding.Mesh (e.g. from moe_jax.parallel.make_mesh).")
     ep = rules.check(mesh, num_experts)
+    etp = rules.check_expert_tensor(mesh, d_ff)
     if backend in ("pallas_triton", "mosaic_gpu") and mesh.devices.flat[0].platform != "gpu":
         # JAX's Pallas interpreters pad with mesh-invariant constants, which shard_map's
         # varying-axis check rejects; compiled GPU kernels are fine.
@@ -73,7 +74,7 @@ def check_layer_mesh(mesh, rules: AxisRules, num_experts: int, backend: str) -> 
             f"backend={backend!r} on a mesh of CPU devices would run the kernels in interpret "
             "mode inside shard_map, which JAX cannot do; use backend='auto' or 'xla' on CPU meshes."
         )
-    return ep
+    return ep, etp
 
 
 def check_input(x, d_model: int):

@@ -10,7 +10,8 @@ per token.
    an injected `Routing` (skips the router).
 2. routed experts at width Din (`x @ W_ld^T` first for LatentMoE): `routed.single_device` or,
    with a mesh, `routed.routed_on_mesh` (data parallel, or expert parallel through
-   `moe_jax.parallel.ep_moe`); all GEMMs in the compute `dtype`.
+   `moe_jax.parallel.ep_moe`; either with the hidden width split over an expert-tensor axis);
+   all GEMMs in the compute `dtype`.
 3. `y = routed @ W_lu^T (LatentMoE) + g(x) * shared(x)`, summed in fp32 and rounded once
    (`g = sigmoid(x W_sg^T)` with `shared_expert_gate`, Qwen2-MoE; else 1).
 4. statistics over real tokens (`stats.moe_stats`).
@@ -93,15 +94,20 @@ class MoE(nnx.Module):
         how the grouped GEMMs run (backend, kernel choice, row gather, dot precision) and whether
         gate and up are one GEMM (`w_gate_up [E, 2F, Din]`, gate rows first); default
         `GemmOptions()` (auto backend and kernel, separate gate and up).
-      mesh: a `jax.sharding.Mesh` (Auto or Explicit axes) for data/expert parallelism: the
+      mesh: a `jax.sharding.Mesh` (Auto or Explicit axes) for data/expert (tensor) parallelism: the
         parameters are placed on it and the routed stage runs in `jax.shard_map` over it
         (`routed`); the layer enters it itself when called outside `jax.set_mesh`. None
         (default): no mesh of the layer's own; under an ambient mesh (`jax.set_mesh`) the routed
         stage follows `axis_rules`, or the Explicit sharding of the input's tokens (data
         parallel), and otherwise runs on the arrays as they are.
-      axis_rules: `moe_jax.parallel.AxisRules`, which mesh axes split tokens and which one splits
-        experts (default `AxisRules()`: tokens over `("data", "ep")`, experts over `"ep"`, the
-        axes of `make_mesh`); other mesh axes are left alone.
+      axis_rules: `moe_jax.parallel.AxisRules`, which mesh axes split tokens, which one splits
+        experts and which one (`expert_tensor`, expert tensor parallelism) splits the routed
+        experts' hidden width F (default `AxisRules()`: tokens over `("data", "ep")`, experts over
+        `"ep"`, no expert-tensor axis, the axes of `make_mesh`); other mesh axes are left alone.
+        With an expert-tensor axis of size n (F % n == 0) each of its ranks holds F/n of every
+        expert's hidden units and the partial outputs are summed over it
+        (docs/expert-tensor-parallelism.md); a fused `w_gate_up` is then stored in per-shard
+        blocks (`moe_jax.experts.fuse_gate_up(..., shards=n)`).
       expert_parallel: `moe_jax.parallel.EPOptions(strategy, capacity_factor, transport)`, used
         when the mesh splits experts (ep > 1); default `EPOptions()` (padded, dropless, auto
         transport). With a capacity factor, rows per (source, destination) rank pair are capped at
@@ -114,6 +120,8 @@ class MoE(nnx.Module):
     `w_down [E, Din, F]`, optionally `w_latent_down`, `w_latent_up`, `shared` (a `SwiGLU`) and
     `w_shared_gate [1, D]`.
     State: `selection_bias` (`SelectionBias`, zeros `[E]`).
+    Attributes read by callers: `ep` and `etp`, the sizes of `mesh`'s expert and expert-tensor
+    axes under the rules (1 without a mesh or without the axis).
     """
 
     def __init__(
@@ -151,7 +159,7 @@ class MoE(nnx.Module):
         param_dtype = float_dtype("param_dtype", param_dtype)
         self.gemm = _option("gemm", gemm, GemmOptions, "GemmOptions(backend='xla')")
         self.axis_rules = check_axis_rules(axis_rules)
-        self.ep = check_layer_mesh(mesh, self.rules, e, self.gemm.backend)
+        self.ep, self.etp = check_layer_mesh(mesh, self.rules, e, f, self.gemm.backend)
         self.mesh = mesh
         self.expert_parallel = _option("expert_parallel", expert_parallel, EPOptions,
                                        "EPOptions(capacity_factor=1.25)")
@@ -165,16 +173,16 @@ class MoE(nnx.Module):
             self._warn_unused_capacity()
 
         d_in = self.latent_dim or d
-        experts, replicated = (self.rules.experts, None, None), (None, None)
+        gate_up, down, replicated = tuple(self.rules.gate_up_spec()), tuple(self.rules.down_spec()), (None, None)
         self.w_router = param(init(rngs.params(), (e, d), param_dtype), replicated, mesh)
         w_gate = expert_init(rngs.params(), (e, f, d_in), param_dtype)
         w_up = expert_init(rngs.params(), (e, f, d_in), param_dtype)
         if self.fused_gate_up:
-            self.w_gate_up = param(fuse_gate_up(w_gate, w_up), experts, mesh)
+            self.w_gate_up = param(fuse_gate_up(w_gate, w_up, shards=self.etp), gate_up, mesh)
         else:
-            self.w_gate = param(w_gate, experts, mesh)
-            self.w_up = param(w_up, experts, mesh)
-        self.w_down = param(expert_init(rngs.params(), (e, d_in, f), param_dtype), experts, mesh)
+            self.w_gate = param(w_gate, gate_up, mesh)
+            self.w_up = param(w_up, gate_up, mesh)
+        self.w_down = param(expert_init(rngs.params(), (e, d_in, f), param_dtype), down, mesh)
         if self.latent_dim is not None:
             self.w_latent_down = param(init(rngs.params(), (self.latent_dim, d), param_dtype), replicated, mesh)
             self.w_latent_up = param(init(rngs.params(), (d, self.latent_dim), param_dtype), replicated, mesh)
@@ -361,6 +369,14 @@ class MoE(nnx.Module):
             mesh, rules = context, self.axis_rules
             if rules.check(mesh, self.num_experts) == 1:
                 self._warn_unused_capacity()
+            etp = rules.check_expert_tensor(mesh, self.d_ff)
+            if self.fused_gate_up and etp != self.etp:
+                raise ValueError(
+                    f"this layer's fused w_gate_up was laid out at construction for an expert-tensor size of "
+                    f"{self.etp} (mesh=None), but the ambient mesh's '{rules.expert_tensor}' axis has size {etp}; "
+                    "build the layer with mesh=<that mesh> (its fused rows are then in per-shard blocks, "
+                    "moe_jax.experts.fuse_gate_up(..., shards=etp)), or use GemmOptions(fused_gate_up=False)."
+                )
         else:
             # No rules: follow an Explicit sharding of the token dimension, data parallel.
             spec = jax.typeof(x_TD).sharding.spec

@@ -47,8 +47,9 @@ class GemmOptions:
     precision: a `jax.lax.Precision` for the expert, shared-expert and latent GEMMs (default None:
       HIGHEST for fp32 operands).
     fused_gate_up: run gate and up as one grouped GEMM of 2F columns. This is also the parameter
-      layout: the layer then holds `w_gate_up [E, 2F, Din]` (gate rows first) instead of
-      `w_gate`/`w_up [E, F, Din]` (`moe_jax.convert` reads and writes either).
+      layout: the layer then holds `w_gate_up [E, 2F, Din]` (gate rows first; under expert tensor
+      parallelism of size n, in n per-shard blocks, `moe_jax.experts.fuse_gate_up(..., shards=n)`)
+      instead of `w_gate`/`w_up [E, F, Din]` (`moe_jax.convert` reads and writes either).
     """
 
     backend: str | BackendTable = "auto"

@@ -10,12 +10,24 @@ experts on one of P ep ranks, M packed rows.
   replicated).
 - A mesh with ep > 1: `moe_jax.parallel.ep_moe` on each rank: dispatch, this rank's El experts
   (weights split over `AxisRules.experts`), combine.
+- Either of the last two with an expert-tensor axis (`AxisRules.expert_tensor`, ETP): every rank
+  of an ETP group sees the same tokens, runs its F/ETP slice of every (local) expert's hidden
+  width (gate/up rows and down columns) to a partial output, and the partial outputs `[T, D]` are
+  summed over the ETP axis after the combine (`lax.psum`, an all-reduce: the tokens and so the
+  output are replicated over that axis, and T rows are K times fewer than the routes' rows).
+  This is the tensor-parallel MLP split of Megatron-LM (Shoeybi et al., 2019: gate/up split by
+  output rows, down by input columns, one all-reduce) applied to every expert. Under EP the
+  dispatch and combine run within each ETP slice of the EP group (the ranks of one ETP index),
+  as Megatron-Core's MoE layer does with `--expert-tensor-parallel-size` (Megatron-Core MoE
+  docs). docs/expert-tensor-parallelism.md has the layout and the bytes.
 
 Gradients through `shard_map` need no hand-written reductions: the transpose of a replicated
 input sums its cotangents over the mesh axes it is replicated on and that its tokens vary over
 (the token axes for dense weights, the token axes but the expert axis for expert shards), once
 the weights are cast to varying over them. Mesh axes outside the rules see replicated tokens and
-weights and are left alone.
+weights and are left alone. Under ETP the tokens and combine weights are cast to varying over the
+ETP axis, so the cast's transpose sums their partial gradients over the hidden slices; the psum's
+transpose hands every slice the whole output gradient.
 """
 
 from __future__ import annotations
@@ -144,42 +156,68 @@ def _varying(weights: tuple[jax.Array, ...], axes: tuple[str, ...]) -> tuple[jax
     return tuple(lax.pcast(w, axes, to="varying") for w in weights)
 
 
+def _hidden_slices(x_TD, w_TK, axis: str | None):
+    """Under ETP (`axis`): the tokens and combine weights, replicated over the ETP axis, cast to
+    varying over it like the F-sliced expert weights they meet; the cast's transpose sums the
+    partial gradients of the slices. Unchanged without ETP."""
+    if axis is None:
+        return x_TD, w_TK
+    return lax.pcast(x_TD, axis, to="varying"), lax.pcast(w_TK, axis, to="varying")
+
+
+def _sum_slices(y_TD, axis: str | None):
+    """Under ETP: the full output, the sum of the F slices' partial outputs over the ETP axis."""
+    return y_TD if axis is None else lax.psum(y_TD, axis)
+
+
 def routed_on_mesh(stage: ExpertStage, mesh, rules: AxisRules, options: EPOptions, x_TD, idx_TK, w_TK, mask_T,
                    weights) -> Routed:
     """The routed stage inside `jax.shard_map` over `mesh` (a `Mesh` or the ambient
-    `AbstractMesh`, Auto or Explicit axes) with tokens and experts placed by `rules`."""
+    `AbstractMesh`, Auto or Explicit axes) with tokens, experts and the experts' hidden width
+    placed by `rules`."""
     ep = rules.check(mesh, stage.num_experts)
+    etp_axis = rules.expert_tensor
+    # Inside shard_map each rank's experts are F/ETP wide: plan the GEMMs for that width.
+    local_stage = dataclasses.replace(stage, d_ff=stage.d_ff // rules.check_expert_tensor(mesh, stage.d_ff))
     if mask_T is None:
         mask_T = jnp.ones(x_TD.shape[:1], jnp.bool_)
 
     def data_parallel(x_TD, idx_TK, w_TK, mask_T, *weights):
         weights = _varying(weights, rules.dense_replicas)  # replicated: gradients sum over the token axes
-        y_TD, gemm = _local(stage, x_TD, idx_TK, w_TK, mask_T, weights)
-        return y_TD, gemm.reduce(rules.tokens), jnp.zeros((), jnp.int32)
+        x_TD, w_TK = _hidden_slices(x_TD, w_TK, etp_axis)
+        y_TD, gemm = _local(local_stage, x_TD, idx_TK, w_TK, mask_T, weights)
+        return _sum_slices(y_TD, etp_axis), gemm.reduce(rules.tokens), jnp.zeros((), jnp.int32)
 
     def expert_parallel(x_TD, idx_TK, w_TK, mask_T, *weights):
         weights = _varying(weights, rules.expert_replicas)  # an ep shard's replicas sum its gradients
+        x_TD, w_TK = _hidden_slices(x_TD, w_TK, etp_axis)
         num_tokens, top_k = idx_TK.shape
         local = stage.num_experts // ep
         # Masked tokens are never sent and never count as dropped.
         capacity = options.capacity(num_tokens, top_k, ep, local)
         packed_rows = ep * resolve_capacity(capacity, num_tokens * top_k, local)  # P*C, as ep_dispatch lays out
-        plans = stage.plans(packed_rows, x_TD.dtype, local)
+        plans = local_stage.plans(packed_rows, x_TD.dtype, local)
         y_TD, stats = ep_moe(
-            x_TD, idx_TK, w_TK, lambda x, sizes_El, rows=None: stage.experts(x, sizes_El, weights, plans, rows=rows),
+            x_TD, idx_TK, w_TK,
+            lambda x, sizes_El, rows=None: local_stage.experts(x, sizes_El, weights, plans, rows=rows),
             num_experts=stage.num_experts, axis_name=rules.experts, strategy=options.strategy,
             capacity=capacity, mask_T=mask_T, backend=stage.backend, transport=options.transport,
             fuse_regroup=plans.gate_up.fwd.problem.gather,
         )
-        gemm = stage.telemetry(plans, stats.group_sizes_El).reduce(rules.tokens)
+        gemm = local_stage.telemetry(plans, stats.group_sizes_El).reduce(rules.tokens)
         # stats.dropped is already the ep-group total; the groups of the replicas add up.
-        return (y_TD, gemm, lax.psum(stats.dropped, rules.expert_replicas), lax.psum(stats.kept_E, rules.tokens))
+        return (_sum_slices(y_TD, etp_axis), gemm, lax.psum(stats.dropped, rules.expert_replicas),
+                lax.psum(stats.kept_E, rules.tokens))
 
     act, rep = rules.activation_spec(), P()
-    body, weight_spec = (data_parallel, rep) if ep == 1 else (expert_parallel, rules.expert_spec())
+    # Without EP the weights hold every expert (replicated over the expert axis of size 1).
+    weight_rules = rules if ep > 1 else dataclasses.replace(rules, experts=None)
+    gate_up, down = weight_rules.gate_up_spec(), weight_rules.down_spec()
+    weight_specs = (gate_up, down) if stage.fused_gate_up else (gate_up, gate_up, down)
+    body = data_parallel if ep == 1 else expert_parallel
     out_specs = (act, GemmTelemetry(*(rep,) * len(GemmTelemetry._fields)), rep) + (() if ep == 1 else (rep,))
     inputs = (x_TD, idx_TK, w_TK, mask_T, *weights)
-    specs = (act,) * 4 + (weight_spec,) * len(weights)
+    specs = (act,) * 4 + weight_specs
     if is_explicit(mesh):
         # Explicit axes: shard_map takes inputs laid out as its specs say (Auto axes reshard).
         inputs = tuple(jax.sharding.reshard(a, spec) for a, spec in zip(inputs, specs))

@@ -20,7 +20,9 @@ redundant slots of replication):
 - `EPxETP`: ep x tp = R, rank r = g*tp + j (tp minor, so a tp group shares a node when tp <=
   ranks per node): all-to-all over the ep ranks of the same j to the expert group's rank,
   all-gather of the received rows over the tp group, SwiGLU with F/tp columns on all of the
-  group's rows, reduce-scatter over tp, all-to-all back.
+  group's rows, reduce-scatter over tp, all-to-all back (Megatron's order; the MoE layer's
+  EP x ETP dispatches the tp group's replicated tokens from every tp rank and all-reduces the
+  `[T, D]` outputs instead, docs/expert-tensor-parallelism.md).
 - `EP+replication`: EP with S slots per rank (S*R >= E) placed by
   `moe_jax.parallel.placement.plan_placement` on the step's load; an expert's rows are split
   over its replicas, each source dealing its rows round-robin from a replica offset by its rank
