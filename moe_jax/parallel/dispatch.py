@@ -74,7 +74,7 @@ __all__ = ["EPPlan", "EPStats", "ep_combine", "ep_dispatch", "ep_moe"]
 
 
 class EPStats(NamedTuple):
-    """Per-rank dispatch figures for logging. Under `ep_moe(chunks=n)` every figure is the sum
+    """Per-rank dispatch figures for logging. Under `ep_moe(chunks=n)` every count is the sum
     over the N chunks run (the same rank's rows added up before any maximum over ranks is taken),
     so dropless it equals the unchunked figure exactly.
 
