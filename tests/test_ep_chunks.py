@@ -9,7 +9,8 @@ factor each chunk has its own C: the drops equal a numpy model of the per-chunk 
 Overlap is possible: in the jaxpr, the n chunks' exchanges form n mutually independent groups
 (a dispatch with no expert GEMM or other exchange upstream, a combine fed by that dispatch only),
 XLA:CPU's compiled module keeps all 2n all-to-alls, and nothing but the latent up-projection of
-the layer waits for the exchange (the shared experts can run beside it).
+the layer waits for the exchange (the shared experts can run beside it). The chunked ragged path,
+forward and backward, lowers for H200s (4n ragged_all_to_all).
 
 Legend: N global tokens, T tokens per device, D width, E experts, El = E/P local experts,
 P ep size, K top-k, C capacity, n chunks.
@@ -25,13 +26,24 @@ import pytest
 from flax import nnx
 from jax import lax
 from jax.extend import core as jex_core
+from jax.sharding import PartitionSpec
 
 from moe_jax import routing as R
 from moe_jax.layers import GemmOptions, MoE, SharedExperts
 from moe_jax.ops import grouped_linear
-from moe_jax.parallel import DATA_AXIS, EPOptions, activation_spec, capacity_for, ep_moe, expert_spec, make_mesh, token_chunks
+from moe_jax.parallel import (
+    DATA_AXIS,
+    EP_AXIS,
+    EPOptions,
+    activation_spec,
+    capacity_for,
+    ep_moe,
+    expert_spec,
+    make_mesh,
+    token_chunks,
+)
 from moe_jax.testing import assert_close
-from tests.helpers import poisoned_ragged
+from tests.helpers import h200_mesh, lower_for_gpu, poisoned_ragged, sharded_aval
 from tests.test_layers import module_value_and_grads
 
 B, S, D, F, E, K, L = 2, 8, 8, 6, 8, 2, 4
@@ -124,26 +136,27 @@ def test_chunks_without_expert_parallelism_warn():
 # ----------------------------------------------------------------------------- equal results
 
 
-# (ep, data, chunks): T = N / (ep*data) tokens per device, so (2, 1, 3) cuts 8 tokens 3+3+2, (4, 1, 3)
-# cuts 4 tokens 2+1+1 and (4, 2, 4) has T = 2 < n: two one-token chunks.
-CASES = [(2, 1, 2), (2, 1, 3), (4, 1, 4), (2, 2, 4), (4, 1, 3), (4, 2, 4)]
-FAST = {(2, 1, 3)}
+# (ep, data, chunks, transport): T = N / (ep*data) tokens per device, so (2, 1, 3) cuts 8 tokens
+# 3+3+2, (4, 1, 3) cuts 4 tokens 2+1+1 and (4, 2, 4) has T = 2 < n: two one-token chunks.
+CASES = [(2, 1, 2, "auto"), (2, 1, 3, "auto"), (4, 1, 4, "auto"), (2, 2, 4, "auto"), (4, 1, 3, "auto"),
+         (4, 2, 4, "auto"), (2, 2, 3, "pair_swap")]
+FAST = {(2, 1, 3, "auto")}
 
 
-@pytest.mark.parametrize("ep, data, chunks", [
+@pytest.mark.parametrize("ep, data, chunks, transport", [
     pytest.param(*case, marks=() if case in FAST else pytest.mark.slow) for case in CASES])
-def test_layer_with_chunks_equals_unchunked_and_one_device(ep, data, chunks):
-    """Router in the layer, padding mask: outputs and every statistic equal the unchunked layer's
-    exactly, gradients to fp32 rounding; the slow cases also against the one-device layer (the
+def test_layer_with_chunks_equals_unchunked_and_one_device(ep, data, chunks, transport):
+    """Router in the layer, padding mask, the all_to_all or (ep = 2) pair-swap exchange: outputs
+    and every statistic equal the unchunked layer's exactly, gradients to fp32 rounding; the slow cases also against the one-device layer (the
     fast one leaves that to tests/test_layers_parallel.py's unchunked meshes)."""
     mesh = _mesh(ep, data)
     x, mask, cot = _inputs(0)
-    got = module_value_and_grads(_layer(mesh, chunks=chunks), x, cot, mask=mask)
-    want = module_value_and_grads(_layer(mesh), x, cot, mask=mask)
+    got = module_value_and_grads(_layer(mesh, chunks=chunks, transport=transport), x, cot, mask=mask)
+    want = module_value_and_grads(_layer(mesh, transport=transport), x, cot, mask=mask)
     np.testing.assert_array_equal(got[0], want[0])
     _assert_equal_stats(got[1], want[1])
     _assert_close_results(got, want, f"chunks={chunks} vs 1:")
-    if (ep, data, chunks) not in FAST:
+    if (ep, data, chunks, transport) not in FAST:
         _assert_close_results(got, _single_device(0), f"chunks={chunks} vs one device:")
     assert int(got[1].dropped) == 0
 
@@ -388,3 +401,27 @@ def test_only_the_latent_up_projection_waits_for_the_exchange():
     assert len(routed) == 1
     assert len(dots) >= 5  # router, latent down, shared gate/up/down: at least
     assert sum(bool(upstream & routed) for upstream in dots) == 1  # the latent up-projection
+
+
+def test_chunked_ragged_exchange_lowers_for_gpu():
+    """Forward and backward of the chunked ragged path lower for two H200s from this host, under
+    shard_map's varying-axes checks as the layer runs it: 4n ragged_all_to_all (each chunk's
+    dispatch and combine, and their reverse exchanges) and n count all_gathers."""
+    chunks, tokens = 3, 8
+    mesh = h200_mesh((1, 2), (DATA_AXIS, EP_AXIS))
+
+    def body(x, idx, w, W, cot):
+        W = lax.pcast(W, (DATA_AXIS,), to="varying")
+        y, _ = ep_moe(x, idx, w, lambda px, sizes: grouped_linear(px, W, sizes, backend="xla"), num_experts=E,
+                      strategy="ragged", backend="xla", chunks=chunks)
+        return lax.psum(jnp.sum(y * cot), (DATA_AXIS, EP_AXIS))
+
+    act = activation_spec()
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(act, act, act, expert_spec(), act), out_specs=PartitionSpec())
+    n = 2 * tokens
+    avals = (sharded_aval(mesh, (n, D), jnp.float32, act), sharded_aval(mesh, (n, K), jnp.int32, act),
+             sharded_aval(mesh, (n, K), jnp.float32, act), sharded_aval(mesh, (E, D, D), jnp.float32, expert_spec()),
+             sharded_aval(mesh, (n, D), jnp.float32, act))
+    text = lower_for_gpu(jax.grad(fn, argnums=(0, 2, 3)), *avals, mesh=mesh)
+    assert text.count("stablehlo.custom_call @ragged_all_to_all") == 4 * chunks
+    assert text.count("stablehlo.all_gather") == chunks
