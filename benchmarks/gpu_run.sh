@@ -19,7 +19,8 @@
 #      DECODE_TOKENS (decode: buckets, default 1,2,4,8), NCU_TOKENS (decode-ncu: buckets profiled, default 1,8;
 #        decode-ncu profiles the fastest candidates of decode's JSON under Nsight Compute, or every
 #        candidate when no decode phase ran before it in this call),
-#      EP_ARGS (e.g. --skip-ragged), EP_RANKS (ep size of ep-bench and example-ep; default 2),
+#      EP_ARGS (e.g. --skip-ragged; --chunks 1,2,4 adds the chunked-exchange rows),
+#      EP_RANKS (ep size of ep-bench and example-ep; default 2),
 #      ACCEPT_SHAPES (accept-layers: indices into benchmarks.accept's LAYER_SHAPES; default all),
 #      PARITY_EP (the EP test paths; the EP parity test runs each world size on NCCL when it sees that many GPUs).
 # ep-check runs tests/test_ep_moe.py (ep 2 and 4, on GPUs where the host has that many, else on host

@@ -1,6 +1,7 @@
 """`benchmarks.ep` runs its CPU smoke mode end to end (P host devices, P gloo processes, padded
-strategy) at P = 2 and 4: every row the GPU table has, but the ragged ones, so the benchmark
-cannot rot unnoticed in CI, and the P = 4 run is what a 4-GPU machine will run. (The correctness
+strategy) at P = 2 and 4: every row the GPU table has, but the ragged ones (with `--chunks 1,2`,
+the chunked-exchange rows too), so the benchmark cannot rot unnoticed in CI, and the P = 4 run
+is what a 4-GPU machine will run. (The correctness
 of the same path is tests/test_ep_moe.py.)"""
 
 import json
@@ -23,7 +24,7 @@ def test_cpu_smoke(tmp_path, ranks):
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)  # the benchmark sets its own host-device count per worker
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.ep", "--cpu-smoke", "--ranks", str(ranks), "--json", str(out)],
+        [sys.executable, "-m", "benchmarks.ep", "--cpu-smoke", "--ranks", str(ranks), "--json", str(out), "--chunks", "1,2"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -35,7 +36,8 @@ def test_cpu_smoke(tmp_path, ranks):
     assert variants == {("nccl", "nccl"), ("ours", "padded"), ("ours", "padded cf=1.25"),
                         ("ours", "padded cf=1.25 no-a2a"), ("ours", "padded cf=1.25 xla-ops"),
                         ("torch-ref", "torch-ref"), ("xla", "all_to_all"),
-                        ("xla", "all_to_all cf=1.25")} | ({("xla", "ppermute cf=1.25")} if ranks == 2 else set())
+                        ("xla", "all_to_all cf=1.25"), ("ours", "padded gemm chunks=1"),
+                        ("ours", "padded gemm chunks=2")} | ({("xla", "ppermute cf=1.25")} if ranks == 2 else set())
     assert all(r["seconds"] > 0 for r in payload["records"])
     assert all(len(r["recv_rows_P"]) == ranks for r in payload["records"] if r["side"] == "nccl")
     # Every torch process timed itself: the slowest rank is the reported time.
@@ -45,4 +47,4 @@ def test_cpu_smoke(tmp_path, ranks):
     assert "received rows per rank (dropless), max / mean:" in proc.stdout
     # The capacity rows drop routes under zipf routing (the table reports them), dropless ones never.
     assert any(r["dropped"] > 0 for r in payload["records"] if r["strategy"] == "padded cf=1.25")
-    assert all(r["dropped"] == 0 for r in payload["records"] if r["strategy"] == "padded")
+    assert all(r["dropped"] == 0 for r in payload["records"] if r["strategy"] in ("padded", "padded gemm chunks=2"))

@@ -2,6 +2,7 @@
 
     python -m benchmarks.ep [--ranks P] [--skip-ragged] [--json PATH]  # the table (P GPUs)
     python -m benchmarks.ep [--ranks P] --cpu-smoke [--json PATH]      # the same at tiny sizes, P host devices
+    python -m benchmarks.ep [--ranks P] --chunks 1,2,4 [...]            # plus the chunked-exchange rows
 
 For each shape (prefill: T = 4096 and 16384 tokens per rank, D = 4096, top-2 of 64; decode:
 T = 128, D = 7168, top-8 of 256; bf16) and routing (balanced: every expert gets exactly T*K/E
@@ -26,6 +27,15 @@ it times one dispatch + combine (identity experts) of:
   sizes, i.e. the bytes a dropless exchange must move, and nothing else;
 * torch-ref, the torch EP reference, `parity.reference.ep.ep_dispatch`/`ep_combine` (counts
   exchange, host sync, metadata and rows, regroup), on the same routing.
+
+`--chunks 1,2,4` adds rows `padded gemm chunks=n` (and, with the ragged rows, `ragged gemm
+chunks=n`): dropless `ep_moe(chunks=n)` with one grouped GEMM `[El, D, D]` per expert as the
+experts (`moe_jax.ops.grouped_linear`, weights made on the device), so there is compute for the
+exchange to overlap; n = 1 is the same work unchunked. Their time includes the GEMM, so their
+GB/s and "x NCCL" figures are not exchange figures: compare the chunked rows with `chunks=1`.
+Whether XLA overlaps the chunks depends on its flags (docs/expert-parallelism.md, "Chunked
+exchange"): run once as is and once with
+`XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true` to see the scheduler's share.
 
 `--skip-ragged` times only the padded rows, `all_to_all` and `ppermute` (plus NCCL and
 torch-ref): the ragged rows and the decomposer process take minutes.

@@ -38,12 +38,15 @@ def worker_env(variant: str, smoke: bool, ranks: int) -> dict:
     return env
 
 
-def run_worker(kind: str, variant: str, smoke: bool, ranks: int, timeout_s: float = 900) -> dict:
+def run_worker(kind: str, variant: str, smoke: bool, ranks: int, timeout_s: float = 900,
+               chunks: tuple[int, ...] = ()) -> dict:
     """Run `--worker kind` in a fresh interpreter; its JSON result, or `{"error": ...}`."""
     with tempfile.TemporaryDirectory(prefix="ep_bench_") as folder:
         out = os.path.join(folder, "out.json")
         cmd = [sys.executable, "-m", "benchmarks.ep", "--worker", kind, "--variant", variant, "--out", out,
                "--ranks", str(ranks)]
+        if chunks:
+            cmd += ["--chunks", ",".join(map(str, chunks))]
         if smoke:
             cmd.append("--cpu-smoke")
         print(f"--- {kind} worker ({variant}, {ranks} ranks{', cpu smoke' if smoke else ''})", flush=True)
@@ -54,19 +57,26 @@ def run_worker(kind: str, variant: str, smoke: bool, ranks: int, timeout_s: floa
             return json.load(f)
 
 
-def worker(kind: str, variant: str, smoke: bool, out: str, ranks: int) -> None:
+def worker(kind: str, variant: str, smoke: bool, out: str, ranks: int, chunks: tuple[int, ...] = ()) -> None:
     """Inside a worker: time its rows and write `{"records": [...], "env": {...}}` to `out`."""
     shapes = SMOKE_SHAPES if smoke else GPU_SHAPES
     if kind == "jax-bench":
-        from benchmarks.ep.jax_bench import DECOMPOSER_VARIANTS, PADDED_VARIANTS, RAGGED_VARIANTS, jax_bench
+        from benchmarks.ep.jax_bench import (
+            DECOMPOSER_VARIANTS,
+            PADDED_VARIANTS,
+            RAGGED_VARIANTS,
+            chunk_variants,
+            jax_bench,
+        )
 
         padded = tuple(v for v in PADDED_VARIANTS if ranks == 2 or v.exchange != "ppermute")
+        padded += chunk_variants(chunks)
         if variant == "decomposer":
             variants = DECOMPOSER_VARIANTS
         elif smoke or variant == "padded":  # XLA:CPU has no ragged_all_to_all
             variants = padded
         else:
-            variants = padded + RAGGED_VARIANTS
+            variants = padded + RAGGED_VARIANTS + chunk_variants(chunks, ("ragged",))
         result = dict(records=jax_bench(shapes, variants, smoke, ranks))
     elif kind == "torch-bench":
         from benchmarks.ep.torch_bench import torch_bench
@@ -101,11 +111,26 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on P host devices, padded only")
     parser.add_argument("--skip-ragged", action="store_true",
                         help="time the padded strategy and all_to_all only (ragged_all_to_all takes minutes)")
+    parser.add_argument("--chunks", type=_chunk_list, default=(),
+                        help="comma-separated chunk counts, e.g. 1,2,4: add rows of ep_moe with one grouped GEMM "
+                             "as the experts, dropless, its exchange in that many chunks (EPOptions(chunks=n); "
+                             "1 is the unchunked baseline of the same work)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--variant", default="default", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     return parser
+
+
+def _chunk_list(text: str) -> tuple[int, ...]:
+    """`--chunks`: "1,2,4" -> (1, 2, 4), every entry an int >= 1."""
+    try:
+        chunks = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        chunks = ()
+    if not chunks or min(chunks) < 1:
+        raise argparse.ArgumentTypeError(f"--chunks takes comma-separated ints >= 1 (e.g. 1,2,4); got {text!r}")
+    return chunks
 
 
 def main(argv=None) -> int:
@@ -118,7 +143,7 @@ def main(argv=None) -> int:
         parser.error(f"--ranks {args.ranks} must divide the expert counts of every shape, {experts}: "
                      "every rank owns the same number of experts (e.g. 2, 4 or 8).")
     if args.worker:
-        worker(args.worker, args.variant, args.cpu_smoke, args.out, args.ranks)
+        worker(args.worker, args.variant, args.cpu_smoke, args.out, args.ranks, args.chunks)
         return 0
 
     smoke = args.cpu_smoke
@@ -126,7 +151,7 @@ def main(argv=None) -> int:
     records, failed = [], []
     jax_variants = ["padded"] if args.skip_ragged else ["default"] + ([] if smoke else ["decomposer"])
     for kind, variant in [("jax-bench", v) for v in jax_variants] + [("torch-bench", "default")]:
-        result = run_worker(kind, variant, smoke, args.ranks)
+        result = run_worker(kind, variant, smoke, args.ranks, chunks=args.chunks if kind == "jax-bench" else ())
         if "error" in result:  # a whole worker died (one failing row is only reported)
             print(f"  {result['error']}", flush=True)
             failed.append(result["error"])

@@ -1,4 +1,5 @@
-"""The JAX rows of the EP benchmark: ours (`ep_dispatch` + `ep_combine`) and the bare XLA
+"""The JAX rows of the EP benchmark: ours (`ep_dispatch` + `ep_combine`; with `--chunks`, also
+`ep_moe` with one grouped GEMM as the experts, unchunked and chunked) and the bare XLA
 collectives on the same buffers. Runs in a worker process (`cli.worker`), which sets the XLA
 flags and the host-device count before JAX starts.
 
@@ -18,6 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from benchmarks.ep.routing import CAPACITY_FACTOR, ROUTINGS, Shape, make_routing, reps_for, send_counts
 from benchmarks.ep.table import progress
 from benchmarks.timing import time_compiled
+from moe_jax.ops import grouped_linear
 from moe_jax.parallel import (
     EP_AXIS,
     PAIR_SWAP,
@@ -25,11 +27,13 @@ from moe_jax.parallel import (
     capacity_for,
     ep_combine,
     ep_dispatch,
+    ep_moe,
     make_mesh,
     select_transport,
 )
 
-__all__ = ["DECOMPOSER_VARIANTS", "PADDED_VARIANTS", "RAGGED_VARIANTS", "Variant", "ep_mesh", "jax_bench"]
+__all__ = ["DECOMPOSER_VARIANTS", "PADDED_VARIANTS", "RAGGED_VARIANTS", "Variant", "chunk_variants", "ep_mesh",
+           "jax_bench"]
 
 
 class Variant(NamedTuple):
@@ -43,6 +47,9 @@ class Variant(NamedTuple):
     no_a2a: ours, with the row collective replaced by the identity (the cost around it).
     xla_ops: ours, with the row gathers and the send plan through XLA instead of our Pallas kernels.
     decomposer: run in the process started with XLA's ragged_all_to_all decomposer flag.
+    gemm_chunks: ours: 0 for identity experts (dispatch + combine only); n >= 1 for `ep_moe(chunks=n)`
+      with one grouped GEMM `[El, D, D]` as the experts: compute the exchange may overlap with
+      (`chunks=1` is the unchunked baseline of the same work).
     """
 
     side: str
@@ -51,12 +58,14 @@ class Variant(NamedTuple):
     no_a2a: bool = False
     xla_ops: bool = False
     decomposer: bool = False
+    gemm_chunks: int = 0
 
     @property
     def label(self) -> str:
         return (self.exchange + ("+decomp" if self.decomposer else "")
                 + (f" cf={CAPACITY_FACTOR}" if self.capacity else "")
-                + (" no-a2a" if self.no_a2a else "") + (" xla-ops" if self.xla_ops else ""))
+                + (" no-a2a" if self.no_a2a else "") + (" xla-ops" if self.xla_ops else "")
+                + (f" gemm chunks={self.gemm_chunks}" if self.gemm_chunks else ""))
 
 
 # The padded rows (every backend; the ppermute row at P = 2 only) and the ragged ones (GPU only).
@@ -71,6 +80,12 @@ PADDED_VARIANTS = (
 )
 RAGGED_VARIANTS = (Variant("ours", "ragged"), Variant("xla", "ragged_all_to_all"))
 DECOMPOSER_VARIANTS = tuple(v._replace(decomposer=True) for v in RAGGED_VARIANTS)
+
+
+def chunk_variants(chunks: tuple[int, ...], strategies: tuple[str, ...] = ("padded",)) -> tuple[Variant, ...]:
+    """The `--chunks` rows: dropless `ep_moe` with a grouped GEMM as the experts, per strategy,
+    its exchange in each of `chunks` chunks (include 1 for the unchunked baseline)."""
+    return tuple(Variant("ours", strategy, gemm_chunks=n) for strategy in strategies for n in chunks)
 
 
 def ep_mesh(ranks: int):
@@ -119,7 +134,8 @@ def jax_bench(shapes, variants, smoke: bool, ranks: int) -> list[dict]:
 
 def _ours_loop(mesh, shape: Shape, variant: Variant, smoke: bool):
     """`(run, reps, delivered)`: `run(x, idx, weights)` is `reps` dispatch+combine iterations
-    (identity experts) of our `variant` in one jitted fori_loop, returning x after the round trips;
+    (identity experts, or with `variant.gemm_chunks` the chunked `ep_moe` with one grouped GEMM
+    as the experts) of our `variant` in one jitted fori_loop, returning x after the round trips;
     `delivered(x, idx, weights)` is the routes one iteration delivers (a separate executable, so
     the timed one runs nothing else)."""
     strategy = variant.exchange
@@ -138,8 +154,18 @@ def _ours_loop(mesh, shape: Shape, variant: Variant, smoke: bool):
                                         move=lambda rows, ex, out_rows, axis_name: rows)
 
     def body(x, idx, w):
+        # This rank's El expert weights, made on the device; the barrier keeps XLA from folding a
+        # constant into the GEMM. Scaled so that x keeps its magnitude over the iterations.
+        local_w = lax.optimization_barrier(
+            jnp.full((shape.experts // ranks, shape.d_model, shape.d_model), 1.0 / shape.d_model, x.dtype))
+
         def one(_, carry):
             x, idx, w = lax.optimization_barrier(carry)  # keep the planning inside the loop
+            if variant.gemm_chunks:
+                y, _ = ep_moe(x, idx, w, lambda rows, sizes: grouped_linear(rows, local_w, sizes, backend=backend),
+                              num_experts=shape.experts, strategy=strategy, capacity=capacity, backend=backend,
+                              transport=transport, chunks=variant.gemm_chunks)
+                return y, idx, w
             packed, _, plan = ep_dispatch(x, idx, num_experts=shape.experts, strategy=strategy, capacity=capacity,
                                           backend=backend, transport=transport)
             # The identity experts sit behind a barrier, as a real expert stage would: otherwise

@@ -108,12 +108,15 @@ class MoE(nnx.Module):
         expert's hidden units and the partial outputs are summed over it
         (docs/expert-tensor-parallelism.md); a fused `w_gate_up` is then stored in per-shard
         blocks (`moe_jax.experts.fuse_gate_up(..., shards=n)`).
-      expert_parallel: `moe_jax.parallel.EPOptions(strategy, capacity_factor, transport)`, used
-        when the mesh splits experts (ep > 1); default `EPOptions()` (padded, dropless, auto
-        transport). With a capacity factor, rows per (source, destination) rank pair are capped at
-        `capacity_for(tokens_per_device, K, ep, capacity_factor, local_experts=E // ep)` and
-        dropped routes are counted in `MoEStats.dropped`. Without expert parallelism nothing is
-        exchanged, so nothing is dropped: a capacity factor there is ignored with a warning.
+      expert_parallel: `moe_jax.parallel.EPOptions(strategy, capacity_factor, transport, chunks)`,
+        used when the mesh splits experts (ep > 1); default `EPOptions()` (padded, dropless, auto
+        transport, one chunk). With a capacity factor, rows per (source, destination) rank pair are
+        capped at `capacity_for(tokens_per_chunk, K, ep, capacity_factor, local_experts=E // ep)`
+        (the largest chunk's tokens per device; all of them with `chunks=1`) and dropped routes
+        are counted in `MoEStats.dropped`. `chunks=n` splits each device's tokens into n exchanges
+        that XLA may overlap with the expert GEMMs (docs/expert-parallelism.md). Without expert
+        parallelism nothing is exchanged, so nothing is dropped or chunked: a capacity factor or
+        chunks there are ignored with a warning.
       rngs: parameter initialisation keys.
 
     Params: `w_router [E, D]`, `w_gate`/`w_up [E, F, Din]` (or `w_gate_up [E, 2F, Din]`),
@@ -170,7 +173,7 @@ class MoE(nnx.Module):
             )
         experts_may_split = self.ep > 1 if mesh is not None else (axis_rules is not None and axis_rules.experts)
         if not experts_may_split:
-            self._warn_unused_capacity()
+            self._warn_unused_ep_options()
 
         d_in = self.latent_dim or d
         gate_up, down, replicated = tuple(self.rules.gate_up_spec()), tuple(self.rules.down_spec()), (None, None)
@@ -318,13 +321,15 @@ class MoE(nnx.Module):
         array (e.g. a schedule's value)."""
         self.selection_bias[...] = routing_lib.update_selection_bias(self.selection_bias[...], counts_E, step_size)
 
-    def _warn_unused_capacity(self) -> None:
-        factor = self.expert_parallel.capacity_factor
-        if factor is not None:
+    def _warn_unused_ep_options(self) -> None:
+        options = self.expert_parallel
+        unused = [f"{name}={value}" for name, value, default in (("capacity_factor", options.capacity_factor, None),
+                                                                 ("chunks", options.chunks, 1)) if value != default]
+        if unused:
             warnings.warn(
-                f"expert_parallel=EPOptions(capacity_factor={factor}) has no effect: this MoE layer's mesh does not "
-                "split experts (no expert axis of size > 1), so no rows are exchanged and none are dropped. Drop "
-                "the capacity factor, or give the layer a mesh whose expert axis has size > 1.",
+                f"expert_parallel=EPOptions({', '.join(unused)}) has no effect: this MoE layer's mesh does not "
+                "split experts (no expert axis of size > 1), so no rows are exchanged (none dropped, nothing to "
+                "chunk). Drop those options, or give the layer a mesh whose expert axis has size > 1.",
                 UserWarning, stacklevel=3,
             )
 
@@ -363,12 +368,12 @@ class MoE(nnx.Module):
             mesh, rules = self.mesh, self.rules
         elif context.empty:
             if self.axis_rules is not None and self.axis_rules.experts is not None:
-                self._warn_unused_capacity()
+                self._warn_unused_ep_options()
             return None
         elif self.axis_rules is not None:
             mesh, rules = context, self.axis_rules
             if rules.check(mesh, self.num_experts) == 1:
-                self._warn_unused_capacity()
+                self._warn_unused_ep_options()
             etp = rules.check_expert_tensor(mesh, self.d_ff)
             if self.fused_gate_up and etp != self.etp:
                 raise ValueError(

@@ -47,6 +47,7 @@ from moe_jax.ops.platform import BackendTable
 from moe_jax.ops.sharding import vary_to_union
 from moe_jax.parallel import AxisRules, EPOptions, ep_moe, is_explicit
 from moe_jax.parallel.capacity import resolve_capacity
+from moe_jax.parallel.chunks import token_chunks
 from moe_jax.permute import combine, pack, pack_rows, packed_row_source
 
 __all__ = ["ExpertStage", "Routed", "routed_on_mesh", "single_device"]
@@ -96,16 +97,19 @@ class ExpertStage:
     kernel: str  # "auto" (the tuned on-device selector) or "static" (the shape table)
     row_gather: str = "auto"  # "fused", "separate" or "auto" (`fuses_gather`)
 
-    def plans(self, num_rows: int, dtype, num_experts: int | None = None) -> ExpertPlans:
+    def plans(self, num_rows: int, dtype, num_experts: int | None = None, *, gather: bool | None = None) -> ExpertPlans:
         """The grouped GEMMs' plans on `num_rows` packed `dtype` rows of `num_experts` experts (the
         local experts of an ep rank; default all), decided once per call site:
         the experts run them and the telemetry reads the gate/up forward plan. The gate/up GEMMs
         read the token rows through the packing's ids (no packed copy) with `row_gather="fused"`,
         never with `"separate"`, and with `"auto"` where the gate/up GEMM's backend is one of
-        `AUTO_FUSED_GATHER` (measured faster fused)."""
+        `AUTO_FUSED_GATHER` (measured faster fused). `gather` (a bool) overrides that choice: the
+        chunks of one exchange share the largest chunk's."""
         make = functools.partial(expert_plans, num_rows, self.d_in, self.d_ff, num_experts or self.num_experts, dtype,
                                  fused_gate_up=self.fused_gate_up, backend=self.backend, precision=self.precision,
                                  kernel="auto" if self.kernel == "auto" else None)
+        if gather is not None:
+            return make(gather=gather)
         if self.row_gather == "auto":
             separate = make(gather=False)
             return make(gather=True) if separate.gate_up.fwd.backend in AUTO_FUSED_GATHER else separate
@@ -126,6 +130,16 @@ class ExpertStage:
         rows = executed(plans.gate_up.fwd, group_sizes)
         counts_C = (jnp.arange(len(CANDIDATES)) == rows.candidate).astype(jnp.int32)
         return GemmTelemetry(rows.executed_rows, rows.executed_rows, rows.useful_rows, rows.useful_rows, counts_C)
+
+    @staticmethod
+    def chunked_telemetry(parts: list[GemmTelemetry]) -> GemmTelemetry:
+        """One device's telemetry over its chunks' gate/up GEMMs: rows summed on the device (its
+        maxima are the device's total, so a later maximum over devices compares whole devices, as
+        unchunked), and a candidate counted once if any of its chunks ran it."""
+        total = lambda field: functools.reduce(jnp.add, (getattr(t, field) for t in parts))  # noqa: E731
+        kernels_C = functools.reduce(jnp.maximum, (t.kernel_counts_C for t in parts))
+        return GemmTelemetry(total("executed_rows"), total("executed_rows_max"), total("useful_rows"),
+                             total("useful_rows_max"), kernels_C)
 
 
 def _local(stage: ExpertStage, x_TD, idx_TK, w_TK, mask_T, weights):
@@ -193,18 +207,27 @@ def routed_on_mesh(stage: ExpertStage, mesh, rules: AxisRules, options: EPOption
         x_TD, w_TK = _hidden_slices(x_TD, w_TK, etp_axis)
         num_tokens, top_k = idx_TK.shape
         local = stage.num_experts // ep
-        # Masked tokens are never sent and never count as dropped.
+        # Masked tokens are never sent and never count as dropped. C is each chunk's.
         capacity = options.capacity(num_tokens, top_k, ep, local)
-        packed_rows = ep * resolve_capacity(capacity, num_tokens * top_k, local)  # P*C, as ep_dispatch lays out
-        plans = local_stage.plans(packed_rows, x_TD.dtype, local)
+        # P*C packed rows of each chunk, as ep_dispatch lays them out.
+        chunk_rows = [ep * resolve_capacity(capacity, (b - a) * top_k, local)
+                      for a, b in token_chunks(num_tokens, options.chunks)]
+        # One row-gather choice for all chunks (ep_moe takes one fuse_regroup): the largest chunk's.
+        gather = local_stage.plans(max(chunk_rows), x_TD.dtype, local).gate_up.fwd.problem.gather
+        plans = {rows: local_stage.plans(rows, x_TD.dtype, local, gather=gather) for rows in set(chunk_rows)}
+
+        def experts(x, sizes_El, rows=None):
+            packed = x.shape[0] if rows is None else rows.ids_M.shape[0]
+            return local_stage.experts(x, sizes_El, weights, plans[packed], rows=rows)
+
         y_TD, stats = ep_moe(
-            x_TD, idx_TK, w_TK,
-            lambda x, sizes_El, rows=None: local_stage.experts(x, sizes_El, weights, plans, rows=rows),
-            num_experts=stage.num_experts, axis_name=rules.experts, strategy=options.strategy,
-            capacity=capacity, mask_T=mask_T, backend=stage.backend, transport=options.transport,
-            fuse_regroup=plans.gate_up.fwd.problem.gather,
+            x_TD, idx_TK, w_TK, experts, num_experts=stage.num_experts, axis_name=rules.experts,
+            strategy=options.strategy, capacity=capacity, mask_T=mask_T, backend=stage.backend,
+            transport=options.transport, fuse_regroup=gather, chunks=options.chunks,
         )
-        gemm = local_stage.telemetry(plans, stats.group_sizes_El).reduce(rules.tokens)
+        gemm = local_stage.chunked_telemetry([local_stage.telemetry(plans[rows], sizes_El)
+                                              for rows, sizes_El in zip(chunk_rows, stats.chunk_group_sizes_NEl)])
+        gemm = gemm.reduce(rules.tokens)
         # stats.dropped is already the ep-group total; the groups of the replicas add up.
         return (_sum_slices(y_TD, etp_axis), gemm, lax.psum(stats.dropped, rules.expert_replicas),
                 lax.psum(stats.kept_E, rules.tokens))

@@ -2,13 +2,15 @@
 blocks, the transports that move them, and dispatch/combine (`ep_moe` runs the whole routed stage).
 
 Module by module (dependencies point down the list): `mesh` (`AxisRules`, construction, sharding specs),
-`capacity` (C from a capacity factor), `options` (`EPOptions`, what the layer passes on), `send_plan/` (the sender's plan: a Pallas kernel, an XLA
-backend, a reference), `layout` (block offsets and regroup maps from the exchanged counts),
+`capacity` (C from a capacity factor), `chunks` (a rank's tokens cut into chunks whose exchanges
+can overlap), `options` (`EPOptions`, what the layer passes on), `send_plan/` (the sender's plan:
+a Pallas kernel, an XLA backend, a reference), `layout` (block offsets and regroup maps from the exchanged counts),
 `transports` (all_to_all, two-rank pair swap, ragged all_to_all, each with its VJP), `dispatch`
 (`ep_dispatch`, `ep_combine`, `ep_moe`). Everything but `mesh` runs inside `jax.shard_map`.
 """
 
 from moe_jax.parallel.capacity import capacity_for, check_capacity_factor
+from moe_jax.parallel.chunks import token_chunks
 from moe_jax.parallel.dispatch import EPPlan, EPStats, ep_combine, ep_dispatch, ep_moe
 from moe_jax.parallel.layout import BlockExchange
 from moe_jax.parallel.mesh import (
@@ -76,4 +78,5 @@ __all__ = [
     "plan_sends",
     "plan_sends_reference",
     "select_transport",
+    "token_chunks",
 ]

@@ -7,7 +7,8 @@ worst-case size, and which rows are real is carried by on-device counts and mask
 
 Legend (shape suffixes): T tokens on this rank, D model width, K experts per token (top-k),
 R = T*K routes, E experts, El = E/P local experts, P ep size, C capacity (rows one source rank
-may send to one destination rank), S send-buffer rows, M receive-buffer rows = packed rows.
+may send to one destination rank), S send-buffer rows, M receive-buffer rows = packed rows,
+N token chunks of `ep_moe(chunks=...)`.
 
 Dispatch (`ep_dispatch`); docs/expert-parallelism.md walks through it:
 
@@ -32,10 +33,18 @@ gather summed in float32: no atomics, the same bits on every run.
 Combine (`ep_combine`) is the reverse: un-regroup, reverse exchange, read each route's returned
 row, weighted sum over K in float32. Both strategies keep the same routes and produce the same
 packed layout, so their results agree exactly. Dropless (`capacity=None`) means C = R.
+
+Chunks (`ep_moe(chunks=n)`, `chunks.py`): the rank's tokens are cut into N contiguous chunks and
+each runs dispatch, experts and combine on its own, unrolled at trace time. Chunk i+1's dispatch
+reads only its own slice of the inputs, never chunk i's expert outputs, and nothing is carried
+from chunk to chunk (no loop, no accumulator): the only joins are the final concatenation of the
+outputs and the sums of the statistics. That leaves XLA free to run chunk i+1's exchange while
+chunk i's grouped GEMMs run (docs/expert-parallelism.md, "Chunked exchange").
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -46,6 +55,7 @@ from jax import lax
 from moe_jax.ops import RowGather, gather_rows
 from moe_jax.ops.platform import BackendName
 from moe_jax.parallel.capacity import resolve_capacity
+from moe_jax.parallel.chunks import check_chunks, token_chunks
 from moe_jax.parallel.layout import (
     BlockExchange,
     buffer_rows,
@@ -64,7 +74,9 @@ __all__ = ["EPPlan", "EPStats", "ep_combine", "ep_dispatch", "ep_moe"]
 
 
 class EPStats(NamedTuple):
-    """Per-rank dispatch figures for logging.
+    """Per-rank dispatch figures for logging. Under `ep_moe(chunks=n)` every count is the sum
+    over the N chunks run (the same rank's rows added up before any maximum over ranks is taken),
+    so dropless it equals the unchunked figure exactly.
 
     dropped: int32 scalar, routes of real tokens dropped by capacity (plus any such route with
         an expert id outside `[0, E)`), summed over the ep axis: every rank of an EP group reports
@@ -74,7 +86,10 @@ class EPStats(NamedTuple):
     group_sizes_El: `[El]` int32, packed rows of each local expert on this rank.
     kept_E: `[E]` int32, this rank's routes that were delivered, per global expert (its routes to
         expert e minus those dropped by capacity; summed over the ranks, the experts' loads).
-    capacity: static Python int C, rows one source may send to one destination (R when dropless).
+    capacity: static Python int C, rows one source may send to one destination in one chunk (R
+        when dropless; with uneven chunks, the largest chunk's C).
+    chunk_group_sizes_NEl: `[N, El]` int32, `group_sizes_El` of each chunk (N = 1 unchunked):
+        chunk i's grouped GEMMs ran on row i (sum over N: `group_sizes_El`).
     """
 
     dropped: jax.Array
@@ -83,6 +98,7 @@ class EPStats(NamedTuple):
     group_sizes_El: jax.Array
     kept_E: jax.Array
     capacity: int
+    chunk_group_sizes_NEl: jax.Array
 
 
 class EPPlan(NamedTuple):
@@ -125,7 +141,8 @@ class EPPlan(NamedTuple):
         """The loggable summary of this dispatch."""
         return EPStats(dropped=self.dropped, send_counts_P=self.send_counts_P,
                        recv_rows=jnp.sum(self.group_sizes_El), group_sizes_El=self.group_sizes_El,
-                       kept_E=self.kept_PE.reshape(-1), capacity=self.capacity)
+                       kept_E=self.kept_PE.reshape(-1), capacity=self.capacity,
+                       chunk_group_sizes_NEl=self.group_sizes_El[None])
 
     def transport_for(self, rows_ND: jax.Array) -> Transport:
         """The transport an exchange of `rows_ND`'s width runs (its block is `[C, D]`)."""
@@ -390,6 +407,7 @@ def ep_moe(
     backend: BackendName = "auto",
     transport: str | Transport = "auto",
     fuse_regroup: bool = False,
+    chunks: int = 1,
 ) -> tuple[jax.Array, EPStats]:
     """Dispatch, `packed_y_MD = expert_fn(packed_x_MD, group_sizes_El)`, combine.
 
@@ -406,7 +424,37 @@ def ep_moe(
     to read them inside its first grouped GEMM (`grouped_linear(rows=...)`). The pairwise
     transport delivers two sources (this rank's tokens and the peer block), which are regrouped
     first as without the option; so is an exchange of no routes.
+
+    `chunks=n` (n >= 1): this rank's T tokens are cut into N = min(n, T) contiguous chunks
+    (`moe_jax.parallel.chunks.token_chunks`, sizes differing by at most one) and each runs its own
+    dispatch, `expert_fn` call (once per chunk, on that chunk's packed rows: `expert_fn` must take
+    any M) and combine; no chunk reads another's results, so XLA may overlap them. `capacity` is
+    then each chunk's C (clamped to a chunk's routes; None: dropless per chunk, equal results to
+    n = 1). `y_TD` is the chunks' outputs in token order; the `EPStats` figures are sums over the
+    chunks (`chunk_group_sizes_NEl` keeps each chunk's group sizes).
     """
+    tokens, top_k = _check_routes(x_TD, expert_idx_TK)
+    if weights_TK.shape != (tokens, top_k):
+        raise ValueError(
+            f"weights_TK must be [T, K] = {(tokens, top_k)} like expert_idx_TK; got shape {tuple(weights_TK.shape)}."
+        )
+    mask_T = check_mask(mask_T, tokens, "ep_moe")
+    bounds = token_chunks(tokens, check_chunks(chunks))
+    options = dict(num_experts=num_experts, axis_name=axis_name, strategy=strategy, capacity=capacity,
+                   backend=backend, transport=transport, fuse_regroup=fuse_regroup)
+    if len(bounds) == 1:
+        return _moe_chunk(x_TD, expert_idx_TK, weights_TK, mask_T, expert_fn, **options)
+    parts = [
+        _moe_chunk(x_TD[a:b], expert_idx_TK[a:b], weights_TK[a:b], None if mask_T is None else mask_T[a:b], expert_fn,
+                   **options)
+        for a, b in bounds
+    ]
+    return jnp.concatenate([y_TD for y_TD, _ in parts]), _sum_stats([stats for _, stats in parts])
+
+
+def _moe_chunk(x_TD, expert_idx_TK, weights_TK, mask_T, expert_fn, *, num_experts, axis_name, strategy, capacity,
+               backend, transport, fuse_regroup) -> tuple[jax.Array, EPStats]:
+    """`ep_moe` of one chunk of tokens: dispatch, experts, combine."""
     got = _receive(x_TD, expert_idx_TK, num_experts=num_experts, axis_name=axis_name, strategy=strategy,
                    capacity=capacity, mask_T=mask_T, backend=backend, transport=transport)
     sizes_El = got.plan.group_sizes_El
@@ -416,3 +464,13 @@ def ep_moe(
     else:
         packed_y_MD = expert_fn(_regroup(got, backend), sizes_El)
     return ep_combine(packed_y_MD, weights_TK, got.plan, axis_name=axis_name, backend=backend), got.plan.stats()
+
+
+def _sum_stats(stats: list[EPStats]) -> EPStats:
+    """One rank's `EPStats` over its chunks: every count summed on this rank (a maximum over ranks,
+    taken later, then sees the rank's whole load, as unchunked), the chunks' group sizes stacked."""
+    total = lambda field: functools.reduce(jnp.add, (getattr(s, field) for s in stats))  # noqa: E731
+    return EPStats(dropped=total("dropped"), send_counts_P=total("send_counts_P"), recv_rows=total("recv_rows"),
+                   group_sizes_El=total("group_sizes_El"), kept_E=total("kept_E"),
+                   capacity=max(s.capacity for s in stats),
+                   chunk_group_sizes_NEl=jnp.concatenate([s.chunk_group_sizes_NEl for s in stats]))
