@@ -41,11 +41,11 @@ def _mesh(ep, etp, data, axis_type=AxisType.Auto):
     return make_mesh(ep=ep, etp=etp, data=data, devices=_DEVICES[: ep * etp * data], axis_type=axis_type)
 
 
-def _layer(mesh=None, *, fused=False, capacity_factor=None, rules=ETP_RULES):
+def _layer(mesh=None, *, fused=False, capacity_factor=None, chunks=1, rules=ETP_RULES):
     return MoE(
         D, F, E, K, shared_experts=SharedExperts(1, d_ff=5), latent_dim=L,
-        gemm=GemmOptions(backend="xla", fused_gate_up=fused), mesh=mesh,
-        axis_rules=None if mesh is None else rules, expert_parallel=EPOptions(capacity_factor=capacity_factor),
+        gemm=GemmOptions(backend="xla", fused_gate_up=fused), mesh=mesh, axis_rules=None if mesh is None else rules,
+        expert_parallel=EPOptions(capacity_factor=capacity_factor, chunks=chunks),
         rngs=nnx.Rngs(0),
     )
 
@@ -97,6 +97,17 @@ def test_matches_single_device(ep, etp, data):
         assert w[...].sharding.spec == PartitionSpec(None, None)  # replicated over "etp" too
     x, mask, cot = _inputs(ep * 10 + etp)
     got = module_value_and_grads(m, x, cot, mask=mask)
+    _assert_same(got, module_value_and_grads(_layer(), x, cot, mask=mask))
+    _assert_rows_once(got[1], mask)
+
+
+@pytest.mark.slow  # one more mesh program; each option has a fast case of its own
+def test_ep_x_etp_with_a_chunked_exchange():
+    """EP x ETP with the exchange in 3 token chunks (a remainder: 4 tokens per device): the ETP sum
+    of each chunk's partial outputs, the same single-device result."""
+    mesh = _mesh(2, 2, 2)
+    x, mask, cot = _inputs(7)
+    got = module_value_and_grads(_layer(mesh, chunks=3), x, cot, mask=mask)
     _assert_same(got, module_value_and_grads(_layer(), x, cot, mask=mask))
     _assert_rows_once(got[1], mask)
 
