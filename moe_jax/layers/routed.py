@@ -9,7 +9,10 @@ experts on one of P ep ranks, M packed rows.
   its own tokens inside `jax.shard_map` (tokens split over `AxisRules.tokens`, weights
   replicated).
 - A mesh with ep > 1: `moe_jax.parallel.ep_moe` on each rank: dispatch, this rank's El experts
-  (weights split over `AxisRules.experts`), combine.
+  (weights split over `AxisRules.experts`), combine. With `EPOptions(placement=...)` the "experts"
+  are the placement's R*S physical slots (El = S): routes go to replicas
+  (`moe_jax.parallel.replicas.route_to_replicas`), replicas' gradients are summed
+  (`sum_replica_grads`), and the delivered counts are summed back per logical expert.
 
 Gradients through `shard_map` need no hand-written reductions: the transpose of a replicated
 input sums its cotangents over the mesh axes it is replicated on and that its tokens vary over
@@ -35,6 +38,7 @@ from moe_jax.ops.platform import BackendTable
 from moe_jax.ops.sharding import vary_to_union
 from moe_jax.parallel import AxisRules, EPOptions, ep_moe, is_explicit
 from moe_jax.parallel.capacity import resolve_capacity
+from moe_jax.parallel.replicas import logical_counts, route_to_replicas, sum_replica_grads
 from moe_jax.permute import combine, pack, pack_rows, packed_row_source
 
 __all__ = ["ExpertStage", "Routed", "routed_on_mesh", "single_device"]
@@ -149,6 +153,7 @@ def routed_on_mesh(stage: ExpertStage, mesh, rules: AxisRules, options: EPOption
     """The routed stage inside `jax.shard_map` over `mesh` (a `Mesh` or the ambient
     `AbstractMesh`, Auto or Explicit axes) with tokens and experts placed by `rules`."""
     ep = rules.check(mesh, stage.num_experts)
+    placement = options.placement  # with one, stage.num_experts counts its physical slots
     if mask_T is None:
         mask_T = jnp.ones(x_TD.shape[:1], jnp.bool_)
 
@@ -158,6 +163,11 @@ def routed_on_mesh(stage: ExpertStage, mesh, rules: AxisRules, options: EPOption
         return y_TD, gemm.reduce(rules.tokens), jnp.zeros((), jnp.int32)
 
     def expert_parallel(x_TD, idx_TK, w_TK, mask_T, *weights):
+        if placement is not None:
+            # Before the cast below, so its transpose (the sum over the data replicas) comes first
+            # and the replica sum then copies one result to every replica: identical bits.
+            weights = tuple(sum_replica_grads(w, placement, rules.experts) for w in weights)
+            idx_TK = route_to_replicas(idx_TK, placement, lax.axis_index(rules.experts), mask_T)
         weights = _varying(weights, rules.expert_replicas)  # an ep shard's replicas sum its gradients
         num_tokens, top_k = idx_TK.shape
         local = stage.num_experts // ep
@@ -172,8 +182,11 @@ def routed_on_mesh(stage: ExpertStage, mesh, rules: AxisRules, options: EPOption
             fuse_regroup=plans.gate_up.fwd.problem.gather,
         )
         gemm = stage.telemetry(plans, stats.group_sizes_El).reduce(rules.tokens)
+        kept = lax.psum(stats.kept_E, rules.tokens)
+        if placement is not None:
+            kept = logical_counts(kept, placement)  # statistics are per logical expert
         # stats.dropped is already the ep-group total; the groups of the replicas add up.
-        return (y_TD, gemm, lax.psum(stats.dropped, rules.expert_replicas), lax.psum(stats.kept_E, rules.tokens))
+        return y_TD, gemm, lax.psum(stats.dropped, rules.expert_replicas), kept
 
     act, rep = rules.activation_spec(), P()
     body, weight_spec = (data_parallel, rep) if ep == 1 else (expert_parallel, rules.expert_spec())
