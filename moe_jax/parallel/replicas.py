@@ -12,9 +12,10 @@ expert each physical slot holds. This module is what the layer needs to run one:
 - `sum_replica_grads`: an identity on this rank's `[S, ...]` slot weights whose backward gives
   every replica the sum of its group's gradients (the logical expert's gradient), so that an
   elementwise optimizer keeps replicas bit-identical.
-- `move_slots`: after a re-plan, every slot's array (weights, optimizer moments) gathered from
-  `placement_moves(old, new).source_RS`, jitted and with collective permutes of the moved slots
-  only (`SlotTransfers`).
+- `move_slots` (inside `shard_map`) and `rebalance` (a jitted call on a whole state, between
+  training steps): after a re-plan, every slot's array (weights, optimizer moments) gathered from
+  `placement_moves(old, new).source_RS`, with collective permutes of the moved slots only
+  (`SlotTransfers`); no host round trip.
 - `logical_counts`: per-slot row counts summed into per-expert counts.
 
 Everything here treats a placement as static (compile-time constants): a new placement retraces.
@@ -34,7 +35,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec
 
+from moe_jax.parallel.mesh import EP_AXIS
 from moe_jax.parallel.placement import Placement, placement_moves
 
 __all__ = [
@@ -44,6 +47,7 @@ __all__ = [
     "logical_weights",
     "move_slots",
     "physical_weights",
+    "rebalance",
     "replica_sum_transfers",
     "route_to_replicas",
     "slot_move_transfers",
@@ -304,3 +308,53 @@ def move_slots(x_SX: jax.Array, old: Placement, new: Placement, axis_name) -> ja
     reads the slots as they were before the move."""
     transfers = slot_move_transfers(old, new)
     return _run_rounds(x_SX, transfers.rounds, axis_name, add=False, source_SX=x_SX)
+
+
+def _split_over(x, axis_name) -> bool:
+    """Whether `x`'s leading axis is split over exactly the mesh axis `axis_name`."""
+    spec = getattr(getattr(x, "sharding", None), "spec", None)
+    if not spec:
+        return False
+    lead = spec[0]
+    return lead == axis_name or (isinstance(lead, tuple) and tuple(lead) == (axis_name,))
+
+
+@functools.lru_cache(maxsize=64)
+def _mover(old: Placement, new: Placement, mesh, axis_name):
+    def body(xs):
+        return tuple(move_slots(x, old, new, axis_name) for x in xs)
+
+    spec = PartitionSpec(axis_name)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,), out_specs=spec))
+
+
+def rebalance(tree, old: Placement, new: Placement, mesh, *, axis_name=EP_AXIS):
+    """`tree` with its expert slot stacks moved from placement `old` to `new`, on device.
+
+    tree: any pytree of arrays, e.g. `nnx.state((model, optimizer))` of one placed MoE layer and
+      its optimizer. The slot stacks are the arrays whose leading axis is split over `axis_name`:
+      the routed experts' weights and every optimizer leaf made like them (optax's moments keep
+      their parameter's sharding); they must have R*S rows. Other leaves are returned as they are.
+      Every slot stack in `tree` follows the same placement: call it once per layer.
+    mesh: the layers' mesh (its `axis_name` axis has the placements' R ranks).
+
+    One jitted program per (old, new) pair (cached): only the slots that change expert are
+    written, each copied from its `placement_moves(old, new)` source by collective permutes
+    (same-rank sources stay local). Replicas hold identical weights and moments, so any source is
+    valid. Then give the layer its new placement (`EPOptions(placement=new)`), which recompiles the
+    training step; the host only plans, the arrays never leave the devices."""
+    old, new = _check_placement(old), _check_placement(new)
+    placement_moves(old, new)  # same E, R, S, or a ValueError saying so
+    if axis_name not in tuple(mesh.axis_names) or mesh.shape[axis_name] != old.num_ranks:
+        raise ValueError(f"mesh must have an axis {axis_name!r} of the placements' {old.num_ranks} ranks; got axes "
+                         f"{dict(mesh.shape)}.")
+    leaves, treedef = jax.tree.flatten(tree)
+    picked = [i for i, x in enumerate(leaves) if _split_over(x, axis_name)]
+    for i in picked:
+        _check_leading(leaves[i], old.num_slots, f"every array split over {axis_name!r} in tree",
+                       "the placement's slots R*S")
+    if picked and slot_move_transfers(old, new).rounds:
+        moved = _mover(old, new, mesh, axis_name)(tuple(leaves[i] for i in picked))
+        for i, x in zip(picked, moved):
+            leaves[i] = x
+    return jax.tree.unflatten(treedef, leaves)
