@@ -8,6 +8,8 @@ Legend: N global tokens, D width, E logical experts, R ep ranks, S slots per ran
 physical slots, K top-k.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -298,7 +300,7 @@ def test_adam_keeps_replicas_identical_and_rebalance_moves_its_state():
     assert placement_moves(HOT, new).num_remote > 0
     flat_before = {p: v.get_value() for p, v in nnx.to_flat_state(nnx.state((model, optimizer)))}
     nnx.update((model, optimizer), rebalance(nnx.state((model, optimizer)), HOT, new, mesh))
-    model.expert_parallel = EPOptions(placement=new)
+    model.expert_parallel = dataclasses.replace(model.expert_parallel, placement=new)
     moved = 0
     for path, v in nnx.to_flat_state(nnx.state((model, optimizer))):
         if path[-1] in ("w_gate", "w_up", "w_down"):  # the layer's weights and adam's mu, nu
