@@ -197,6 +197,23 @@ def test_layer_with_replicas_matches_one_device(data):
         np.testing.assert_allclose(getattr(stats, name), getattr(stats0, name), rtol=1e-5, err_msg=name)
 
 
+@pytest.mark.slow  # two more layer compilations
+def test_replicas_on_explicit_axes_with_fused_gate_up():
+    """Explicit mesh axes, `w_gate_up` and the fused row gather: the placed layer still equals the
+    one-device layer (output, counts, the gate/up gradient per replica)."""
+    gemm = GemmOptions(backend="xla", fused_gate_up=True, row_gather="fused")
+    mesh = make_mesh(ep=4, data=2, devices=_DEVICES[:8], axis_type=AxisType.Explicit)
+    placed = MoE(D, F, E, K, gemm=gemm, mesh=mesh, expert_parallel=EPOptions(placement=HOT), rngs=nnx.Rngs(0))
+    single = MoE(D, F, E, K, gemm=gemm, rngs=nnx.Rngs(0))
+    x, cot = _inputs(2)
+    y, stats, grads, dx, _ = module_value_and_grads(placed, x, cot)
+    y0, stats0, grads0, dx0, _ = module_value_and_grads(single, x, cot)
+    assert_close(y, y0, jnp.float32, "y")
+    assert_close(dx, dx0, jnp.float32, "dx")
+    assert_close(grads[("w_gate_up",)], physical_weights(grads0[("w_gate_up",)], HOT), jnp.float32, "d w_gate_up")
+    np.testing.assert_array_equal(stats.counts_E, stats0.counts_E)
+
+
 def _rank_rows(idx, placement, ep):
     """Host reference of each rank's received rows with data = 1 (device r is source rank r,
     tokens split evenly): the sum over source ranks of `split_counts(offset=source)`."""
