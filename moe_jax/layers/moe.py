@@ -117,8 +117,8 @@ class MoE(nnx.Module):
       rngs: parameter initialisation keys.
 
     Params: `w_router [E, D]`, `w_gate`/`w_up [E, F, Din]` (or `w_gate_up [E, 2F, Din]`),
-    `w_down [E, Din, F]` (R*S rows instead of E with a placement), optionally `w_latent_down`, `w_latent_up`, `shared` (a `SwiGLU`) and
-    `w_shared_gate [1, D]`.
+    `w_down [E, Din, F]` (R*S rows instead of E with a placement), optionally `w_latent_down`,
+    `w_latent_up`, `shared` (a `SwiGLU`) and `w_shared_gate [1, D]`.
     State: `selection_bias` (`SelectionBias`, zeros `[E]`).
     """
 

@@ -20,10 +20,10 @@ expert each physical slot holds. This module is what the layer needs to run one:
 
 Everything here treats a placement as static (compile-time constants): a new placement retraces.
 
-Legend (shape suffixes): T tokens on this rank, K top-k, E logical experts, R ranks of the
-expert-parallel axis, S slots per rank, F = R*S physical slots (flat id `f = r*S + s`), M the
-most replicas of any expert, W slots one rank sends another in one round, X the trailing weight
-dimensions.
+Legend (shape suffixes): T tokens on this rank, K top-k, N = T*K routes, E logical experts, R
+ranks of the expert-parallel axis, S slots per rank, F = R*S physical slots (flat id
+`f = r*S + s`), M the most replicas of any expert, W slots one rank sends another in one round,
+X the trailing weight dimensions.
 """
 
 from __future__ import annotations
@@ -119,23 +119,26 @@ def route_to_replicas(expert_idx_TK: jax.Array, placement: Placement, source_ran
     are `split_counts(placement, counts_E, offset=source_rank)`. Deterministic (a stable sort, no
     atomics); `source_rank` may be traced (`lax.axis_index`)."""
     placement = _check_placement(placement)
+    if expert_idx_TK.ndim != 2 or not jnp.issubdtype(expert_idx_TK.dtype, jnp.integer):
+        raise ValueError(f"expert_idx_TK must be an integer [T, K] array of logical expert ids; got "
+                         f"{expert_idx_TK.dtype} {tuple(expert_idx_TK.shape)}.")
     tokens, top_k = expert_idx_TK.shape
     e = placement.num_experts
-    e_R = expert_idx_TK.reshape(tokens * top_k).astype(jnp.int32)
-    valid_R = (e_R >= 0) & (e_R < e)
+    e_N = expert_idx_TK.reshape(tokens * top_k).astype(jnp.int32)
+    valid_N = (e_N >= 0) & (e_N < e)
     if mask_T is not None:
-        valid_R = valid_R & jnp.repeat(mask_T, top_k)
-    key_R = jnp.where(valid_R, e_R, e)  # invalid and masked routes sort last, as expert E
-    order_R = jnp.argsort(key_R, stable=True)
-    counts = jnp.bincount(key_R, length=e + 1)
+        valid_N = valid_N & jnp.repeat(mask_T, top_k)
+    key_N = jnp.where(valid_N, e_N, e)  # invalid and masked routes sort last, as expert E
+    order_N = jnp.argsort(key_N, stable=True)
+    counts = jnp.bincount(key_N, length=e + 1)  # [E + 1]: routes per expert, then the invalid ones
     starts = jnp.cumsum(counts) - counts
-    sorted_key = key_R[order_R]
-    pos_R = jnp.zeros_like(e_R).at[order_R].set(jnp.arange(e_R.size, dtype=jnp.int32) - starts[sorted_key])
-    expert_R = jnp.minimum(key_R, e - 1)
+    sorted_key = key_N[order_N]
+    pos_N = jnp.zeros_like(e_N).at[order_N].set(jnp.arange(e_N.size, dtype=jnp.int32) - starts[sorted_key])
+    expert_N = jnp.minimum(key_N, e - 1)
     replicas_E = jnp.asarray(placement.replicas_E)
-    replica_R = (pos_R + jnp.asarray(source_rank, jnp.int32)) % replicas_E[expert_R]
-    slot_R = jnp.asarray(placement.expert_slots_EM)[expert_R, replica_R]
-    return jnp.where(valid_R, slot_R, -1).reshape(tokens, top_k)
+    replica_N = (pos_N + jnp.asarray(source_rank, jnp.int32)) % replicas_E[expert_N]
+    slot_N = jnp.asarray(placement.expert_slots_EM)[expert_N, replica_N]
+    return jnp.where(valid_N, slot_N, -1).reshape(tokens, top_k)
 
 
 # ---------------------------------------------------------------------------------------------
