@@ -244,12 +244,12 @@ def slot_move_transfers(old: Placement, new: Placement) -> SlotTransfers:
     return _schedule(transfers, old.num_ranks, s)
 
 
-def _run_rounds(x_SX, rounds, axis_name, *, add: bool, reverse: bool = False, source_SX=None):
+def _run_rounds(x_SX, rounds, axis_name, *, add: bool, reverse: bool = False):
     """Apply `rounds` to this rank's slots `x_SX` inside `shard_map` over `axis_name`: in each, read
-    the send slots (from `source_SX`, default `x_SX`), permute, and add into (`add`) or overwrite
-    the receive slots. `reverse` runs the rounds backwards with every pair reversed."""
+    the send slots of `x_SX` as it was before the first round, permute, and add into (`add`) or
+    overwrite the receive slots. `reverse` runs the rounds backwards with every pair reversed."""
     me = lax.axis_index(axis_name)
-    source_SX = x_SX if source_SX is None else source_SX
+    source_SX = x_SX
     for rnd in (reversed(rounds) if reverse else rounds):
         send_RW, recv_RW = (rnd.recv_RW, rnd.send_RW) if reverse else (rnd.send_RW, rnd.recv_RW)
         perm = [(b, a) for a, b in rnd.perm] if reverse else list(rnd.perm)
@@ -290,9 +290,8 @@ def sum_replica_grads(w_SX: jax.Array, placement: Placement, axis_name) -> jax.A
         return w, None
 
     def bwd(_, g_SX):
-        acc_SX = _run_rounds(g_SX.astype(jnp.float32), transfers.rounds, axis_name, add=True,
-                             source_SX=g_SX.astype(jnp.float32))
-        total_SX = acc_SX.astype(g_SX.dtype)
+        g32_SX = g_SX.astype(jnp.float32)
+        total_SX = _run_rounds(g32_SX, transfers.rounds, axis_name, add=True).astype(g_SX.dtype)
         return (_run_rounds(total_SX, transfers.rounds, axis_name, add=False, reverse=True),)
 
     synced.defvjp(fwd, bwd)
@@ -310,7 +309,7 @@ def move_slots(x_SX: jax.Array, old: Placement, new: Placement, axis_name) -> ja
     slots are not touched, and only changed slots are sent (`slot_move_transfers`). Every copy
     reads the slots as they were before the move."""
     transfers = slot_move_transfers(old, new)
-    return _run_rounds(x_SX, transfers.rounds, axis_name, add=False, source_SX=x_SX)
+    return _run_rounds(x_SX, transfers.rounds, axis_name, add=False)
 
 
 def _split_over(x, axis_name) -> bool:
