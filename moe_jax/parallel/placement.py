@@ -8,9 +8,10 @@ groups. A physical slot has the flat id `f = r*S + s` (rank r, local slot s).
 
 The load model: an expert's load (its rows, summed over a window of steps) is split evenly among
 its replicas, so a rank's load is the sum over its slots of `load_E[e] / replicas_E[e]`. The
-on-device router this is meant for deals the rows of an expert round-robin over its replicas in
-slot-id order, which realises that split to within one row per slot (`split_counts` is that
-integer split).
+on-device router (`moe_jax.parallel.replicas.route_to_replicas`) deals each source rank's rows of
+an expert round-robin over its replicas in slot-id order, starting at a replica rotated by the
+source rank, which realises that split to within one row per slot and source rank (`split_counts`
+with `offset=` the source rank is that integer split).
 
 The planner (`plan_placement`) starts from the expert-parallel load balancer of DeepSeek-V3
 (DeepSeek-AI, "DeepSeek-V3 Technical Report", arXiv:2412.19437, redundant experts in its
