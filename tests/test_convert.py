@@ -36,7 +36,9 @@ from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBl
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from moe_jax import GemmOptions, MoE, SharedExperts, convert, routing
-from moe_jax.parallel import AxisRules, make_mesh
+from moe_jax.parallel import AxisRules, EPOptions, make_mesh
+from moe_jax.parallel.placement import Placement
+from moe_jax.parallel.replicas import physical_weights
 from moe_jax.testing import assert_close
 
 _HI = jax.lax.Precision.HIGHEST
@@ -273,6 +275,21 @@ def test_weights_land_on_an_expert_tensor_mesh(ours):
             shard.data, np.concatenate([sd["experts.gate_up_proj"][: e // 2, : f // 2],
                                         sd["experts.gate_up_proj"][: e // 2, f: f + f // 2]], axis=1))
     _assert_same(convert.to_state_dict(moe, config), sd)
+
+
+def test_placed_layer_holds_a_copy_per_slot_and_writes_logical_experts():
+    """With `EPOptions(placement=...)` each physical slot gets its logical expert's tensors, the
+    layer computes what the unplaced one does, and `to_state_dict` writes the logical experts."""
+    sd, config = _mixtral_sd()
+    placement = Placement(np.array([[0, 1, 2], [0, 3, 1]]), 4)  # experts 0 and 1 replicated
+    mesh = make_mesh(ep=2, data=1, devices=jax.devices("cpu")[:2])
+    moe = convert.from_state_dict(sd, config, mesh=mesh, expert_parallel=EPOptions(placement=placement), **OURS)
+    plain = convert.from_state_dict(sd, config, **OURS)
+    assert moe.w_gate[...].shape[0] == 6 and moe.w_gate[...].sharding.spec == P("ep", None, None)
+    np.testing.assert_array_equal(moe.w_down[...], physical_weights(np.asarray(plain.w_down[...]), placement))
+    _assert_same(convert.to_state_dict(moe, config), sd)
+    x = jax.random.normal(jax.random.PRNGKey(0), (8, moe.d_model))
+    assert_close(moe(x)[0], plain(x)[0], jnp.float32, "placed vs plain")
 
 
 # ---------------------------------------------------------------------------------------------

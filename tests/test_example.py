@@ -137,6 +137,24 @@ def test_router_and_balance_choices_train(tmp_path, extra):
         np.testing.assert_allclose(record["loss"], record["ce"] + 1e-3 * record["layers"][0]["z"], rtol=1e-5)
 
 
+@pytest.mark.slow  # a whole EP run that recompiles after each rebalance
+def test_rebalance_every_moves_experts_between_steps(tmp_path, capsys):
+    """`--ep 2 --rebalance-every 2` on this process's 8 host devices: the placements are re-planned
+    after steps 2 and 4, training goes on (finite losses), and each record's per-rank rows follow the
+    placement the step ran (they add up to the layer's routes)."""
+    out = tmp_path / "run"
+    cli.main(TINY + ["--batch", "8", "--ep", "2", "--rebalance-every", "2", "--steps", "5", "--warmup", "1",
+                     "--eval-every", "5", "--no-plot", "--out", str(out)])
+    log = capsys.readouterr()
+    assert (log.out + log.err).count("rebalance: rank max/mean over the last 2 steps") == 2  # after steps 2 and 4
+    history = _metrics(out)["history"]
+    assert [r["step"] for r in history] == [1, 2, 3, 4, 5]
+    for record in history:
+        assert np.isfinite(record["loss"])
+        layer = record["layers"][0]
+        assert len(layer["rank_rows"]) == 2 and abs(sum(layer["rank_rows"]) - sum(layer["counts"])) <= 2
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -154,6 +172,9 @@ def test_router_and_balance_choices_train(tmp_path, extra):
         (["--capacity-factor", "1.25"], "--capacity-factor needs --ep"),
         (["--distributed"], "--distributed needs --ep"),
         (["--ep", "2", "--process-id", "0"], "need --distributed"),
+        (["--rebalance-every", "2"], "--rebalance-every needs --ep of 2 or more"),
+        (["--ep", "2", "--rebalance-every", "2", "--resume"], "--rebalance-every cannot --resume"),
+        (["--redundant-slots", "2"], "--redundant-slots needs --rebalance-every"),
         (["--data", "/nonexistent/corpus.txt"], "no such file"),
         (["--data", "/tmp"], "is a directory; pass one text file"),
     ],
@@ -171,7 +192,8 @@ def test_help_lists_every_option(capsys):
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
     for option in ("--steps", "--router", "--balance", "--ep-strategy", "--capacity-factor", "--resume",
-                   "--distributed", "--host-devices", "--latent-dim", "--shared-experts", "--backend"):
+                   "--distributed", "--host-devices", "--latent-dim", "--shared-experts", "--backend",
+                   "--rebalance-every", "--redundant-slots"):
         assert option in text
 
 

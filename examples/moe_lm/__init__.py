@@ -23,6 +23,9 @@ make_mesh`), hands it to every MoE layer (experts split over `ep`, tokens exchan
 partitioned by XLA. `--distributed` calls `jax.distributed.initialize()` first, for multi-host
 runs (every process runs this same command; only process 0 prints and writes files other than
 checkpoints). `--host-devices N` fakes N CPU devices so `--ep` can be tried on a laptop.
+`--rebalance-every N` (with `--ep`) gives every layer spare expert slots holding replicas of hot
+experts and re-plans the placement every N steps, moving weights and optimizer state on device
+(`placement`, docs/placement.md).
 
 Legend (shape suffixes): B batch (sequences), S sequence length, D model width, V vocabulary (256),
 H attention heads, Dh head width, L MoE layers, E experts.
@@ -34,6 +37,7 @@ Modules (the entry script `examples/train_moe.py` calls `cli.main`):
     model        `ModelConfig`, attention, `Block`, `MoETransformer`, `make_router`
     steps        `StepMetrics`, schedule, AdamW optimizer, the jitted train and eval steps
     runtime      fake CPU devices, `jax.distributed`, the EP mesh, `to_device`
+    placement    `Rebalancer`: the layers' expert placements and `--rebalance-every`
     checkpoints  `Checkpoints` (orbax)
     metrics      per-step JSON records, log lines, reloading `metrics.json` on resume
     plots        `plot_metrics` (`train_moe.png`)

@@ -124,6 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="EP exchange (ragged needs a GPU)")
     g.add_argument("--capacity-factor", type=_positive_float, default=None,
                    help="EP rows per rank pair as a multiple of the balanced load; unset: dropless")
+    g.add_argument("--rebalance-every", type=_positive_int, default=None,
+                   help="with --ep: every N steps re-plan each layer's expert placement from the last N steps' "
+                        "expert counts (replicas of hot experts) and move the expert weights and optimizer state "
+                        "to it on device (recompiles the step; not with --resume)")
+    g.add_argument("--redundant-slots", type=_nonnegative_int, default=None,
+                   help="--rebalance-every: spare expert slots per layer for replicas (default: one per ep rank; "
+                        "rounded up to fill every rank alike)")
     g.add_argument("--host-devices", type=_positive_int, default=None,
                    help="number of CPU devices to fake (sets jax_num_cpu_devices before JAX starts)")
     g.add_argument("--distributed", action="store_true",
@@ -177,6 +184,13 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error("--ep-strategy needs --ep")
         if args.distributed:
             parser.error("--distributed needs --ep (use --ep 1 for pure data parallelism)")
+    if args.rebalance_every is not None:
+        if args.ep is None or args.ep < 2:
+            parser.error("--rebalance-every needs --ep of 2 or more (it places experts on the ep ranks)")
+        if args.resume:
+            parser.error("--rebalance-every cannot --resume: the expert placements are not checkpointed")
+    elif args.redundant_slots is not None:
+        parser.error("--redundant-slots needs --rebalance-every")
     if not args.distributed and (args.coordinator, args.num_processes, args.process_id) != (None, None, None):
         parser.error("--coordinator/--num-processes/--process-id need --distributed")
     if args.data is not None and args.data.is_dir():

@@ -7,11 +7,14 @@ from pathlib import Path
 
 import numpy as np
 
+from moe_jax.parallel.placement import rank_loads
+
 from .steps import StepMetrics
 
 
-def history_record(step: int, m: StepMetrics, ep: int) -> dict:
-    """One JSON-able record of a step's (host) metrics."""
+def history_record(step: int, m: StepMetrics, ep: int, placements=None) -> dict:
+    """One JSON-able record of a step's (host) metrics; `placements` (one per layer, or None for
+    the contiguous layout) are the expert placements the step ran."""
     layers = []
     for i, counts_E in enumerate(np.asarray(m.stats.counts_E)):
         layer = {
@@ -26,8 +29,12 @@ def history_record(step: int, m: StepMetrics, ep: int) -> dict:
         }
         if ep > 1:
             # The slowest EP rank sets the layer's latency: its routed rows over the mean rank's
-            # (contiguous placement, E/ep experts per rank, before tile padding; host numpy).
-            rows = counts_E.reshape(ep, -1).sum(axis=1)
+            # (before tile padding; host numpy). Contiguous layout: E/ep experts per rank; with a
+            # placement, each expert's rows split evenly over its replicas (within a row per slot).
+            if placements is None:
+                rows = counts_E.reshape(ep, -1).sum(axis=1)
+            else:
+                rows = np.rint(rank_loads(placements[i], counts_E)).astype(np.int64)
             layer["rank_rows"] = [int(r) for r in rows]
             layer["rank_imbalance"] = float(rows.max() / rows.mean()) if rows.sum() else 1.0
         layers.append(layer)

@@ -91,14 +91,15 @@ class CausalSelfAttention(nnx.Module):
 class Block(nnx.Module):
     """Pre-norm block: `x + attn(norm(x))`, then `x + moe(norm(x))`; returns `(x, MoEStats)`."""
 
-    def __init__(self, cfg: ModelConfig, *, mesh, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, mesh, placement=None, rngs: nnx.Rngs):
         dtype = DTYPES[cfg.dtype]
         self.attn_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, rngs=rngs)
         self.attn = CausalSelfAttention(cfg.d_model, cfg.num_heads, dtype=dtype, rngs=rngs)
         self.ffn_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, rngs=rngs)
         ep_kwargs = {}
         if mesh is not None:
-            expert_parallel = EPOptions(strategy=cfg.ep_strategy, capacity_factor=cfg.capacity_factor)
+            expert_parallel = EPOptions(strategy=cfg.ep_strategy, capacity_factor=cfg.capacity_factor,
+                                        placement=placement)
             ep_kwargs = dict(mesh=mesh, expert_parallel=expert_parallel)
         self.moe = MoE(
             cfg.d_model, cfg.d_ff, cfg.num_experts, cfg.top_k,
@@ -117,14 +118,16 @@ class MoETransformer(nnx.Module):
     """Byte-level decoder-only LM: `tokens_BS int32 -> (logits_BSV float32, stats)`.
 
     `stats` is the layers' `MoEStats` stacked along a leading layer axis L (`counts_E` becomes
-    `[L, E]`, every scalar field `[L]`).
+    `[L, E]`, every scalar field `[L]`). `placements`: one `moe_jax.parallel.placement.Placement`
+    per layer (needs `mesh`), or None for the contiguous expert layout.
     """
 
-    def __init__(self, cfg: ModelConfig, *, mesh=None, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, mesh=None, placements=None, rngs: nnx.Rngs):
         dtype = DTYPES[cfg.dtype]
         self.embed = nnx.Embed(VOCAB_SIZE, cfg.d_model, dtype=dtype, rngs=rngs)
         self.pos_embed = nnx.Embed(cfg.seq_len, cfg.d_model, dtype=dtype, rngs=rngs)
-        self.blocks = nnx.List([Block(cfg, mesh=mesh, rngs=rngs) for _ in range(cfg.num_layers)])
+        placements = placements or (None,) * cfg.num_layers
+        self.blocks = nnx.List([Block(cfg, mesh=mesh, placement=p, rngs=rngs) for p in placements])
         self.final_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, rngs=rngs)
         self.head = None if cfg.tied_head else nnx.Linear(cfg.d_model, VOCAB_SIZE, use_bias=False, dtype=dtype, rngs=rngs)
 

@@ -15,6 +15,7 @@ from .checkpoints import Checkpoints
 from .data import Split, train_batch, val_batches
 from .metrics import format_log, history_record, load_metrics
 from .model import ModelConfig, MoETransformer
+from .placement import Rebalancer
 from .runtime import to_device
 from .steps import StepMetrics, eval_step, make_optimizer, make_train_step
 
@@ -24,7 +25,9 @@ def train(args, split: Split, mesh, ckpt: Checkpoints, resume_from: int | None, 
     out = args.out
     cfg = ModelConfig.from_args(args)
     # One compiled initialiser instead of a dispatch (and a compilation) per parameter.
-    model = nnx.jit(lambda: MoETransformer(cfg, mesh=mesh, rngs=nnx.Rngs(args.seed)))()
+    rebalancer = Rebalancer(args, mesh) if args.rebalance_every is not None else None
+    placements = None if rebalancer is None else rebalancer.placements
+    model = nnx.jit(lambda: MoETransformer(cfg, mesh=mesh, placements=placements, rngs=nnx.Rngs(args.seed)))()
     optimizer = make_optimizer(model, args)
     num_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     say(f"model: {num_params:,} parameters, {args.layers} MoE layers of {args.experts} experts (top-{args.top_k})")
@@ -51,7 +54,9 @@ def train(args, split: Split, mesh, ckpt: Checkpoints, resume_from: int | None, 
 
     def collect() -> None:
         # One host transfer per log interval keeps the device queue full in between.
-        history.extend(history_record(done, m, args.ep or 1) for done, m in jax.device_get(pending))
+        # Called before every rebalance, so the pending steps all ran the placements in use.
+        placements = None if rebalancer is None else rebalancer.placements
+        history.extend(history_record(done, m, args.ep or 1, placements) for done, m in jax.device_get(pending))
         pending.clear()
 
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="train", disable=not is_main)
@@ -75,6 +80,9 @@ def train(args, split: Split, mesh, ckpt: Checkpoints, resume_from: int | None, 
             ckpt.save(done, model, optimizer)
             if is_main:  # metrics up to the checkpoint survive a crash; --resume truncates to it
                 (out / "metrics.json").write_text(json.dumps(metrics()))
+        if rebalancer is not None and rebalancer.due(done, last):
+            collect()
+            say(rebalancer.rebalance(model, optimizer, history, done))
     bar.close()
     return metrics()
 

@@ -22,8 +22,13 @@ from flax import nnx
 from moe_jax.convert import specs
 from moe_jax.experts import fuse_gate_up, split_gate_up
 from moe_jax.layers import MoE
+from moe_jax.parallel.replicas import logical_weights, physical_weights
 
 __all__ = ["from_hf", "from_state_dict", "to_state_dict"]
+
+# The routed experts' stacks: `[E, ...]` in a checkpoint, `[R*S, ...]` physical slots in a layer
+# with `EPOptions(placement=...)`.
+_ROUTED_EXPERTS = ("w_gate_up", "w_gate", "w_up", "w_down")
 
 def host_array(value) -> np.ndarray:
     """A NumPy array of a NumPy, JAX or torch array (torch bfloat16 as `jnp.bfloat16`, exactly:
@@ -141,6 +146,11 @@ def _build_moe(weights: dict[str, np.ndarray], kw: dict, layer_kwargs: dict) -> 
         # Under expert tensor parallelism the layer's fused rows are in per-shard blocks.
         weights["w_gate_up"] = fuse_gate_up(weights.pop("w_gate"), weights.pop("w_up"), shards=moe.etp)
     weights.setdefault("selection_bias", np.zeros((kw["num_experts"],), np.float32))
+    placement = moe.expert_parallel.placement
+    if placement is not None:  # checkpoints hold logical experts; every slot gets a copy of its expert's
+        for name in _ROUTED_EXPERTS:
+            if name in weights:
+                weights[name] = physical_weights(weights[name], placement)
     for path, variable in nnx.to_flat_state(nnx.state(moe)):
         name = ".".join(map(str, path))
         if name not in weights:  # only reachable if MoE grows a variable this module does not know
@@ -161,7 +171,9 @@ def from_state_dict(state_dict: Mapping, hf_config, *, prefix: str = "", **layer
     prefix: prepended to every name (`"model.layers.3.mlp."` to read a whole model's state dict).
     layer_kwargs: passed to `MoE` (dtype, param_dtype, gemm, mesh, axis_rules, expert_parallel);
       not the arguments the config decides. Weights are cast to param_dtype
-      and placed on the mesh's layout when a mesh is given.
+      and placed on the mesh's layout when a mesh is given. With
+      `expert_parallel=EPOptions(placement=p)` every physical slot gets a copy of its logical
+      expert's tensors (`to_state_dict` writes the logical experts back).
 
     ValueError naming the tensor when one is missing (listing what the prefix holds), misshapen
     (expected and actual shapes) or unrecognised, and for configs `moe_config` rejects.
@@ -231,6 +243,8 @@ def to_state_dict(moe: MoE, hf_config, *, prefix: str = "", layout: str = "fused
             variable = getattr(variable, part)
         # A writable host copy the caller owns (a view of a device buffer is read-only).
         value = np.array(variable[...])
+        if path in _ROUTED_EXPERTS and moe.expert_parallel.placement is not None:
+            value = logical_weights(value, moe.expert_parallel.placement)  # replicas are identical
         return value if dtype is None else value.astype(dtype)
 
     if moe.fused_gate_up and moe.etp == 1:

@@ -15,8 +15,8 @@ from moe_jax import routing as routing_lib
 from moe_jax.ops import SUPPORTED_DTYPES
 from moe_jax.parallel import AxisRules
 
-__all__ = ["ROUTERS", "check_axis_rules", "check_input", "check_layer_mesh", "check_mask", "check_router",
-           "check_routing", "check_token_split", "compute_dtype", "float_dtype"]
+__all__ = ["ROUTERS", "check_axis_rules", "check_input", "check_layer_mesh", "check_mask", "check_placement",
+           "check_router", "check_routing", "check_token_split", "compute_dtype", "float_dtype"]
 
 ROUTERS = (routing_lib.SelectedSoftmax, routing_lib.SoftmaxTopK, routing_lib.SigmoidGroupedTopK)
 
@@ -75,6 +75,33 @@ def check_layer_mesh(mesh, rules: AxisRules, num_experts: int, d_ff: int, backen
             "mode inside shard_map, which JAX cannot do; use backend='auto' or 'xla' on CPU meshes."
         )
     return ep, etp
+
+
+def check_placement(placement, mesh, rules: AxisRules, num_experts: int) -> int:
+    """The rows of the routed experts' weight stacks: E without a placement, else its R*S slots,
+    after checking that `placement` (from `EPOptions(placement=...)`) fits the layer: the layer has
+    a mesh whose expert axis has size R > 1, and the placement places its E experts."""
+    if placement is None:
+        return num_experts
+    axis = rules.experts
+    ep = dict(mesh.shape).get(axis, 1) if isinstance(mesh, Mesh) and axis is not None else 1
+    if ep == 1:
+        raise ValueError(
+            f"expert_parallel=EPOptions(placement=...) needs expert parallelism: build the layer with mesh= a "
+            f"jax.sharding.Mesh whose expert axis (axis_rules.experts = {axis!r}) has the placement's "
+            f"{placement.num_ranks} ranks (e.g. make_mesh(ep={placement.num_ranks})), or drop the placement."
+        )
+    if placement.num_ranks != ep:
+        raise ValueError(
+            f"expert_parallel=EPOptions(placement=...) has {placement.num_ranks} ranks but the mesh's {axis!r} axis has "
+            f"size {ep}; plan it with num_ranks={ep} (plan_placement(load_E, {ep}, slots_per_rank))."
+        )
+    if placement.num_experts != num_experts:
+        raise ValueError(
+            f"expert_parallel=EPOptions(placement=...) places {placement.num_experts} experts but num_experts="
+            f"{num_experts}; plan it from a load of the layer's {num_experts} experts."
+        )
+    return placement.num_slots
 
 
 def check_input(x, d_model: int):

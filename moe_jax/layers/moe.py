@@ -40,6 +40,7 @@ from moe_jax.layers.checks import (
     check_input,
     check_layer_mesh,
     check_mask,
+    check_placement,
     check_router,
     check_routing,
     check_token_split,
@@ -53,6 +54,7 @@ from moe_jax.layers.stats import MoEStats, moe_stats
 from moe_jax.layers.tokens import explicit_mesh, on_tokens, split_axes, to_tokens, token_axes, unflatten
 from moe_jax.ops import BackendTable
 from moe_jax.parallel import AxisRules, EPOptions, is_explicit
+from moe_jax.parallel.replicas import physical_weights
 from moe_jax.validation import check_bool, check_int
 
 __all__ = ["GEMM_KERNELS", "MoE", "ROW_GATHERS", "SelectionBias"]
@@ -117,11 +119,15 @@ class MoE(nnx.Module):
         that XLA may overlap with the expert GEMMs (docs/expert-parallelism.md). Without expert
         parallelism nothing is exchanged, so nothing is dropped or chunked: a capacity factor or
         chunks there are ignored with a warning.
+        `EPOptions(placement=p)` (needs `mesh` with ep = p.num_ranks): the routed experts'
+        weights are p's R*S physical slots, each a copy of its logical expert
+        (`moe_jax.parallel.replicas.physical_weights`; `logical_weights` reads them back), S
+        per rank; statistics stay per logical expert (docs/placement.md).
       rngs: parameter initialisation keys.
 
     Params: `w_router [E, D]`, `w_gate`/`w_up [E, F, Din]` (or `w_gate_up [E, 2F, Din]`),
-    `w_down [E, Din, F]`, optionally `w_latent_down`, `w_latent_up`, `shared` (a `SwiGLU`) and
-    `w_shared_gate [1, D]`.
+    `w_down [E, Din, F]` (R*S rows instead of E with a placement), optionally `w_latent_down`,
+    `w_latent_up`, `shared` (a `SwiGLU`) and `w_shared_gate [1, D]`.
     State: `selection_bias` (`SelectionBias`, zeros `[E]`).
     Attributes read by callers: `ep` and `etp`, the sizes of `mesh`'s expert and expert-tensor
     axes under the rules (1 without a mesh or without the axis).
@@ -162,10 +168,12 @@ class MoE(nnx.Module):
         param_dtype = float_dtype("param_dtype", param_dtype)
         self.gemm = _option("gemm", gemm, GemmOptions, "GemmOptions(backend='xla')")
         self.axis_rules = check_axis_rules(axis_rules)
-        self.ep, self.etp = check_layer_mesh(mesh, self.rules, e, f, self.gemm.backend)
-        self.mesh = mesh
         self.expert_parallel = _option("expert_parallel", expert_parallel, EPOptions,
                                        "EPOptions(capacity_factor=1.25)")
+        placement = self.expert_parallel.placement
+        slots = check_placement(placement, mesh, self.rules, e)
+        self.ep, self.etp = check_layer_mesh(mesh, self.rules, slots, f, self.gemm.backend)
+        self.mesh = mesh
         if self.ep > 1 and self.expert_parallel.strategy == "ragged" and mesh.devices.flat[0].platform != "gpu":
             raise ValueError(
                 f"expert_parallel=EPOptions(strategy='ragged') needs GPUs (XLA:{mesh.devices.flat[0].platform.upper()} "
@@ -177,15 +185,19 @@ class MoE(nnx.Module):
 
         d_in = self.latent_dim or d
         gate_up, down, replicated = tuple(self.rules.gate_up_spec()), tuple(self.rules.down_spec()), (None, None)
+
+        def experts(w_EX, spec):  # the logical weights, or every slot a copy of its expert's
+            return param(w_EX if placement is None else physical_weights(w_EX, placement), spec, mesh)
+
         self.w_router = param(init(rngs.params(), (e, d), param_dtype), replicated, mesh)
         w_gate = expert_init(rngs.params(), (e, f, d_in), param_dtype)
         w_up = expert_init(rngs.params(), (e, f, d_in), param_dtype)
         if self.fused_gate_up:
-            self.w_gate_up = param(fuse_gate_up(w_gate, w_up, shards=self.etp), gate_up, mesh)
+            self.w_gate_up = experts(fuse_gate_up(w_gate, w_up, shards=self.etp), gate_up)
         else:
-            self.w_gate = param(w_gate, gate_up, mesh)
-            self.w_up = param(w_up, gate_up, mesh)
-        self.w_down = param(expert_init(rngs.params(), (e, d_in, f), param_dtype), down, mesh)
+            self.w_gate = experts(w_gate, gate_up)
+            self.w_up = experts(w_up, gate_up)
+        self.w_down = experts(expert_init(rngs.params(), (e, d_in, f), param_dtype), down)
         if self.latent_dim is not None:
             self.w_latent_down = param(init(rngs.params(), (self.latent_dim, d), param_dtype), replicated, mesh)
             self.w_latent_up = param(init(rngs.params(), (d, self.latent_dim), param_dtype), replicated, mesh)
@@ -287,7 +299,9 @@ class MoE(nnx.Module):
         routed_in_TD = real_TD.astype(dtype)
         if self.latent_dim is not None:
             routed_in_TD = linear(routed_in_TD, self.w_latent_down[...], dtype, self.precision).astype(dtype)
-        stage = ExpertStage(self.num_experts, self.latent_dim or self.d_model, self.d_ff, self.fused_gate_up,
+        placed = self.expert_parallel.placement
+        stage = ExpertStage(self.num_experts if placed is None else placed.num_slots,
+                            self.latent_dim or self.d_model, self.d_ff, self.fused_gate_up,
                             self.backend, self.precision, self.gemm_kernel, self.row_gather)
         args = (routed_in_TD, routing.expert_idx_TK, routing.weights_TK, mask_T, self._expert_weights(dtype))
         if placement is None:

@@ -9,7 +9,10 @@ experts on one of P ep ranks, M packed rows.
   its own tokens inside `jax.shard_map` (tokens split over `AxisRules.tokens`, weights
   replicated).
 - A mesh with ep > 1: `moe_jax.parallel.ep_moe` on each rank: dispatch, this rank's El experts
-  (weights split over `AxisRules.experts`), combine.
+  (weights split over `AxisRules.experts`), combine. With `EPOptions(placement=...)` the "experts"
+  are the placement's R*S physical slots (El = S): routes go to replicas
+  (`moe_jax.parallel.replicas.route_to_replicas`), replicas' gradients are summed
+  (`sum_replica_grads`), and the delivered counts are summed back per logical expert.
 - Either of the last two with an expert-tensor axis (`AxisRules.expert_tensor`, ETP): every rank
   of an ETP group sees the same tokens, runs its F/ETP slice of every (local) expert's hidden
   width (gate/up rows and down columns) to a partial output, and the partial outputs `[T, D]` are
@@ -48,6 +51,7 @@ from moe_jax.ops.sharding import vary_to_union
 from moe_jax.parallel import AxisRules, EPOptions, ep_moe, is_explicit
 from moe_jax.parallel.capacity import resolve_capacity
 from moe_jax.parallel.chunks import token_chunks
+from moe_jax.parallel.replicas import logical_counts, route_to_replicas, sum_replica_grads
 from moe_jax.permute import combine, pack, pack_rows, packed_row_source
 
 __all__ = ["ExpertStage", "Routed", "routed_on_mesh", "single_device"]
@@ -193,6 +197,7 @@ def routed_on_mesh(stage: ExpertStage, mesh, rules: AxisRules, options: EPOption
     etp_axis = rules.expert_tensor
     # Inside shard_map each rank's experts are F/ETP wide: plan the GEMMs for that width.
     local_stage = dataclasses.replace(stage, d_ff=stage.d_ff // rules.check_expert_tensor(mesh, stage.d_ff))
+    placement = options.placement  # with one, stage.num_experts counts its physical slots
     if mask_T is None:
         mask_T = jnp.ones(x_TD.shape[:1], jnp.bool_)
 
@@ -203,6 +208,11 @@ def routed_on_mesh(stage: ExpertStage, mesh, rules: AxisRules, options: EPOption
         return _sum_slices(y_TD, etp_axis), gemm.reduce(rules.tokens), jnp.zeros((), jnp.int32)
 
     def expert_parallel(x_TD, idx_TK, w_TK, mask_T, *weights):
+        if placement is not None:
+            # Before the cast below, so its transpose (the sum over the data replicas) comes first
+            # and the replica sum then copies one result to every replica: identical bits.
+            weights = tuple(sum_replica_grads(w, placement, rules.experts) for w in weights)
+            idx_TK = route_to_replicas(idx_TK, placement, lax.axis_index(rules.experts), mask_T)
         weights = _varying(weights, rules.expert_replicas)  # an ep shard's replicas sum its gradients
         x_TD, w_TK = _hidden_slices(x_TD, w_TK, etp_axis)
         num_tokens, top_k = idx_TK.shape
@@ -228,9 +238,11 @@ def routed_on_mesh(stage: ExpertStage, mesh, rules: AxisRules, options: EPOption
         gemm = local_stage.chunked_telemetry([local_stage.telemetry(plans[rows], sizes_El)
                                               for rows, sizes_El in zip(chunk_rows, stats.chunk_group_sizes_NEl)])
         gemm = gemm.reduce(rules.tokens)
+        kept = lax.psum(stats.kept_E, rules.tokens)
+        if placement is not None:
+            kept = logical_counts(kept, placement)  # statistics are per logical expert
         # stats.dropped is already the ep-group total; the groups of the replicas add up.
-        return (_sum_slices(y_TD, etp_axis), gemm, lax.psum(stats.dropped, rules.expert_replicas),
-                lax.psum(stats.kept_E, rules.tokens))
+        return _sum_slices(y_TD, etp_axis), gemm, lax.psum(stats.dropped, rules.expert_replicas), kept
 
     act, rep = rules.activation_spec(), P()
     # Without EP the weights hold every expert (replicated over the expert axis of size 1).

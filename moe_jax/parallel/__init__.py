@@ -7,6 +7,9 @@ can overlap), `options` (`EPOptions`, what the layer passes on), `send_plan/` (t
 a Pallas kernel, an XLA backend, a reference), `layout` (block offsets and regroup maps from the exchanged counts),
 `transports` (all_to_all, two-rank pair swap, ragged all_to_all, each with its VJP), `dispatch`
 (`ep_dispatch`, `ep_combine`, `ep_moe`). Everything but `mesh` runs inside `jax.shard_map`.
+Imported by their module path: `placement` (host-side planning of which expert each physical slot
+holds, with replicas) and `replicas` (running a placement: routing to replicas, the replica
+gradient sum, moving slots to a new placement).
 """
 
 from moe_jax.parallel.capacity import capacity_for, check_capacity_factor

@@ -6,6 +6,7 @@ import dataclasses
 
 from moe_jax.parallel.capacity import capacity_for, check_capacity_factor
 from moe_jax.parallel.chunks import check_chunks, token_chunks
+from moe_jax.parallel.placement import Placement
 from moe_jax.parallel.transports import Transport, check_strategy, check_transport
 
 __all__ = ["EPOptions"]
@@ -27,12 +28,18 @@ class EPOptions:
       with another's expert GEMMs (docs/expert-parallelism.md, "Chunked exchange"). Dropless
       results equal `chunks=1`; with a capacity factor each chunk has its own C, so which routes
       drop can differ from `chunks=1` (drops are counted either way).
+    placement: None (expert e on rank e // (E/P), today's contiguous layout) or a
+      `moe_jax.parallel.placement.Placement` of the layer's E experts on its P ep ranks: the
+      routed experts' weights are then its R*S physical slots (replicas of hot experts), routes
+      are dealt over the replicas on device and replicas' gradients are summed
+      (`moe_jax.parallel.replicas`, docs/placement.md). Static: a new placement recompiles.
     """
 
     strategy: str = "padded"
     capacity_factor: float | None = None
     transport: str | Transport = "auto"
     chunks: int = 1
+    placement: Placement | None = None
 
     def __post_init__(self):
         check_strategy(self.strategy)
@@ -40,6 +47,9 @@ class EPOptions:
             object.__setattr__(self, "capacity_factor", check_capacity_factor(self.capacity_factor))
         check_transport(self.transport)
         object.__setattr__(self, "chunks", check_chunks(self.chunks))
+        if self.placement is not None and not isinstance(self.placement, Placement):
+            raise TypeError(f"EPOptions(placement=...) must be a moe_jax.parallel.placement.Placement (e.g. from "
+                            f"plan_placement) or None; got {type(self.placement).__name__}.")
 
     def capacity(self, tokens_per_rank: int, top_k: int, ep: int, local_experts: int) -> int | None:
         """C of each chunk of one rank's `tokens_per_rank` tokens (None: dropless, or no routes to

@@ -8,9 +8,10 @@ groups. A physical slot has the flat id `f = r*S + s` (rank r, local slot s).
 
 The load model: an expert's load (its rows, summed over a window of steps) is split evenly among
 its replicas, so a rank's load is the sum over its slots of `load_E[e] / replicas_E[e]`. The
-on-device router this is meant for deals the rows of an expert round-robin over its replicas in
-slot-id order, which realises that split to within one row per slot (`split_counts` is that
-integer split).
+on-device router (`moe_jax.parallel.replicas.route_to_replicas`) deals each source rank's rows of
+an expert round-robin over its replicas in slot-id order, starting at a replica rotated by the
+source rank, which realises that split to within one row per slot and source rank (`split_counts`
+with `offset=` the source rank is that integer split).
 
 The planner (`plan_placement`) starts from the expert-parallel load balancer of DeepSeek-V3
 (DeepSeek-AI, "DeepSeek-V3 Technical Report", arXiv:2412.19437, redundant experts in its
@@ -243,11 +244,17 @@ def imbalance(placement: Placement, load_E) -> float:
     return float(loads.max() / mean) if mean > 0 else 1.0
 
 
-def split_counts(placement: Placement, counts_E) -> np.ndarray:
+def split_counts(placement: Placement, counts_E, offset: int = 0) -> np.ndarray:
     """`[R, S]` int64: rows per slot when each expert's `counts_E[e]` rows are dealt round-robin
     over its replicas in ascending slot-id order (the first `counts_E[e] % replicas_E[e]`
     replicas get one row more). This is the integer form of the even split `rank_loads` assumes:
-    it conserves every expert's count and differs from `counts_E[e] / replicas_E[e]` by < 1."""
+    it conserves every expert's count and differs from `counts_E[e] / replicas_E[e]` by < 1.
+
+    `offset`: the deal starts at replica `offset % replicas_E[e]` instead of 0 (so the replicas
+    from there on get the extra rows). The layer's router deals source rank r's rows with
+    `offset = r` (`moe_jax.parallel.replicas.route_to_replicas`); this is its host reference."""
+    if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or offset < 0:
+        raise ValueError(f"offset must be a non-negative integer, got {offset!r}")
     counts = _check_placement_load(placement, counts_E)
     if not np.array_equal(counts, np.round(counts)):
         raise ValueError("counts_E must hold whole row counts")
@@ -260,7 +267,7 @@ def split_counts(placement: Placement, counts_E) -> np.ndarray:
     slots = placement.expert_slots_EM
     valid = slots >= 0
     replica_F[slots[valid]] = np.nonzero(valid)[1]
-    rows_F = base[e_F] + (replica_F < extra[e_F])
+    rows_F = base[e_F] + ((replica_F - int(offset)) % k[e_F] < extra[e_F])
     return rows_F.reshape(placement.slot_expert_RS.shape)
 
 
