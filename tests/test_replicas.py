@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax import routing as R
 from moe_jax.layers import GemmOptions, MoE
-from moe_jax.parallel import EPOptions, make_mesh
+from moe_jax.parallel import AxisRules, EPOptions, make_mesh
 from moe_jax.parallel.placement import Placement, placement_moves, plan_placement, split_counts
 from moe_jax.parallel.replicas import (
     logical_counts,
@@ -212,6 +212,26 @@ def test_replicas_on_explicit_axes_with_fused_gate_up():
     assert_close(dx, dx0, jnp.float32, "dx")
     assert_close(grads[("w_gate_up",)], physical_weights(grads0[("w_gate_up",)], HOT), jnp.float32, "d w_gate_up")
     np.testing.assert_array_equal(stats.counts_E, stats0.counts_E)
+
+
+@pytest.mark.slow  # one more mesh program; each option has a fast case of its own
+def test_replicas_with_expert_tensor_parallelism_and_a_chunked_exchange():
+    """Placement x ETP x chunks: 4 ep ranks of the HOT placement, each expert's hidden width over 2
+    "etp" ranks, the exchange in 3 token chunks (4 tokens per device: a remainder); the same
+    one-device result, each replica's gradient slices the logical expert's."""
+    mesh = make_mesh(ep=4, etp=2, data=1, devices=_DEVICES[:8])
+    placed = MoE(D, F, E, K, gemm=GemmOptions(backend="xla"), mesh=mesh, axis_rules=AxisRules(expert_tensor="etp"),
+                 expert_parallel=EPOptions(placement=HOT, chunks=3), rngs=nnx.Rngs(0))
+    assert placed.w_down[...].sharding.spec == P("ep", None, "etp")
+    x, cot = _inputs(3)
+    y, stats, grads, dx, _ = module_value_and_grads(placed, x, cot)
+    y0, stats0, grads0, dx0, _ = module_value_and_grads(_layer(), x, cot)
+    assert_close(y, y0, jnp.float32, "y")
+    assert_close(dx, dx0, jnp.float32, "dx")
+    for w in EXPERT_WEIGHTS:
+        assert_close(grads[w], physical_weights(grads0[w], HOT), jnp.float32, "d" + w[0])
+    for name in ("counts_E", "dropped_E", "tokens", "dropped"):
+        np.testing.assert_array_equal(getattr(stats, name), getattr(stats0, name), err_msg=name)
 
 
 def _rank_rows(idx, placement, ep):
