@@ -175,6 +175,7 @@ def test_rebalance_every_moves_experts_between_steps(tmp_path, capsys):
         (["--rebalance-every", "2"], "--rebalance-every needs --ep of 2 or more"),
         (["--ep", "2", "--rebalance-every", "2", "--resume"], "--rebalance-every cannot --resume"),
         (["--redundant-slots", "2"], "--redundant-slots needs --rebalance-every"),
+        (["--ep-chunks", "2"], "--ep-chunks needs --ep"),
         (["--data", "/nonexistent/corpus.txt"], "no such file"),
         (["--data", "/tmp"], "is a directory; pass one text file"),
     ],
@@ -193,7 +194,7 @@ def test_help_lists_every_option(capsys):
     text = capsys.readouterr().out
     for option in ("--steps", "--router", "--balance", "--ep-strategy", "--capacity-factor", "--resume",
                    "--distributed", "--host-devices", "--latent-dim", "--shared-experts", "--backend",
-                   "--rebalance-every", "--redundant-slots"):
+                   "--rebalance-every", "--redundant-slots", "--ep-chunks"):
         assert option in text
 
 
@@ -283,12 +284,17 @@ def test_two_processes_with_jax_distributed_match_single_device(tmp_path, single
         sock.bind(("localhost", 0))
         port = sock.getsockname()[1]
     out = tmp_path / "dist"
+    # The scale-out options across the two processes too: the exchange in 2 token chunks, and a
+    # rebalance after step 2 (replicas of the hot experts, weights and AdamW moments moved by
+    # collectives between the processes); neither changes what is computed.
     common = EP_ARGS + ["--ep", "2", "--out", str(out), "--host-devices", "1", "--distributed",
-                        "--coordinator", f"localhost:{port}", "--num-processes", "2"]
+                        "--coordinator", f"localhost:{port}", "--num-processes", "2",
+                        "--ep-chunks", "2", "--rebalance-every", "2"]
     outputs = _finish(
         *(_run_example(common + ["--process-id", str(i)], host_devices=None, log=tmp_path / f"p{i}.log") for i in range(2))
     )
     assert "devices: 2 x cpu | mesh {'data': 1, 'ep': 2}" in outputs[0]
+    assert outputs[0].count("rebalance: rank max/mean over the last 2 steps") == 1
     assert "done:" not in outputs[1]  # only process 0 reports and writes metrics
     np.testing.assert_allclose(_ce(_metrics(out)), single_device_ce, rtol=1e-4)
     assert (out / "checkpoints" / "3").is_dir()

@@ -25,7 +25,8 @@ runs (every process runs this same command; only process 0 prints and writes fil
 checkpoints). `--host-devices N` fakes N CPU devices so `--ep` can be tried on a laptop.
 `--rebalance-every N` (with `--ep`) gives every layer spare expert slots holding replicas of hot
 experts and re-plans the placement every N steps, moving weights and optimizer state on device
-(`placement`, docs/placement.md).
+(`placement`, docs/placement.md). `--ep-chunks N` splits each device's exchange into N token
+chunks that XLA may overlap with the expert GEMMs (`EPOptions(chunks=N)`).
 
 Legend (shape suffixes): B batch (sequences), S sequence length, D model width, V vocabulary (256),
 H attention heads, Dh head width, L MoE layers, E experts.

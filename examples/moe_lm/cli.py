@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="EP exchange (ragged needs a GPU)")
     g.add_argument("--capacity-factor", type=_positive_float, default=None,
                    help="EP rows per rank pair as a multiple of the balanced load; unset: dropless")
+    g.add_argument("--ep-chunks", type=_positive_int, default=1,
+                   help="with --ep: split each device's exchange into this many token chunks that XLA may overlap "
+                        "with the expert GEMMs (EPOptions(chunks=...); the same results)")
     g.add_argument("--rebalance-every", type=_positive_int, default=None,
                    help="with --ep: every N steps re-plan each layer's expert placement from the last N steps' "
                         "expert counts (replicas of hot experts) and move the expert weights and optimizer state "
@@ -182,6 +185,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error("--capacity-factor needs --ep (it sizes the EP exchange buffers)")
         if args.ep_strategy != "padded":
             parser.error("--ep-strategy needs --ep")
+        if args.ep_chunks != 1:
+            parser.error("--ep-chunks needs --ep (it splits the EP exchange)")
         if args.distributed:
             parser.error("--distributed needs --ep (use --ep 1 for pure data parallelism)")
     if args.rebalance_every is not None:

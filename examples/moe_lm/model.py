@@ -59,6 +59,7 @@ class ModelConfig:
     backend: str = "auto"
     ep_strategy: str = "padded"
     capacity_factor: float | None = None
+    ep_chunks: int = 1
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ModelConfig:
@@ -68,7 +69,7 @@ class ModelConfig:
             num_shared_experts=args.shared_experts, latent_dim=args.latent_dim, router=args.router,
             n_group=args.n_group, topk_group=args.topk_group, tied_head=args.tied_head,
             dtype=args.dtype, backend=args.backend, ep_strategy=args.ep_strategy,
-            capacity_factor=args.capacity_factor,
+            capacity_factor=args.capacity_factor, ep_chunks=args.ep_chunks,
         )
 
 
@@ -99,7 +100,7 @@ class Block(nnx.Module):
         ep_kwargs = {}
         if mesh is not None:
             expert_parallel = EPOptions(strategy=cfg.ep_strategy, capacity_factor=cfg.capacity_factor,
-                                        placement=placement)
+                                        chunks=cfg.ep_chunks, placement=placement)
             ep_kwargs = dict(mesh=mesh, expert_parallel=expert_parallel)
         self.moe = MoE(
             cfg.d_model, cfg.d_ff, cfg.num_experts, cfg.top_k,
