@@ -16,7 +16,7 @@ from flax import nnx
 
 from moe_jax import ops
 from moe_jax.layers import MoE
-from moe_jax.parallel import activation_spec, ep_moe, make_mesh
+from moe_jax.parallel import EPOptions, activation_spec, ep_moe, make_mesh
 from moe_jax.routing import Routing
 from moe_jax.scaleout import (
     Cluster,
@@ -96,6 +96,29 @@ def test_ep_rows_equal_the_layer_on_a_cpu_mesh():
     bytes_RR = work.dispatch[0].data
     model_sends = np.stack([bytes_RR[s, (s // EP) * EP:(s // EP + 1) * EP] for s in range(R)]) / shape.row_bytes
     np.testing.assert_array_equal(np.asarray(sends), model_sends)
+
+
+def test_replication_rows_equal_the_placed_layer_on_a_cpu_mesh():
+    """EP+replication: the planner's rows per rank (`dealt_rows`: each source deals an expert's
+    routes over its replicas from an offset of its rank) equal the placed layer's on
+    `make_mesh(ep=8)` (`EPOptions(placement=...)`, 2 slots per rank, 8 redundant slots), for the
+    placement the planner makes from the same counts, exactly; and it lowers the busiest rank."""
+    idx = _skewed_idx(1)
+    counts = np.stack([np.bincount(rows.ravel(), minlength=E) for rows in idx.reshape(R, -1)])
+    placement = plan_placement(counts.sum(axis=0), num_ranks=R, slots_per_rank=2)
+    shape = LayerShape(D, F, E, K, T, dtype_bytes=4)
+    rows_R = replication_work(shape, counts, placement).group_sizes_RG.sum(axis=1)
+    assert rows_R.max() < ep_work(shape, counts, R).group_sizes_RG.sum(axis=1).max()
+
+    moe = MoE(D, F, E, K, mesh=make_mesh(ep=R, devices=_CPU[:R]), expert_parallel=EPOptions(placement=placement),
+              rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.PRNGKey(0), (N, D), jnp.float32)
+    weights = jnp.full((N, K), 1.0 / K, jnp.float32)
+    routing = Routing(jnp.asarray(idx), weights, jnp.full((N, E), 1.0 / E, jnp.float32))
+    _, stats = nnx.jit(lambda m, x, r: m(x, routing=r))(moe, x, routing)
+    assert int(stats.dropped) == 0
+    assert int(stats.useful_rows) == N * K
+    assert int(stats.useful_rows_max) == int(rows_R.max())
 
 
 def test_padding_at_the_planned_tile_equals_ops_executed():
