@@ -8,6 +8,7 @@ from unittest import mock
 
 import jax
 import jax.numpy as jnp
+import pytest
 from jax import lax
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -17,6 +18,29 @@ def mesh_devices(n: int) -> list:
     """The first `n` GPUs when this process has that many, else the first `n` forced host CPU
     devices (the root conftest forces 8): meshes that run compiled where the hardware allows."""
     return (jax.devices() if ON_GPU and len(jax.devices()) >= n else jax.devices("cpu"))[:n]
+
+
+MESH_DEVICES = mesh_devices(8)
+
+
+@pytest.fixture(autouse=True)
+def on_mesh_platform():
+    """Autouse where imported: a test module's arrays on the platform of its meshes' devices
+    (`MESH_DEVICES`), so single-device references and mesh runs compute on the same platform."""
+    with jax.default_device(MESH_DEVICES[0]):
+        yield
+
+
+def masked_inputs(seed: int, shape: tuple[int, int, int]):
+    """`(x, mask, cot)` for a layer test of `shape` (B, S, D): normal tokens, a padding mask that
+    drops every token whose flat index times 7 is a multiple of 5, and an output cotangent zero on
+    the masked tokens."""
+    b, s, d = shape
+    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+    x = jax.random.normal(k1, shape, jnp.float32)
+    mask = (jnp.arange(b * s).reshape(b, s) * 7) % 5 != 0
+    cot = jnp.where(mask[..., None], jax.random.normal(k2, shape, jnp.float32), 0.0)
+    return x, mask, cot
 
 
 def h200_mesh(shape: tuple[int, ...], names: tuple[str, ...], *, axis_types=None) -> jax.sharding.AbstractMesh:

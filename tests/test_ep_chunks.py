@@ -43,22 +43,23 @@ from moe_jax.parallel import (
     token_chunks,
 )
 from moe_jax.testing import assert_close
-from tests.helpers import h200_mesh, lower_for_gpu, poisoned_ragged, sharded_aval
+from tests.helpers import (  # noqa: F401  (on_mesh_platform: an autouse fixture)
+    MESH_DEVICES,
+    h200_mesh,
+    lower_for_gpu,
+    masked_inputs,
+    on_mesh_platform,
+    poisoned_ragged,
+    sharded_aval,
+)
 from tests.test_layers import module_value_and_grads
 
 B, S, D, F, E, K, L = 2, 8, 8, 6, 8, 2, 4
 N = B * S
-_CPUS = jax.devices("cpu")
-
-
-@pytest.fixture(autouse=True)
-def _on_cpu():
-    with jax.default_device(_CPUS[0]):
-        yield
 
 
 def _mesh(ep, data):
-    return make_mesh(ep=ep, data=data, devices=_CPUS[: ep * data])
+    return make_mesh(ep=ep, data=data, devices=MESH_DEVICES[: ep * data])
 
 
 def _layer(mesh=None, **options):
@@ -67,11 +68,7 @@ def _layer(mesh=None, **options):
 
 
 def _inputs(seed):
-    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
-    x = jax.random.normal(k1, (B, S, D), jnp.float32)
-    mask = (jnp.arange(N).reshape(B, S) * 7) % 5 != 0
-    cot = jnp.where(mask[..., None], jax.random.normal(k2, (B, S, D), jnp.float32), 0.0)
-    return x, mask, cot
+    return masked_inputs(seed, (B, S, D))
 
 
 @functools.cache

@@ -21,24 +21,17 @@ from moe_jax.experts import fuse_gate_up, split_gate_up
 from moe_jax.layers import GemmOptions, MoE, SharedExperts
 from moe_jax.parallel import ETP_AXIS, AxisRules, EPOptions, make_mesh
 from moe_jax.testing import assert_close
+from tests.helpers import MESH_DEVICES, masked_inputs, on_mesh_platform  # noqa: F401  (an autouse fixture)
 from tests.test_layers import module_value_and_grads
 
 B, S, D, F, E, K, L = 2, 8, 8, 8, 8, 2, 4
 N = B * S
 ETP_RULES = AxisRules(expert_tensor=ETP_AXIS)
 
-# As tests/test_layers_parallel.py: the accelerators when there are 8, else the forced CPU host devices.
-_DEVICES = jax.devices() if len(jax.devices()) >= 8 else jax.devices("cpu")
-
-
-@pytest.fixture(autouse=True)
-def _mesh_platform():
-    with jax.default_device(_DEVICES[0]):
-        yield
 
 
 def _mesh(ep, etp, data, axis_type=AxisType.Auto):
-    return make_mesh(ep=ep, etp=etp, data=data, devices=_DEVICES[: ep * etp * data], axis_type=axis_type)
+    return make_mesh(ep=ep, etp=etp, data=data, devices=MESH_DEVICES[: ep * etp * data], axis_type=axis_type)
 
 
 def _layer(mesh=None, *, fused=False, capacity_factor=None, chunks=1, rules=ETP_RULES):
@@ -51,11 +44,7 @@ def _layer(mesh=None, *, fused=False, capacity_factor=None, chunks=1, rules=ETP_
 
 
 def _inputs(seed):
-    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
-    x = jax.random.normal(k1, (B, S, D), jnp.float32)
-    mask = (jnp.arange(N).reshape(B, S) * 7) % 5 != 0
-    cot = jnp.where(mask[..., None], jax.random.normal(k2, (B, S, D), jnp.float32), 0.0)
-    return x, mask, cot
+    return masked_inputs(seed, (B, S, D))
 
 
 def _assert_same(got, want):
@@ -141,7 +130,7 @@ def test_fused_gate_up_in_per_shard_blocks():
 def test_explicit_mesh_and_own_axis_names():
     """An Explicit mesh of the user's with its own axis names ("tp" for ETP)."""
     mesh = jax.make_mesh((2, 2, 2), ("dp", "expert", "tp"), axis_types=(AxisType.Explicit,) * 3,
-                         devices=_DEVICES[:8])
+                         devices=MESH_DEVICES[:8])
     rules = AxisRules(tokens=("dp", "expert"), experts="expert", expert_tensor="tp")
     m = _layer(mesh, rules=rules)
     assert m.w_up[...].sharding.spec == PartitionSpec("expert", "tp", None)
@@ -162,7 +151,7 @@ def test_capacity_drops_under_ep_x_etp_match_ep():
                         jax.nn.softmax(jax.random.normal(jax.random.PRNGKey(2), (N, E))))
     x, mask, cot = _inputs(9)
     got = module_value_and_grads(_layer(_mesh(2, 2, 2), capacity_factor=1.0), x, cot, mask=mask, routing=routing)
-    ep_only = _layer(make_mesh(ep=2, data=2, devices=_DEVICES[:4]), capacity_factor=1.0, rules=AxisRules())
+    ep_only = _layer(make_mesh(ep=2, data=2, devices=MESH_DEVICES[:4]), capacity_factor=1.0, rules=AxisRules())
     want = module_value_and_grads(ep_only, x, cot, mask=mask, routing=routing)
     assert int(got[1].dropped) == int(want[1].dropped) > 0
     np.testing.assert_array_equal(got[1].dropped_E, want[1].dropped_E)
@@ -177,9 +166,9 @@ def test_axis_sets():
     assert rules.down_spec() == PartitionSpec("ep", None, "etp")
     assert AxisRules().gate_up_spec() == PartitionSpec("ep", None, None)
     assert AxisRules(experts=None, expert_tensor="etp").down_spec() == PartitionSpec(None, None, "etp")
-    mesh = make_mesh(ep=2, etp=2, devices=_DEVICES[:8])
+    mesh = make_mesh(ep=2, etp=2, devices=MESH_DEVICES[:8])
     assert mesh.axis_names == ("data", "ep", "etp") and tuple(mesh.shape.values()) == (2, 2, 2)
-    assert make_mesh(ep=2, devices=_DEVICES[:8]).axis_names == ("data", "ep")
+    assert make_mesh(ep=2, devices=MESH_DEVICES[:8]).axis_names == ("data", "ep")
 
 
 def test_errors():
@@ -190,13 +179,13 @@ def test_errors():
     with pytest.raises(ValueError, match=r"expert_tensor=3: must be a mesh axis name"):
         AxisRules(expert_tensor=3)
     with pytest.raises(ValueError, match=r"axis rules name \['etp'\], which the mesh"):
-        _layer(make_mesh(ep=2, data=2, devices=_DEVICES[:4]))
+        _layer(make_mesh(ep=2, data=2, devices=MESH_DEVICES[:4]))
     with pytest.raises(ValueError, match="d_ff=8 is not divisible by the 'etp' axis size 3"):
-        _layer(make_mesh(ep=1, etp=3, data=2, devices=_DEVICES[:6]))
+        _layer(make_mesh(ep=1, etp=3, data=2, devices=MESH_DEVICES[:6]))
     with pytest.raises(ValueError, match=r"ep \* etp = 3 \* 2 = 6 does not divide the 8 devices"):
-        make_mesh(ep=3, etp=2, devices=_DEVICES[:8])
+        make_mesh(ep=3, etp=2, devices=MESH_DEVICES[:8])
     with pytest.raises(ValueError, match=r"data \* ep \* etp = 1 \* 2 \* 2 = 4 but 8 devices"):
-        make_mesh(ep=2, etp=2, data=1, devices=_DEVICES[:8])
+        make_mesh(ep=2, etp=2, data=1, devices=MESH_DEVICES[:8])
     with pytest.raises(ValueError, match="etp must be a positive int"):
         make_mesh(ep=2, etp=0)
     with pytest.raises(ValueError, match="shards=3 does not divide F = 8"):

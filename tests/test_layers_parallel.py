@@ -20,7 +20,7 @@ from moe_jax import routing as R
 from moe_jax.layers import GemmOptions, MoE, SharedExperts
 from moe_jax.parallel import EPOptions, capacity_for, make_mesh
 from moe_jax.testing import assert_close
-from tests.helpers import poisoned_ragged
+from tests.helpers import MESH_DEVICES, on_mesh_platform, poisoned_ragged  # noqa: F401  (an autouse fixture)
 from tests.test_layers import flat_params, module_value_and_grads
 
 B, S, D, F, E, K, L = 2, 8, 8, 6, 8, 2, 4
@@ -30,17 +30,12 @@ N = B * S
 # Up to ep * data = 8 devices: the accelerators when there are that many, else the forced CPU host
 # devices (a 1- or 2-GPU runner runs these on CPU; the real GPU meshes are covered by
 # tests/test_ep_moe.py and parity/tests/test_parity_ep.py).
-_DEVICES = jax.devices() if len(jax.devices()) >= 8 else jax.devices("cpu")
 
 
-@pytest.fixture(autouse=True)
-def _mesh_platform():
-    with jax.default_device(_DEVICES[0]):
-        yield
 
 
 def _mesh(ep, data):
-    return make_mesh(ep=ep, data=data, devices=_DEVICES[: ep * data])
+    return make_mesh(ep=ep, data=data, devices=MESH_DEVICES[: ep * data])
 
 
 def _layer(mesh=None, *, row_gather="auto", capacity_factor=None):

@@ -35,27 +35,23 @@ from moe_jax.parallel.replicas import (
     sum_replica_grads,
 )
 from moe_jax.testing import assert_close
+from tests.helpers import MESH_DEVICES, on_mesh_platform  # noqa: F401  (an autouse fixture)
 from tests.test_layers import flat_params, module_value_and_grads
 
 B, SEQ, D, F, E, K = 2, 16, 8, 6, 8, 2
 N = B * SEQ
 EXPERT_WEIGHTS = (("w_gate",), ("w_up",), ("w_down",))
 
-_DEVICES = jax.devices() if len(jax.devices()) >= 8 else jax.devices("cpu")
 
 # E = 8 on R = 4 ranks of S = 3 slots: the 4 redundant slots hold replicas of the hot experts 0
 # (3 replicas) and 1 (2) and 2 (2), no rank holds an expert twice.
 HOT = Placement(np.array([[0, 1, 3], [0, 2, 4], [0, 1, 5], [2, 6, 7]]), E)
 
 
-@pytest.fixture(autouse=True)
-def _mesh_platform():
-    with jax.default_device(_DEVICES[0]):
-        yield
 
 
 def _mesh(ep, data=1):
-    return make_mesh(ep=ep, data=data, devices=_DEVICES[: ep * data])
+    return make_mesh(ep=ep, data=data, devices=MESH_DEVICES[: ep * data])
 
 
 def _layer(mesh=None, placement=None, capacity_factor=None):
@@ -148,7 +144,7 @@ def test_sum_replica_grads(placement):
     """Every replica's gradient is its expert's summed gradient, bit-identical across replicas;
     also for a hand-made placement holding an expert twice on one rank (a local round)."""
     r, s = placement.slot_expert_RS.shape
-    mesh = jax.make_mesh((r,), ("ep",), devices=_DEVICES[:r], axis_types=(AxisType.Auto,))
+    mesh = jax.make_mesh((r,), ("ep",), devices=MESH_DEVICES[:r], axis_types=(AxisType.Auto,))
     cot = jax.random.normal(jax.random.PRNGKey(0), (r * s, 3))
     g = np.asarray(_sum_grads(placement, mesh, jnp.zeros((r * s, 3)), cot))
     want_E = jax.ops.segment_sum(cot, jnp.asarray(placement.slot_expert_RS.ravel()), placement.num_experts)
@@ -202,7 +198,7 @@ def test_replicas_on_explicit_axes_with_fused_gate_up():
     """Explicit mesh axes, `w_gate_up` and the fused row gather: the placed layer still equals the
     one-device layer (output, counts, the gate/up gradient per replica)."""
     gemm = GemmOptions(backend="xla", fused_gate_up=True, row_gather="fused")
-    mesh = make_mesh(ep=4, data=2, devices=_DEVICES[:8], axis_type=AxisType.Explicit)
+    mesh = make_mesh(ep=4, data=2, devices=MESH_DEVICES[:8], axis_type=AxisType.Explicit)
     placed = MoE(D, F, E, K, gemm=gemm, mesh=mesh, expert_parallel=EPOptions(placement=HOT), rngs=nnx.Rngs(0))
     single = MoE(D, F, E, K, gemm=gemm, rngs=nnx.Rngs(0))
     x, cot = _inputs(2)
@@ -219,7 +215,7 @@ def test_replicas_with_expert_tensor_parallelism_and_a_chunked_exchange():
     """Placement x ETP x chunks: 4 ep ranks of the HOT placement, each expert's hidden width over 2
     "etp" ranks, the exchange in 3 token chunks (4 tokens per device: a remainder); the same
     one-device result, each replica's gradient slices the logical expert's."""
-    mesh = make_mesh(ep=4, etp=2, data=1, devices=_DEVICES[:8])
+    mesh = make_mesh(ep=4, etp=2, data=1, devices=MESH_DEVICES[:8])
     placed = MoE(D, F, E, K, gemm=GemmOptions(backend="xla"), mesh=mesh, axis_rules=AxisRules(expert_tensor="etp"),
                  expert_parallel=EPOptions(placement=HOT, chunks=3), rngs=nnx.Rngs(0))
     assert placed.w_down[...].sharding.spec == P("ep", None, "etp")
@@ -296,7 +292,7 @@ def test_move_slots_follows_placement_moves():
     new = Placement(np.array([[0, 1, 2], [0, 4, 3], [1, 5, 6], [0, 2, 7]]), E)
     moves = placement_moves(HOT, new)
     assert moves.num_changed > 0
-    mesh = jax.make_mesh((4,), ("ep",), devices=_DEVICES[:4], axis_types=(AxisType.Auto,))
+    mesh = jax.make_mesh((4,), ("ep",), devices=MESH_DEVICES[:4], axis_types=(AxisType.Auto,))
     w_E = jnp.arange(E * 2, dtype=jnp.float32).reshape(E, 2)
     fn = jax.jit(jax.shard_map(lambda w: move_slots(w, HOT, new, "ep"), mesh=mesh, in_specs=P("ep"),
                                out_specs=P("ep")))
