@@ -304,8 +304,8 @@ def test_move_slots_follows_placement_moves():
 def test_adam_keeps_replicas_identical_and_rebalance_moves_its_state():
     """An optax adam step on the placed layer leaves every replica bit-identical (weights and
     moments). Then `rebalance` moves the expert weights and adam moments to a new placement on
-    device: the logical weights and moments are unchanged, every slot holds
-    its new expert's, and the layer with the new placement computes what it did before (to fp32
+    device: every slot, replicas included, holds exactly its new expert's weights and moments (the
+    logical model unchanged bit for bit), and the layer with the new placement computes what it did before (to fp32
     rounding: see below)."""
     mesh = _mesh(4)
     model = _layer(mesh, HOT)
@@ -337,13 +337,16 @@ def test_adam_keeps_replicas_identical_and_rebalance_moves_its_state():
     moved = 0
     for path, v in nnx.to_flat_state(nnx.state((model, optimizer))):
         if path[-1] in ("w_gate", "w_up", "w_down"):  # the layer's weights and adam's mu, nu
-            np.testing.assert_array_equal(logical_weights(v.get_value(), new), logical_weights(flat_before[path], HOT))
+            # Every slot, replicas included, is exactly its new expert's array: the state is the
+            # state of the new placement with the same logical model, bit for bit.
+            np.testing.assert_array_equal(v.get_value(), physical_weights(logical_weights(flat_before[path], HOT), new))
             moved += 1
         else:
             np.testing.assert_array_equal(v.get_value(), flat_before[path])
     assert moved == 9
-    # Each route meets the same weights, in another group of rows on another rank: XLA's grouped
-    # GEMM rounds a row differently with other rows around it (1 ulp seen), hence fp32 rounding.
+    # Against the old placement each route meets the same weights in another group of rows on
+    # another rank, and XLA's grouped GEMM rounds a row differently with other rows around it
+    # (1 ulp seen): equal to fp32 rounding.
     assert_close(nnx.jit(lambda m, x: m(x)[0])(model, x), y_before, jnp.float32, "y after rebalance")
     with pytest.raises(ValueError, match="'ep' of the placements' 4 ranks"):
         rebalance({}, HOT, new, _mesh(2))
