@@ -1,5 +1,6 @@
 """The MoE layer's option groups: how its grouped GEMMs run (`GemmOptions`), its shared experts
-(`SharedExperts`) and the routed experts' FP8 quantization (`Fp8Blockwise`). Expert parallelism has its own group, `moe_jax.parallel.EPOptions`.
+(`SharedExperts`) and the routed experts' FP8 quantization (`Fp8Blockwise`). Expert parallelism
+has its own group, `moe_jax.parallel.EPOptions`.
 
 Each group is a frozen dataclass checked when it is built (a bad value is an error naming the
 field and what it accepts), hashable, so a layer holding one stays a static part of its graph.

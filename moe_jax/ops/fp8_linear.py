@@ -34,7 +34,16 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from moe_jax.ops.fp8 import BLOCK, FP8_DTYPE, Fp8Rows, Fp8Weights, dequantize_rows, dequantize_weights, quantize_rows, quantize_weights
+from moe_jax.ops.fp8 import (
+    BLOCK,
+    FP8_DTYPE,
+    Fp8Rows,
+    Fp8Weights,
+    dequantize_rows,
+    dequantize_weights,
+    quantize_rows,
+    quantize_weights,
+)
 from moe_jax.ops.gmm import SUPPORTED_DTYPES, gmm, tgmm
 
 __all__ = ["FP8_LINEAR_BACKENDS", "fp8_grouped_linear"]
@@ -134,7 +143,8 @@ def fp8_grouped_linear(
     if isinstance(w, Fp8Weights):
         values, scale = w
         if values.ndim != 3 or values.shape[2] != x.shape[1]:
-            raise ValueError(f"w.values_ENK: expected [E, N, K] with K = x.shape[1] = {x.shape[1]}, got {values.shape}.")
+            raise ValueError(f"w.values_ENK: expected [E, N, K] with K = x.shape[1] = {x.shape[1]}, got "
+                             f"{values.shape}.")
         if values.dtype != FP8_DTYPE or scale.dtype != jnp.float32:
             raise TypeError(f"w: expected Fp8Weights of float8_e4m3fn values and float32 scales, got "
                             f"{values.dtype} and {scale.dtype}; quantize master weights with "
