@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_jax.ops import LinearPlan, RowGather, gmm_reference, grouped_linear, plan_linear
+from moe_jax.ops import LinearPlan, RowGather, fp8_grouped_linear, gmm_reference, grouped_linear, plan_linear
 from moe_jax.ops.platform import BackendName
 from moe_jax.validation import check_int
 
@@ -32,6 +32,7 @@ __all__ = [
     "fuse_gate_up",
     "split_gate_up",
     "swiglu_experts",
+    "swiglu_experts_fp8",
     "swiglu_experts_fused",
     "swiglu_experts_reference",
 ]
@@ -202,6 +203,31 @@ def swiglu_experts_fused(
     gate_up_M2F = grouped_linear(x_MD, w_gate_up_E2FD, group_sizes_E, rows=rows, plans=plans.gate_up)
     h_MF = _swiglu(gate_up_M2F[:, :hidden], gate_up_M2F[:, hidden:])
     return grouped_linear(h_MF, w_down_EDF, group_sizes_E, plans=plans.down)
+
+
+def swiglu_experts_fp8(
+    x_MD: jax.Array,
+    group_sizes_E: jax.Array,
+    w_gate_EFD: jax.Array,
+    w_up_EFD: jax.Array,
+    w_down_EDF: jax.Array,
+    *,
+    backend: BackendName = "xla",
+) -> jax.Array:
+    """`swiglu_experts` with its three projections in DeepSeek-V3's blockwise FP8
+    (`moe_jax.ops.fp8_grouped_linear`: rows per 1 x 128 tile, master weights quantized per
+    128 x 128 block in each call, straight-through weight gradients), on packed rows `x_MD`;
+    `y_MD` in `x_MD.dtype`. The SwiGLU in between runs in fp32 as in `swiglu_experts`."""
+    _check_gate_up(x_MD, w_gate_EFD, "w_gate_EFD")
+    if w_up_EFD.shape != w_gate_EFD.shape:
+        raise ValueError(
+            f"w_up_EFD {tuple(w_up_EFD.shape)} must have the shape of w_gate_EFD {tuple(w_gate_EFD.shape)}."
+        )
+    num_experts, hidden, _ = w_gate_EFD.shape
+    _check_down(x_MD, w_down_EDF, num_experts, hidden)
+    gate_MF = fp8_grouped_linear(x_MD, w_gate_EFD, group_sizes_E, backend=backend)
+    up_MF = fp8_grouped_linear(x_MD, w_up_EFD, group_sizes_E, backend=backend)
+    return fp8_grouped_linear(_swiglu(gate_MF, up_MF), w_down_EDF, group_sizes_E, backend=backend)
 
 
 def swiglu_experts_reference(

@@ -1,4 +1,4 @@
-"""Flax NNX layers: `MoE` (`moe`), its option groups `GemmOptions` and `SharedExperts` (`options`;
+"""Flax NNX layers: `MoE` (`moe`), its option groups `GemmOptions`, `SharedExperts` and `Fp8Blockwise` (`options`;
 expert parallelism's `EPOptions` is re-exported here), its routed stage per mesh case (`routed`),
 the token layout under Explicit mesh axes (`tokens`), the dense SwiGLU of the shared experts and
 parameter helpers (`dense`), `MoEStats` (`stats`) and the configuration and argument checks
@@ -6,8 +6,8 @@ parameter helpers (`dense`), `MoEStats` (`stats`) and the configuration and argu
 
 from moe_jax.layers.dense import SwiGLU
 from moe_jax.layers.moe import MoE, SelectionBias
-from moe_jax.layers.options import GemmOptions, SharedExperts
+from moe_jax.layers.options import Fp8Blockwise, GemmOptions, SharedExperts
 from moe_jax.layers.stats import MoEStats
 from moe_jax.parallel import EPOptions
 
-__all__ = ["EPOptions", "GemmOptions", "MoE", "MoEStats", "SelectionBias", "SharedExperts", "SwiGLU"]
+__all__ = ["EPOptions", "Fp8Blockwise", "GemmOptions", "MoE", "MoEStats", "SelectionBias", "SharedExperts", "SwiGLU"]

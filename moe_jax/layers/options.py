@@ -1,5 +1,6 @@
-"""The MoE layer's option groups: how its grouped GEMMs run (`GemmOptions`) and its shared experts
-(`SharedExperts`). Expert parallelism has its own group, `moe_jax.parallel.EPOptions`.
+"""The MoE layer's option groups: how its grouped GEMMs run (`GemmOptions`), its shared experts
+(`SharedExperts`) and the routed experts' FP8 quantization (`Fp8Blockwise`). Expert parallelism
+has its own group, `moe_jax.parallel.EPOptions`.
 
 Each group is a frozen dataclass checked when it is built (a bad value is an error naming the
 field and what it accepts), hashable, so a layer holding one stays a static part of its graph.
@@ -15,7 +16,7 @@ from jax import lax
 from moe_jax.ops import BackendTable, resolve_backend
 from moe_jax.validation import check_bool, check_int, is_int
 
-__all__ = ["GEMM_KERNELS", "ROW_GATHERS", "GemmOptions", "SharedExperts"]
+__all__ = ["GEMM_KERNELS", "ROW_GATHERS", "Fp8Blockwise", "GemmOptions", "SharedExperts"]
 
 GEMM_KERNELS = ("auto", "static")
 ROW_GATHERS = ("auto", "fused", "separate")
@@ -107,3 +108,17 @@ class SharedExperts:
     def width(self, d_ff: int) -> int:
         """The merged SwiGLU's hidden width for routed experts of width `d_ff`."""
         return self.d_ff if self.d_ff is not None else d_ff * self.count
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Blockwise:
+    """The routed experts' gate/up and down projections in DeepSeek-V3's blockwise FP8
+    (arXiv:2412.19437, section 3.3; `moe_jax.ops.fp8_grouped_linear`): rows quantized per 1 x 128
+    tile, the master weights (in `param_dtype`, trainable as ever) quantized per 128 x 128 block in
+    each call, gradients to them by the straight-through estimator. The router, combine, shared
+    experts and latent projections are unchanged. It runs the recipe on the reference path
+    (dequantized fp32 grouped GEMMs), which is slower than bf16; docs/fp8.md.
+
+    Needs `GemmOptions(backend=...)` of `moe_jax.ops.FP8_LINEAR_BACKENDS` and separate gate and up
+    weights (`fused_gate_up=False`); the routed rows are packed first (`row_gather` is not used).
+    """

@@ -44,7 +44,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from moe_jax.experts import ExpertPlans, expert_plans, swiglu_experts, swiglu_experts_fused
+from moe_jax.experts import ExpertPlans, expert_plans, swiglu_experts, swiglu_experts_fp8, swiglu_experts_fused
+from moe_jax.layers.options import Fp8Blockwise
 from moe_jax.ops import AUTO_FUSED_GATHER, CANDIDATES, executed
 from moe_jax.ops.platform import BackendTable
 from moe_jax.ops.sharding import vary_to_union
@@ -100,6 +101,7 @@ class ExpertStage:
 
     kernel: str  # "auto" (the tuned on-device selector) or "static" (the shape table)
     row_gather: str = "auto"  # "fused", "separate" or "auto" (`fuses_gather`)
+    quantization: Fp8Blockwise | None = None  # FP8 experts (on packed rows, unfused gate/up)
 
     def plans(self, num_rows: int, dtype, num_experts: int | None = None, *, gather: bool | None = None) -> ExpertPlans:
         """The grouped GEMMs' plans on `num_rows` packed `dtype` rows of `num_experts` experts (the
@@ -112,6 +114,9 @@ class ExpertStage:
         make = functools.partial(expert_plans, num_rows, self.d_in, self.d_ff, num_experts or self.num_experts, dtype,
                                  fused_gate_up=self.fused_gate_up, backend=self.backend, precision=self.precision,
                                  kernel="auto" if self.kernel == "auto" else None)
+        if self.quantization is not None:
+            # The FP8 op reads packed rows (quantize-on-gather is the kernels' job, not built).
+            return make(gather=False)
         if gather is not None:
             return make(gather=gather)
         if self.row_gather == "auto":
@@ -121,7 +126,11 @@ class ExpertStage:
 
     def experts(self, x_MD, group_sizes, weights, plans: ExpertPlans, rows=None):
         """The SwiGLU experts on packed rows `x_MD`, or with `rows` (a `RowGather`) on the
-        token rows `x_MD` `[T, D]` read through `rows.ids_M`, running `plans`."""
+        token rows `x_MD` `[T, D]` read through `rows.ids_M`, running `plans`. With `quantization`
+        the FP8 experts run on the packed rows (`swiglu_experts_fp8`; `plans` then only serve the
+        telemetry)."""
+        if self.quantization is not None:
+            return swiglu_experts_fp8(x_MD, group_sizes, *weights, backend=self.backend)
         fn = swiglu_experts_fused if self.fused_gate_up else swiglu_experts
         return fn(x_MD, group_sizes, *weights, rows=rows, plans=plans)
 

@@ -1,8 +1,10 @@
 """Array-in, array-out ops (no Flax, no mesh, nothing above them): the grouped GEMM (`ops.gmm`)
 and the row gather (`ops.gather`), each with its kernels, backends and fp32 reference;
 `ops.platform` holds the backend names, the platform detection and the device facts; `ops.fp8`
-the FP8 recipe's blockwise quantization."""
+the FP8 recipe's blockwise quantization and `ops.fp8_linear` its differentiable grouped linear
+layer (`fp8_grouped_linear`, on the reference path)."""
 
+from moe_jax.ops.fp8_linear import FP8_LINEAR_BACKENDS, fp8_grouped_linear
 from moe_jax.ops.gather import gather_rows, gather_rows_reference
 from moe_jax.ops.gmm import (
     AUTO_FUSED_GATHER,
@@ -52,6 +54,7 @@ __all__ = [
     "DeviceFacts",
     "Executed",
     "FAMILIES",
+    "FP8_LINEAR_BACKENDS",
     "GEMM_BACKENDS",
     "GmmConfig",
     "GroupMetadata",
@@ -69,6 +72,7 @@ __all__ = [
     "clamp_group_sizes",
     "device_facts",
     "executed",
+    "fp8_grouped_linear",
     "gather_rows",
     "gather_rows_reference",
     "gmm",
