@@ -12,7 +12,7 @@ arXiv:2412.19437, section 3.3; the quantization itself is `moe_jax.ops.fp8`):
   128 x 128 weight blocks read in the other orientation (`transpose_rhs=False`).
 - Weight gradient: `dw = dy^T @ rows` in x's dtype from the dequantized FP8 rows (the recipe keeps
   the FP8 rows, not `x`, for the backward: that is its activation-memory saving) and the
-  unquantized `dy`. The issue allows a bf16 weight gradient; this one is bf16 when `x` is.
+  unquantized `dy`: bf16 when `x` is (an FP8 weight gradient is for the kernels to measure).
 - The weight quantization is passed through by a straight-through estimator: `dw` is the gradient
   of the master weights as if `quantize_weights` were the identity (as is the rows' quantization
   for `dx`).
