@@ -1,4 +1,4 @@
-"""`MoE(..., quantization=Fp8Blockwise())`: the layer equals a hand-computed FP8 recipe of the same
+"""`MoE(..., gemm=GemmOptions(quantization=Fp8Blockwise()))`: the layer equals a hand-computed FP8 recipe of the same
 layer (the routed experts on dequantized 128 x 128 weight blocks, their inputs quantized per
 1 x 128 tile of each row), is close to the fp32 layer (the relative error is in the assertion
 message and docs/fp8.md), its gradients reach the master weights, and it runs with shared experts,
@@ -17,7 +17,6 @@ from moe_jax.ops.fp8 import dequantize_rows, dequantize_weights, quantize_rows, 
 from moe_jax.parallel import make_mesh
 
 D, F, E, K = 160, 256, 4, 2
-XLA = GemmOptions(backend="xla")
 HI = jax.lax.Precision.HIGHEST
 
 
@@ -27,7 +26,7 @@ def _rel(a, b):
 
 
 def _layer(quantization=Fp8Blockwise(), **kwargs):
-    return MoE(D, F, E, K, gemm=XLA, quantization=quantization, rngs=nnx.Rngs(0), **kwargs)
+    return MoE(D, F, E, K, gemm=GemmOptions(backend="xla", quantization=quantization), rngs=nnx.Rngs(0), **kwargs)
 
 
 def _x(t=24, seed=1):
@@ -115,9 +114,8 @@ def test_expert_parallel_equals_one_device():
 
 def test_errors():
     with pytest.raises(ValueError, match="backend='xla'"):
-        MoE(D, F, E, K, gemm=GemmOptions(backend="mosaic_gpu"), quantization=Fp8Blockwise(), rngs=nnx.Rngs(0))
+        GemmOptions(backend="mosaic_gpu", quantization=Fp8Blockwise())
     with pytest.raises(ValueError, match="fused_gate_up=False"):
-        MoE(D, F, E, K, gemm=GemmOptions(backend="xla", fused_gate_up=True), quantization=Fp8Blockwise(),
-            rngs=nnx.Rngs(0))
+        GemmOptions(backend="xla", fused_gate_up=True, quantization=Fp8Blockwise())
     with pytest.raises(TypeError, match="Fp8Blockwise"):
-        MoE(D, F, E, K, gemm=XLA, quantization="fp8", rngs=nnx.Rngs(0))
+        GemmOptions(backend="xla", quantization="fp8")

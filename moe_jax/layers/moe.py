@@ -48,11 +48,11 @@ from moe_jax.layers.checks import (
     float_dtype,
 )
 from moe_jax.layers.dense import SwiGLU, expert_init, init, linear, param
-from moe_jax.layers.options import GEMM_KERNELS, ROW_GATHERS, Fp8Blockwise, GemmOptions, SharedExperts
+from moe_jax.layers.options import GEMM_KERNELS, ROW_GATHERS, GemmOptions, SharedExperts
 from moe_jax.layers.routed import ExpertStage, routed_on_mesh, single_device
 from moe_jax.layers.stats import MoEStats, moe_stats
 from moe_jax.layers.tokens import explicit_mesh, on_tokens, split_axes, to_tokens, token_axes, unflatten
-from moe_jax.ops import FP8_LINEAR_BACKENDS, BackendTable
+from moe_jax.ops import BackendTable
 from moe_jax.parallel import AxisRules, EPOptions, is_explicit
 from moe_jax.parallel.replicas import physical_weights
 from moe_jax.validation import check_bool, check_int
@@ -65,22 +65,6 @@ _HI = lax.Precision.HIGHEST
 class SelectionBias(nnx.Variable):
     """Loss-free balancing bias `[E]` f32 (DeepSeek-V3). Not an `nnx.Param`: optimizers filtering
     on `nnx.Param` never see it; `MoE.update_selection_bias` changes it outside the gradient."""
-
-
-def _check_quantization(quantization, gemm: GemmOptions) -> Fp8Blockwise | None:
-    if quantization is None:
-        return None
-    if not isinstance(quantization, Fp8Blockwise):
-        raise TypeError(f"quantization must be None or a moe_jax.layers.Fp8Blockwise(); got "
-                        f"{type(quantization).__name__} {quantization!r}.")
-    if isinstance(gemm.backend, BackendTable) or gemm.backend not in FP8_LINEAR_BACKENDS:
-        raise ValueError(f"quantization=Fp8Blockwise() runs the FP8 recipe's grouped GEMMs on fp32 operands, which "
-                         f"gemm.backend={gemm.backend!r} does not take; use GemmOptions(backend='xla') or one of "
-                         f"{FP8_LINEAR_BACKENDS}.")
-    if gemm.fused_gate_up:
-        raise ValueError("quantization=Fp8Blockwise() needs separate gate and up weights (each is quantized in its "
-                         "own 128 x 128 blocks); use GemmOptions(fused_gate_up=False).")
-    return quantization
 
 
 def _option(name: str, value, cls, example: str):
@@ -108,13 +92,11 @@ class MoE(nnx.Module):
         projection `w_latent_down [L, D]` and up projection `w_latent_up [D, L]`.
       dtype: compute dtype of every GEMM except the router (default: the input's dtype).
       param_dtype: parameter dtype.
-      gemm: `moe_jax.layers.GemmOptions(backend, kernel, row_gather, precision, fused_gate_up)`:
+      gemm: `moe_jax.layers.GemmOptions(backend, kernel, row_gather, precision, fused_gate_up,
+        quantization)`:
         how the grouped GEMMs run (backend, kernel choice, row gather, dot precision) and whether
         gate and up are one GEMM (`w_gate_up [E, 2F, Din]`, gate rows first); default
         `GemmOptions()` (auto backend and kernel, separate gate and up).
-      quantization: `moe_jax.layers.Fp8Blockwise()`: the routed experts' projections in
-        DeepSeek-V3's blockwise FP8 (master weights stay in `param_dtype`, quantized in each call;
-        docs/fp8.md). None (default): in the compute dtype.
       mesh: a `jax.sharding.Mesh` (Auto or Explicit axes) for data/expert (tensor) parallelism: the
         parameters are placed on it and the routed stage runs in `jax.shard_map` over it
         (`routed`); the layer enters it itself when called outside `jax.set_mesh`. None
@@ -165,7 +147,6 @@ class MoE(nnx.Module):
         dtype=None,
         param_dtype=jnp.float32,
         gemm: GemmOptions | None = None,
-        quantization: Fp8Blockwise | None = None,
         mesh: Mesh | None = None,
         axis_rules: AxisRules | None = None,
         expert_parallel: EPOptions | None = None,
@@ -187,7 +168,7 @@ class MoE(nnx.Module):
         self.dtype = float_dtype("dtype", dtype, allow_none=True, compute=True)
         param_dtype = float_dtype("param_dtype", param_dtype)
         self.gemm = _option("gemm", gemm, GemmOptions, "GemmOptions(backend='xla')")
-        self.quantization = _check_quantization(quantization, self.gemm)
+        self.quantization = self.gemm.quantization
         self.axis_rules = check_axis_rules(axis_rules)
         self.expert_parallel = _option("expert_parallel", expert_parallel, EPOptions,
                                        "EPOptions(capacity_factor=1.25)")

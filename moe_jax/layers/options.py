@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 from jax import lax
 
-from moe_jax.ops import BackendTable, resolve_backend
+from moe_jax.ops import FP8_LINEAR_BACKENDS, BackendTable, resolve_backend
 from moe_jax.validation import check_bool, check_int, is_int
 
 __all__ = ["GEMM_KERNELS", "ROW_GATHERS", "Fp8Blockwise", "GemmOptions", "SharedExperts"]
@@ -51,6 +51,10 @@ class GemmOptions:
       layout: the layer then holds `w_gate_up [E, 2F, Din]` (gate rows first; under expert tensor
       parallelism of size n, in n per-shard blocks, `moe_jax.experts.fuse_gate_up(..., shards=n)`)
       instead of `w_gate`/`w_up [E, F, Din]` (`moe_jax.convert` reads and writes either).
+    quantization: `Fp8Blockwise()`: the routed experts' projections in DeepSeek-V3's blockwise FP8
+      (master weights stay in `param_dtype`, quantized in each call; docs/fp8.md); needs a backend
+      of `moe_jax.ops.FP8_LINEAR_BACKENDS` and `fused_gate_up=False`. None (default): the compute
+      dtype.
     """
 
     backend: str | BackendTable = "auto"
@@ -58,6 +62,7 @@ class GemmOptions:
     row_gather: str = "auto"
     precision: lax.Precision | None = None
     fused_gate_up: bool = False
+    quantization: Fp8Blockwise | None = None
 
     def __post_init__(self):
         if isinstance(self.backend, Mapping) and not isinstance(self.backend, BackendTable):
@@ -81,6 +86,20 @@ class GemmOptions:
             raise TypeError(f"GemmOptions.precision={self.precision!r}: use None or a jax.lax.Precision (e.g. "
                             "jax.lax.Precision.HIGHEST).")
         object.__setattr__(self, "fused_gate_up", check_bool("GemmOptions.fused_gate_up", self.fused_gate_up))
+        if self.quantization is not None:
+            self._check_quantization()
+
+    def _check_quantization(self) -> None:
+        if not isinstance(self.quantization, Fp8Blockwise):
+            raise TypeError(f"GemmOptions.quantization must be None or a moe_jax.layers.Fp8Blockwise(); got "
+                            f"{type(self.quantization).__name__} {self.quantization!r}.")
+        if isinstance(self.backend, BackendTable) or self.backend not in FP8_LINEAR_BACKENDS:
+            raise ValueError(f"GemmOptions(quantization=Fp8Blockwise()) runs the FP8 recipe's grouped GEMMs on fp32 "
+                             f"operands, which backend={self.backend!r} does not take; use backend='xla' or one of "
+                             f"{FP8_LINEAR_BACKENDS}.")
+        if self.fused_gate_up:
+            raise ValueError("GemmOptions(quantization=Fp8Blockwise()) needs separate gate and up weights (each is "
+                             "quantized in its own 128 x 128 blocks); use fused_gate_up=False.")
 
 
 @dataclasses.dataclass(frozen=True)
