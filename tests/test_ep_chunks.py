@@ -143,14 +143,16 @@ FAST = {(2, 1, 3, "auto")}
 @pytest.mark.parametrize("ep, data, chunks, transport", [
     pytest.param(*case, marks=() if case in FAST else pytest.mark.slow) for case in CASES])
 def test_layer_with_chunks_equals_unchunked_and_one_device(ep, data, chunks, transport):
-    """Router in the layer, padding mask, the all_to_all or (ep = 2) pair-swap exchange: outputs
-    and every statistic equal the unchunked layer's exactly, gradients to fp32 rounding; the slow cases also against the one-device layer (the
-    fast one leaves that to tests/test_layers_parallel.py's unchunked meshes)."""
+    """Router in the layer, padding mask, the all_to_all or (ep = 2) pair-swap exchange: every
+    statistic equals the unchunked layer's exactly, outputs and gradients to fp32 rounding (a
+    chunk's expert groups hold other rows, and XLA's grouped GEMM may round a row differently with
+    other rows around it: bit for bit on jax 0.11.2, 1 ulp apart on 0.12); the slow cases also
+    against the one-device layer (the fast one leaves that to tests/test_layers_parallel.py's
+    unchunked meshes)."""
     mesh = _mesh(ep, data)
     x, mask, cot = _inputs(0)
     got = module_value_and_grads(_layer(mesh, chunks=chunks, transport=transport), x, cot, mask=mask)
     want = module_value_and_grads(_layer(mesh, transport=transport), x, cot, mask=mask)
-    np.testing.assert_array_equal(got[0], want[0])
     _assert_equal_stats(got[1], want[1])
     _assert_close_results(got, want, f"chunks={chunks} vs 1:")
     if (ep, data, chunks, transport) not in FAST:
@@ -161,7 +163,8 @@ def test_layer_with_chunks_equals_unchunked_and_one_device(ep, data, chunks, tra
 @pytest.mark.slow
 def test_ragged_strategy_with_chunks():
     """The ragged exchange in chunks (emulated collective, NaN in every row no sender writes)
-    equals the padded one in chunks and the unchunked ragged one."""
+    equals the padded one in chunks (outputs bit for bit: the same groups) and the unchunked ragged
+    one (to fp32 rounding)."""
     mesh = _mesh(2, 2)
     x, mask, cot = _inputs(1)
     padded = module_value_and_grads(_layer(mesh, chunks=3), x, cot, mask=mask)
@@ -177,8 +180,8 @@ def test_ragged_strategy_with_chunks():
     np.testing.assert_array_equal(ragged[0], padded[0])
     _assert_equal_stats(ragged[1], padded[1])
     _assert_close_results(ragged, padded, "ragged vs padded, 3 chunks:")
-    np.testing.assert_array_equal(ragged[0], unchunked[0])
     _assert_equal_stats(ragged[1], unchunked[1])
+    _assert_close_results(ragged, unchunked, "ragged, 3 chunks vs 1:")
 
 
 # ----------------------------------------------------------------------------- capacity
