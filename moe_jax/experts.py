@@ -141,6 +141,18 @@ def _swiglu(gate_MF: jax.Array, up_MF: jax.Array) -> jax.Array:
     return (jax.nn.silu(gate) * up_MF.astype(jnp.float32)).astype(gate_MF.dtype)
 
 
+def _check_separate(x_MD, w_gate_EFD, w_up_EFD, w_down_EDF) -> tuple[int, int]:
+    """E and F of separate gate, up and down weights that fit `x_MD` and each other."""
+    _check_gate_up(x_MD, w_gate_EFD, "w_gate_EFD")
+    if w_up_EFD.shape != w_gate_EFD.shape:
+        raise ValueError(
+            f"w_up_EFD {tuple(w_up_EFD.shape)} must have the shape of w_gate_EFD {tuple(w_gate_EFD.shape)}."
+        )
+    num_experts, hidden, _ = w_gate_EFD.shape
+    _check_down(x_MD, w_down_EDF, num_experts, hidden)
+    return num_experts, hidden
+
+
 def swiglu_experts(
     x_MD: jax.Array,
     group_sizes_E: jax.Array,
@@ -163,13 +175,7 @@ def swiglu_experts(
     `rows` (a `moe_jax.ops.RowGather`): `x_MD` is then the `[T, D]` source and the gate and up
     GEMMs read the packed rows `x_MD[rows.ids_M]` through the ids (M = `rows.ids_M.shape[0]`).
     """
-    _check_gate_up(x_MD, w_gate_EFD, "w_gate_EFD")
-    if w_up_EFD.shape != w_gate_EFD.shape:
-        raise ValueError(
-            f"w_up_EFD {tuple(w_up_EFD.shape)} must have the shape of w_gate_EFD {tuple(w_gate_EFD.shape)}."
-        )
-    num_experts, hidden, _ = w_gate_EFD.shape
-    _check_down(x_MD, w_down_EDF, num_experts, hidden)
+    num_experts, hidden = _check_separate(x_MD, w_gate_EFD, w_up_EFD, w_down_EDF)
     plans = _plans(plans, x_MD, rows, hidden, num_experts, False, backend=backend, precision=precision, kernel=kernel)
     gate_MF = grouped_linear(x_MD, w_gate_EFD, group_sizes_E, rows=rows, plans=plans.gate_up)
     up_MF = grouped_linear(x_MD, w_up_EFD, group_sizes_E, rows=rows, plans=plans.gate_up)
@@ -218,13 +224,7 @@ def swiglu_experts_fp8(
     (`moe_jax.ops.fp8_grouped_linear`: rows per 1 x 128 tile, master weights quantized per
     128 x 128 block in each call, straight-through weight gradients), on packed rows `x_MD`;
     `y_MD` in `x_MD.dtype`. The SwiGLU in between runs in fp32 as in `swiglu_experts`."""
-    _check_gate_up(x_MD, w_gate_EFD, "w_gate_EFD")
-    if w_up_EFD.shape != w_gate_EFD.shape:
-        raise ValueError(
-            f"w_up_EFD {tuple(w_up_EFD.shape)} must have the shape of w_gate_EFD {tuple(w_gate_EFD.shape)}."
-        )
-    num_experts, hidden, _ = w_gate_EFD.shape
-    _check_down(x_MD, w_down_EDF, num_experts, hidden)
+    _check_separate(x_MD, w_gate_EFD, w_up_EFD, w_down_EDF)
     gate_MF = fp8_grouped_linear(x_MD, w_gate_EFD, group_sizes_E, backend=backend)
     up_MF = fp8_grouped_linear(x_MD, w_up_EFD, group_sizes_E, backend=backend)
     return fp8_grouped_linear(_swiglu(gate_MF, up_MF), w_down_EDF, group_sizes_E, backend=backend)
