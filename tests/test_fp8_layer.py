@@ -113,7 +113,7 @@ def test_expert_parallel_equals_one_device():
 
 
 def test_errors():
-    with pytest.raises(ValueError, match="backend='xla'"):
+    with pytest.raises(ValueError, match="backend='mosaic_gpu' does not run; use one of"):
         GemmOptions(backend="mosaic_gpu", quantization=Fp8Blockwise())
     with pytest.raises(ValueError, match="fused_gate_up=False"):
         GemmOptions(backend="xla", fused_gate_up=True, quantization=Fp8Blockwise())

@@ -19,7 +19,9 @@ import pytest
 import torch
 
 from moe_jax.ops import TileConfig, gmm_reference, tgmm_reference
-from moe_jax.ops.gmm.triton.launch import gmm_launch, gmm_torch, tgmm_launch, tgmm_torch
+from moe_jax.ops.fp8 import quantize_rows, quantize_weights
+from moe_jax.ops.gmm.reference import gmm_fp8_reference
+from moe_jax.ops.gmm.triton.launch import fp8_gmm_launch, fp8_gmm_torch, gmm_launch, gmm_torch, tgmm_launch, tgmm_torch
 from moe_jax.testing import assert_close
 from tests.helpers import ON_GPU
 
@@ -213,10 +215,15 @@ def test_kernels_compile_for_h200_with_wgmma_and_pipelined_loads():
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert len(records) == 6, out.stdout
+    assert len(records) == 10, out.stdout
     for rec in records:
-        assert rec["wgmma"] and rec["cp_async"] and rec["max_wait_group"] > 0 and rec["cubin"] > 0, rec
+        # The FP8 kernel's decode tiles (16 rows) are below wgmma's 64-row M: there Triton widens the
+        # e4m3 tiles it loaded to fp16 (exactly) for mma.sync; the bytes read stay one per value.
+        decode_fp8 = rec["kernel"] == "fp8_gmm" and rec["block_m"] < 64
+        assert (rec["wgmma"] or decode_fp8) and rec["cp_async"] and rec["max_wait_group"] > 0 and rec["cubin"] > 0, rec
         assert rec["shared"] <= 227 * 1024, rec
+        if rec["kernel"] == "fp8_gmm":  # e4m3 operands on the tensor cores, within the resource model
+            assert (rec["e4m3_widened"] if decode_fp8 else rec["e4m3_mma"]) and rec["shared"] <= rec["model"], rec
     # The gathered weight gradients pipeline as deep as the packed ones, with their shared buffers:
     # their row ids are carried a step ahead, not loaded in the step that reads the rows.
     plain = next(rec for rec in records if rec["kernel"] == "tgmm" and not rec["gather"])
@@ -224,3 +231,62 @@ def test_kernels_compile_for_h200_with_wgmma_and_pipelined_loads():
         if rec["kernel"] == "tgmm" and rec["gather"]:
             assert rec["max_wait_group"] == plain["max_wait_group"], (rec, plain)
             assert rec["shared"] >= plain["shared"], (rec, plain)
+
+
+def _fp8(x, w, dtype=None):
+    """Blockwise-FP8 operands (`moe_jax.ops.fp8`) of fp32 `x` `[M, K]` and `w` `[E, N, K]`: the JAX
+    quantization, and the same bytes as torch tensors for the kernel."""
+    rows, wq = quantize_rows(jnp.asarray(x)), quantize_weights(jnp.asarray(w))
+
+    def t8(v):
+        return torch.from_numpy(np.asarray(v).view(np.uint8).copy()).view(torch.float8_e4m3fn).to(DEVICE)
+
+    return rows, wq, (t8(rows.values_MK), _t(rows.scale_MKb), t8(wq.values_ENK), _t(wq.scale_ENbKb))
+
+
+FP8_TILES = TileConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=2, group_m=3)
+
+
+@pytest.mark.parametrize("sizes", _ragged_on_every_pin(SIZES[:3], ["ragged", "one-hot", "all-empty"]))
+def test_fp8_gmm_kernel_matches_the_recipe_and_writes_every_row(sizes):
+    """The FP8 kernel against the recipe's fp32 reference: K and N not multiples of the 128-wide
+    scale blocks nor N of the tile, empty groups, every row written (NaN-poisoned output), rows past
+    the groups zero."""
+    m, k, n = 70, 200, 150
+    x, w = _inputs(3, m, k, n, len(sizes))
+    x[5, :128] *= 300.0  # one tile far larger than its neighbours: its own scale, no effect on them
+    rows, wq, args = _fp8(x, w)
+    gs = np.asarray(sizes, np.int32)
+    out = torch.full((m, n), float("nan"), device=DEVICE)
+    y = fp8_gmm_torch(*args, torch.from_numpy(gs).to(DEVICE), tiles=FP8_TILES, out=out)
+    want = gmm_fp8_reference(rows, wq, jnp.asarray(gs))
+    assert_close(y.cpu().numpy(), want, jnp.float32, "fp8_gmm_kernel")
+
+
+def test_fp8_gmm_kernel_gathers_rows_and_rounds_once():
+    """With row ids, packed row r is source row `ids[r]` (its values and scales; ids outside
+    `[0, T)` read zeros): equal to the kernel on the gathered rows, bit for bit; a bf16 output is the
+    fp32 result rounded once."""
+    t, m, k, n = 33, 64, 256, 40
+    x, w = _inputs(4, t, k, n, 5)
+    rows, wq, (a, a_s, b, b_s) = _fp8(x, w)
+    ids = np.random.default_rng(5).integers(0, t, m).astype(np.int32)
+    ids[[3, 40]], ids[17] = -1, t + 5
+    gs = torch.tensor([9, 0, 30, 20, 0], dtype=torch.int32, device=DEVICE)
+    tid = torch.from_numpy(ids).to(DEVICE)
+    fused = fp8_gmm_torch(a, a_s, b, b_s, gs, tiles=FP8_TILES, row_ids=tid)
+    valid = torch.from_numpy((ids >= 0) & (ids < t)).to(DEVICE)
+    src = torch.from_numpy(np.clip(ids, 0, t - 1)).long().to(DEVICE)
+    packed_a = torch.where(valid[:, None], a[src].view(torch.uint8), 0).view(torch.float8_e4m3fn)
+    packed = fp8_gmm_torch(packed_a, torch.where(valid[:, None], a_s[src], 1.0), b, b_s, gs, tiles=FP8_TILES)
+    assert torch.equal(fused, packed)
+    bf16 = fp8_gmm_torch(a, a_s, b, b_s, gs, tiles=FP8_TILES, row_ids=tid,
+                         out=torch.empty((m, n), dtype=torch.bfloat16, device=DEVICE))
+    assert torch.equal(bf16, fused.to(torch.bfloat16))
+
+
+def test_fp8_gmm_launch_takes_only_the_scale_block_as_its_k_step():
+    with pytest.raises(ValueError, match="block_k=128"):
+        fp8_gmm_launch(m=64, n=64, k=256, num_groups=2, source_rows=None, tiles=TILES[1], interpret=True)
+    launch = fp8_gmm_launch(m=64, n=300, k=256, num_groups=2, source_rows=None, tiles=FP8_TILES, interpret=True)
+    assert launch.constants["K_BLOCKS"] == 2 and launch.constants["N_BLOCKS"] == 3

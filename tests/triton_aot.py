@@ -22,9 +22,11 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from moe_jax.ops.gmm.triton.kernels import gmm_kernel, tgmm_kernel
-from moe_jax.ops.gmm.triton.launch import gmm_launch, tgmm_launch
-from moe_jax.ops.gmm.triton.rules import gmm_tiles, tgmm_tiles
+from moe_jax.ops.fp8 import FP8_DTYPE
+from moe_jax.ops.gmm.tiles import triton_smem_bytes
+from moe_jax.ops.gmm.triton.kernels import fp8_gmm_kernel, gmm_kernel, tgmm_kernel
+from moe_jax.ops.gmm.triton.launch import fp8_gmm_launch, gmm_launch, tgmm_launch
+from moe_jax.ops.gmm.triton.rules import fp8_gmm_tiles, gmm_tiles, tgmm_tiles
 
 H200 = GPUTarget("cuda", 90, 32)
 # Qwen3-30B-A3B gate+up at prefill: 32768 packed rows of 4096 tokens, 128 experts.
@@ -39,7 +41,9 @@ def _compile(kernel, pointers: list[str], launch) -> dict:
     ptx = compiled.asm["ptx"]
     waits = [int(n) for n in re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)]
     return dict(wgmma="wgmma.mma_async" in ptx, cp_async="cp.async" in ptx, max_wait_group=max(waits, default=0),
-                shared=compiled.metadata.shared, cubin=len(compiled.asm["cubin"]))
+                shared=compiled.metadata.shared, cubin=len(compiled.asm["cubin"]),
+                e4m3_mma=bool(re.search(r"(wgmma\.mma_async|mma\.sync)\S*\.e4m3\.e4m3", ptx)),
+                e4m3_widened="cvt.rn.f16x2.e4m3x2" in ptx)
 
 
 def main() -> None:
@@ -57,6 +61,17 @@ def main() -> None:
         launch = tgmm_launch(m=M, n=N, k=K, num_groups=E, tiles=wgrad, dtype=jnp.bfloat16, precision=None,
                              interpret=False, source_rows=source)
         print(json.dumps(dict(kernel="tgmm", gather=gather, **_compile(tgmm_kernel, tgmm_ptrs, launch))), flush=True)
+    # The FP8 kernel at the rule's prefill tiles (this shape) and decode tiles (8 rows per group).
+    fp8_ptrs = [("sizes_ptr", "i32"), ("rows_ptr", "i32"), ("a_ptr", "fp8e4nv"), ("a_scale_ptr", "fp32"),
+                ("b_ptr", "fp8e4nv"), ("b_scale_ptr", "fp32"), ("c_ptr", "bf16")]
+    for m, source in ((M, T), (8 * E, 8 * E // 8)):
+        tiles = fp8_gmm_tiles(m, N, K, E)
+        for gather in (False, True):
+            launch = fp8_gmm_launch(m=m, n=N, k=K, num_groups=E, source_rows=source if gather else None, tiles=tiles,
+                                    interpret=False)
+            model = triton_smem_bytes(tiles, wgrad=False, dtype=FP8_DTYPE, ieee_fp32=False)
+            print(json.dumps(dict(kernel="fp8_gmm", gather=gather, block_m=tiles.block_m, model=model,
+                                  **_compile(fp8_gmm_kernel, fp8_ptrs, launch))), flush=True)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 and the row gather (`ops.gather`), each with its kernels, backends and fp32 reference;
 `ops.platform` holds the backend names, the platform detection and the device facts; `ops.fp8`
 the FP8 recipe's blockwise quantization and `ops.fp8_linear` its differentiable grouped linear
-layer (`fp8_grouped_linear`, on the reference path)."""
+layer (`fp8_grouped_linear`, whose products are `gmm_fp8`: the FP8 kernel on a GPU with e4m3 tensor
+cores, the reference path elsewhere)."""
 
 from moe_jax.ops.fp8_linear import FP8_LINEAR_BACKENDS, fp8_grouped_linear
 from moe_jax.ops.gather import gather_rows, gather_rows_reference
@@ -29,6 +30,7 @@ from moe_jax.ops.gmm import (
     executed,
     gmm,
     gmm_config,
+    gmm_fp8,
     gmm_fp8_reference,
     gmm_reference,
     grouped_linear,
@@ -77,6 +79,7 @@ __all__ = [
     "gather_rows_reference",
     "gmm",
     "gmm_config",
+    "gmm_fp8",
     "gmm_fp8_reference",
     "gmm_reference",
     "grouped_linear",

@@ -1,5 +1,6 @@
-"""`fp8_grouped_linear`: the differentiable grouped linear layer of the FP8 recipe, on the reference
-path (the seam the FP8 grouped-GEMM kernels will plug into).
+"""`fp8_grouped_linear`: the differentiable grouped linear layer of the FP8 recipe; its products run
+`moe_jax.ops.gmm.fp8_api.gmm_fp8` (the FP8 kernel on a GPU that has one, the reference path
+elsewhere).
 
 Legend: M packed rows, K input width, N output width, E groups (experts).
 
@@ -17,11 +18,12 @@ arXiv:2412.19437, section 3.3; the quantization itself is `moe_jax.ops.fp8`):
   of the master weights as if `quantize_weights` were the identity (as is the rows' quantization
   for `dx`).
 
-Reference path: each recipe product dequantizes its operands to fp32 and runs `moe_jax.ops.gmm`
-(fp32 operands, `Precision.HIGHEST`) on the caller's backend, so it equals
-`moe_jax.ops.gmm_fp8_reference` up to fp32 summation order (the reference scales each 128-wide
-partial sum; a dequantized product scales each term). It is slower than a bf16 `grouped_linear`
-(fp32 GEMMs plus the quantizations); the FP8 kernels are to replace the dequantize-and-`gmm` step.
+Products: `gmm_fp8` on the caller's backend (`FP8_LINEAR_BACKENDS`): `triton` is the FP8 kernel
+(e4m3 tensor-core products promoted every 128 of the contraction: `gmm_fp8_reference`'s value up
+to fp32 summation order within a step); `xla` and `pallas_triton` dequantize the operands and run
+an fp32 `gmm` at `Precision.HIGHEST` (the reference path, slower than bf16); `auto` is the kernel
+where it runs, else `xla`. The weight gradient's `tgmm` runs in x's dtype on the backend `auto`
+picks for it (`triton`: its 16-bit kernel).
 
 Group sizes follow `grouped_linear`'s contract: empty groups are legal, rows past
 `sum(group_sizes)` get zero output and zero input gradient and add nothing to the weight gradient.
@@ -37,38 +39,30 @@ import jax.numpy as jnp
 from moe_jax.ops.fp8 import (
     BLOCK,
     FP8_DTYPE,
-    Fp8Rows,
     Fp8Weights,
     dequantize_rows,
-    dequantize_weights,
     quantize_rows,
     quantize_weights,
 )
-from moe_jax.ops.gmm import SUPPORTED_DTYPES, gmm, tgmm
+from moe_jax.ops.gmm import SUPPORTED_DTYPES, tgmm
+from moe_jax.ops.gmm.fp8_api import FP8_GEMM_BACKENDS, fp8_backend, gmm_fp8
 
 __all__ = ["FP8_LINEAR_BACKENDS", "fp8_grouped_linear"]
 
-# The recipe's products run on fp32 operands; Mosaic GPU's grouped GEMM takes bf16/fp16 only.
-FP8_LINEAR_BACKENDS = ("auto", "xla", "pallas_triton", "triton")
+FP8_LINEAR_BACKENDS = FP8_GEMM_BACKENDS
 
 _HI = jax.lax.Precision.HIGHEST
 
 
-def _recipe_gmm(backend: str, lhs: Fp8Rows, rhs: Fp8Weights, group_sizes, *, transpose_rhs: bool) -> jax.Array:
-    """fp32 product of the recipe: `gmm_fp8_reference`'s value, as a dequantized fp32 `gmm`."""
-    return gmm(dequantize_rows(lhs), dequantize_weights(rhs), group_sizes, transpose_rhs=transpose_rhs,
-               backend=backend, precision=_HI)
-
-
 def _forward(backend, x, wq, group_sizes):
     rows = quantize_rows(x)
-    y = _recipe_gmm(backend, rows, wq, group_sizes, transpose_rhs=True).astype(x.dtype)
-    return y, rows
+    return gmm_fp8(rows, wq, group_sizes, backend=backend, out_dtype=x.dtype), rows
 
 
 def _dgrad(backend, dy, wq, group_sizes, x_dtype):
     """`dx[M, K]` by the recipe: `dy` quantized per 1 x 128 tile of N, the same weight blocks."""
-    return _recipe_gmm(backend, quantize_rows(dy.astype(x_dtype)), wq, group_sizes, transpose_rhs=False).astype(x_dtype)
+    return gmm_fp8(quantize_rows(dy.astype(x_dtype)), wq, group_sizes, transpose_rhs=False, backend=backend,
+                   out_dtype=x_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -130,13 +124,9 @@ def fp8_grouped_linear(
         call, gradient by the straight-through estimator, in w's dtype), or an `Fp8Weights`
         (`values_ENK` e4m3, `scale_ENbKb` fp32) used as they are, with zero gradient.
       group_sizes: `[E]` integer rows per group (not differentiated), as for `grouped_linear`.
-      backend: where the fp32 recipe products run (`moe_jax.ops.gmm`'s `backend`): one of
-        `FP8_LINEAR_BACKENDS`.
+      backend: where the recipe's products run (`gmm_fp8`'s `backend`): one of `FP8_LINEAR_BACKENDS`.
     """
-    if backend not in FP8_LINEAR_BACKENDS:
-        raise ValueError(f"backend={backend!r}: fp8_grouped_linear runs the recipe's products on fp32 operands, "
-                         f"which needs one of {FP8_LINEAR_BACKENDS} (mosaic_gpu takes bf16/fp16 only); "
-                         f"pass backend='xla' or 'pallas_triton'.")
+    fp8_backend(backend)  # ValueError naming the choices, or why the kernel cannot run here
     x = jnp.asarray(x)
     if x.ndim != 2 or jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
         raise TypeError(f"x: expected [M, K] rows of bfloat16/float16/float32, got shape {x.shape} dtype {x.dtype}.")

@@ -2,9 +2,11 @@
 `Plan`, `problem` holds the types and the backend interface), the backends, one folder or module
 each, registered by name (`registry`: `pallas_triton/`, `triton/`, `mosaic_gpu/`, `xla`), what every
 backend shares (`schedule`: group offsets and the in-kernel sizes vector; `tiles`: Triton tiles,
-their shared-memory model and fallback) and the fp32 references (`reference`)."""
+their shared-memory model and fallback), the fp32 references (`reference`) and the blockwise-FP8
+grouped GEMM (`fp8_api`: `gmm_fp8`, its kernel in `triton/`)."""
 
 from moe_jax.ops.gmm.api import SUPPORTED_DTYPES, RowGather, gmm, grouped_linear, tgmm
+from moe_jax.ops.gmm.fp8_api import FP8_GEMM_BACKENDS, gmm_fp8
 from moe_jax.ops.gmm.mosaic_gpu import MosaicConfig, mosaic_config
 from moe_jax.ops.gmm.pallas_triton import (CANDIDATES, FAMILIES, Features, GmmConfig, Launches, Selection, SelectorTable,
                                            candidate_index, gmm_config, histogram_features, select, selector_table,
@@ -21,6 +23,7 @@ __all__ = [
     "CANDIDATES",
     "Executed",
     "FAMILIES",
+    "FP8_GEMM_BACKENDS",
     "Features",
     "GEMM_BACKENDS",
     "GmmConfig",
@@ -42,6 +45,7 @@ __all__ = [
     "executed",
     "gmm",
     "gmm_config",
+    "gmm_fp8",
     "gmm_fp8_reference",
     "gmm_reference",
     "grouped_linear",

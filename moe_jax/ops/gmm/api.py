@@ -39,7 +39,8 @@ from moe_jax.ops.gmm.registry import GEMM_BACKENDS
 from moe_jax.ops.platform import BackendName, BackendTable
 from moe_jax.ops.sharding import replicate_explicit
 
-__all__ = ["RowGather", "SUPPORTED_DTYPES", "gmm", "grouped_linear", "tgmm"]
+__all__ = ["RowGather", "SUPPORTED_DTYPES", "as_primitive", "check_group_sizes", "check_row_ids", "gmm", "grouped_linear",
+           "tgmm"]
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -56,7 +57,7 @@ def _check_float(name: str, x):
         raise TypeError(f"{name}.dtype={x.dtype} is not supported; use bfloat16, float16 or float32.")
 
 
-def _check_group_sizes(group_sizes, num_groups: int, num_rows: int, expert_arg: str):
+def check_group_sizes(group_sizes, num_groups: int, num_rows: int, expert_arg: str):
     _check_array("group_sizes", group_sizes, 1, "[E] of integer row counts")
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise TypeError(f"group_sizes must be an integer array; got dtype {group_sizes.dtype}.")
@@ -77,7 +78,7 @@ def _check_group_sizes(group_sizes, num_groups: int, num_rows: int, expert_arg: 
         )
 
 
-def _check_row_ids(name: str, ids) -> None:
+def check_row_ids(name: str, ids) -> None:
     _check_array(name, ids, 1, "[M] of int source-row ids")
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise TypeError(f"{name} must be an integer array [M] of source-row ids; got dtype {ids.dtype}.")
@@ -96,10 +97,11 @@ def _checked_plan(given: Plan | None, problem, backend, config) -> Plan:
     return given
 
 
-def _primitive(name: str, impl, *arrays):
+def as_primitive(name: str, impl, *arrays, differentiable: str = "grouped_linear"):
     """`impl(*arrays)` as an op that `jax.vmap` maps element by element (`lax.map`: neither
     `ragged_dot` nor the kernels batch over a leading axis) and that autodiff refuses with the fix
-    (the differentiable form is `grouped_linear`; the backends have no derivative rules)."""
+    (the differentiable form, `moe_jax.ops.<differentiable>`; the backends have no derivative
+    rules)."""
 
     @jax.custom_jvp
     @jax.custom_batching.custom_vmap
@@ -120,20 +122,20 @@ def _primitive(name: str, impl, *arrays):
     @op.defjvp
     def op_jvp(primals, tangents):
         raise TypeError(
-            f"moe_jax.ops.{name} is not differentiable; use moe_jax.ops.grouped_linear (x @ w^T per group, with "
-            "a custom VJP whose backward runs gmm and tgmm) for gradients."
+            f"moe_jax.ops.{name} is not differentiable; use moe_jax.ops.{differentiable} (x @ w^T per group, with "
+            "a custom VJP) for gradients."
         )
 
     return op(*arrays)
 
 
 def _run(name: str, gemm_plan: Plan, lhs, other, group_sizes, row_ids):
-    """`gemm_plan` on its backend, as a primitive (`_primitive`), on replicated Explicit operands."""
+    """`gemm_plan` on its backend, as a primitive (`as_primitive`), on replicated Explicit operands."""
     backend = GEMM_BACKENDS[gemm_plan.backend]
     if row_ids is None:
-        return _primitive(name, lambda a, b, s: backend.run(gemm_plan, a, b, s, None),
+        return as_primitive(name, lambda a, b, s: backend.run(gemm_plan, a, b, s, None),
                           *replicate_explicit(lhs, other, group_sizes))
-    return _primitive(name, lambda a, b, s, ids: backend.run(gemm_plan, a, b, s, ids),
+    return as_primitive(name, lambda a, b, s, ids: backend.run(gemm_plan, a, b, s, ids),
                       *replicate_explicit(lhs, other, group_sizes, row_ids.astype(jnp.int32)))
 
 
@@ -182,7 +184,7 @@ def gmm(
         )
     m, k = lhs.shape
     if row_ids is not None:
-        _check_row_ids("row_ids", row_ids)
+        check_row_ids("row_ids", row_ids)
         m = row_ids.shape[0]
     num_groups = rhs.shape[0]
     rhs_k, n = (rhs.shape[2], rhs.shape[1]) if transpose_rhs else (rhs.shape[1], rhs.shape[2])
@@ -193,7 +195,7 @@ def gmm(
         )
     if num_groups == 0:
         raise ValueError("rhs has zero groups (E=0); a grouped GEMM needs at least one group.")
-    _check_group_sizes(group_sizes, num_groups, m, "rhs")
+    check_group_sizes(group_sizes, num_groups, m, "rhs")
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     problem = resolved_problem("gmm_nt" if transpose_rhs else "gmm_nn", m, n, k, num_groups, lhs.dtype, out_dtype,
                                precision, gather=row_ids is not None)
@@ -233,7 +235,7 @@ def tgmm(
     if lhs.dtype != dout.dtype:
         raise TypeError(f"lhs.dtype={lhs.dtype} and dout.dtype={dout.dtype} differ; cast one to the other.")
     if row_ids is not None:
-        _check_row_ids("row_ids", row_ids)
+        check_row_ids("row_ids", row_ids)
         if row_ids.shape[0] != dout.shape[0]:
             raise ValueError(f"row_ids has {row_ids.shape[0]} rows but dout has {dout.shape[0]}; they must match.")
     elif lhs.shape[0] != dout.shape[0]:
@@ -243,7 +245,7 @@ def tgmm(
     m, k = dout.shape[0], lhs.shape[1]
     n = dout.shape[1]
     num_groups = group_sizes.shape[0] if group_sizes.ndim == 1 else -1
-    _check_group_sizes(group_sizes, num_groups, m, "group_sizes")
+    check_group_sizes(group_sizes, num_groups, m, "group_sizes")
     if num_groups == 0:
         raise ValueError("group_sizes is empty (E=0); a grouped GEMM needs at least one group.")
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
@@ -343,7 +345,7 @@ def grouped_linear(
         if not isinstance(rows, RowGather):
             raise TypeError(f"rows must be a moe_jax.ops.RowGather(ids_M, readers_TK) or None; got "
                             f"{type(rows).__name__}.")
-        _check_row_ids("rows.ids_M", rows.ids_M)
+        check_row_ids("rows.ids_M", rows.ids_M)
         if rows.readers_TK.ndim != 2 or rows.readers_TK.shape[0] != x.shape[0]:
             raise ValueError(f"rows.readers_TK must be [T, K] with T = x.shape[0] = {x.shape[0]}; got shape "
                              f"{tuple(rows.readers_TK.shape)}.")

@@ -12,7 +12,9 @@ block of `lhs` and a `bk x bn` block of `rhs`; a weight-gradient (`tgmm`) tile a
 Hopper's asynchronous warpgroup MMA (wgmma: 16-bit operands, or fp32 at TF32, with an MMA M
 dimension of at least 64, i.e. `bm` for the forward and `bn` for the weight gradient), which keeps
 one MMA in flight; at least one. The epilogue converts the accumulator's layout through shared
-memory once the ring is free, so the kernel needs
+memory once the ring is free. The FP8 kernel (`float8_e4m3fn` operands, one byte each) also loads
+an fp32 scale per row and per column of each K step, counted in its stage (an upper bound: Triton
+3.6 keeps at most part of them in shared memory). So the kernel needs
 
     max(buffers * stage bytes, MMA M x MMA N x 4)
 
@@ -24,7 +26,8 @@ bound there).
 
 Fallback. A tuned tile that does not fit (fp32 operands need twice a bf16 tile's bytes) is
 replaced by the first tile that fits in this order: fewer stages down to 2, then `block_k` halved
-down to 16 at 2 stages, then 1 stage, then `block_n` halved down to 16. `block_m` never changes,
+down to 16 at 2 stages (never for the FP8 kernel, whose K step is its scale block), then 1 stage,
+then `block_n` halved down to 16. `block_m` never changes,
 so the rows a kernel executes (its padding) and the candidate it is stay the same.
 """
 
@@ -98,23 +101,25 @@ def triton_smem_bytes(tiles: TileConfig, *, wgrad: bool, dtype, ieee_fp32: bool,
     forward kernel). `ieee_fp32`: fp32 operands at full precision (no tensor cores)."""
     bm, bn, bk, stages = tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_stages
     mma_m, mma_n = (bn, bk) if wgrad else (bm, bn)
-    stage = (bm * bn + bm * bk) if wgrad else (bm * bk + bk * bn)
+    stage = ((bm * bn + bm * bk) if wgrad else (bm * bk + bk * bn)) * jnp.dtype(dtype).itemsize
+    if jnp.dtype(dtype) == jnp.float8_e4m3fn:
+        stage += (bm + bn) * 4  # the FP8 kernel's fp32 row and column-block scales of each K step
     wgmma = not ieee_fp32 and (mma_m >= WGMMA_MIN_M or capability != (9, 0))
     buffers = max(1, stages - 1 + int(wgmma))
-    return max(buffers * stage * jnp.dtype(dtype).itemsize, mma_m * mma_n * 4)
+    return max(buffers * stage, mma_m * mma_n * 4)
 
 
-def _smaller(tiles: TileConfig) -> Iterator[TileConfig]:
-    """The fallback order of the module docstring, nearest first."""
+def _smaller(tiles: TileConfig, min_k: int) -> Iterator[TileConfig]:
+    """The fallback order of the module docstring, nearest first, `block_k` kept >= `min_k`."""
     replace = dataclasses.replace
     for stages in range(tiles.num_stages - 1, 1, -1):
         yield replace(tiles, num_stages=stages)
     two = replace(tiles, num_stages=min(2, tiles.num_stages))
     bk = tiles.block_k
-    while bk > 16:
+    while bk > min_k:
         bk //= 2
         yield replace(two, block_k=bk)
-    one = replace(two, block_k=16, num_stages=1)
+    one = replace(two, block_k=max(min_k, 16), num_stages=1)
     yield one
     bn = tiles.block_n
     while bn > 16:
@@ -139,7 +144,9 @@ def fit_tiles(tiles: TileConfig, *, wgrad: bool, dtype, ieee_fp32: bool, device:
             f"config {what or tile_name(tiles)} needs {first} B of shared memory for {jnp.dtype(dtype).name} operands, "
             f"over the {limit} B per block of {device.kind}; pass smaller tiles (fewer stages or a smaller block_k), "
             "or config=None for the tuned choice, which falls back to tiles that fit.")
-    smaller = next((t for t in _smaller(tiles) if need(t) <= limit), None)
+    # The FP8 kernel steps K one 128-wide scale block at a time: its block_k never shrinks.
+    min_k = tiles.block_k if jnp.dtype(dtype) == jnp.float8_e4m3fn else 16
+    smaller = next((t for t in _smaller(tiles, min_k) if need(t) <= limit), None)
     if smaller is None:
         raise ValueError(f"no tile from {tile_name(tiles)} down fits the {limit} B of shared memory per block of "
                          f"{device.kind}.")

@@ -4,7 +4,7 @@ in the tests.
 
 Legend: M packed rows, K reduction width, N output width, E groups, T rows of a gathered operand.
 
-Both kernels keep the contracts of the `pallas_triton` backend's row-tile and weight-gradient kernels:
+The 16-bit kernels keep the contracts of the `pallas_triton` backend's row-tile and weight-gradient kernels:
 - `gmm_kernel`: `c[M, N]`, rows of group e are `a_e @ b[e]^T` (or `a_e @ b[e]`), one program per
   (row tile, column block), the tile schedule computed in the program from the raw sizes; tiles of
   the zero-fill pseudo-group store zeros for the rows past the last group, so `c` needs no memset.
@@ -14,12 +14,15 @@ Both kernels keep the contracts of the `pallas_triton` backend's row-tile and we
   its group's rows computed in the program from the raw sizes; an empty group stores exact zeros;
   one writer per element (no atomics), so repeated runs give the same bits. `GATHER` reads `a`'s
   rows through row ids here too.
+- `fp8_gmm_kernel`: `gmm_kernel`'s forward orientation and row contract on the blockwise FP8 recipe
+  (`moe_jax.ops.fp8`): e4m3 operands, the K loop one 128-wide scale block per step, each step's
+  tensor-core partial sum promoted into the fp32 accumulator times its row and weight-block scales.
 Products accumulate in fp32; `PRECISION` is `tl.dot`'s `input_precision` ("ieee" for fp32 inputs
 at `Precision.HIGHEST`, else "tf32"; bf16/fp16 ignore it).
 
 `INTERPRET` selects the forms Triton 3.6's interpreter needs and leaves the compiled kernel
-unchanged: its `tl.dot` reads bf16 operands as raw bits (so tiles are widened to fp32 first, which
-is exact for bf16 x bf16 products), and under NumPy >= 2.5 it cannot take a loaded value as a
+unchanged: its `tl.dot` reads bf16 and e4m3 operands as raw bits (so tiles are widened to fp32
+first, which is exact for their products), and under NumPy >= 2.5 it cannot take a loaded value as a
 `range` bound (so the weight gradients walk their row steps in a `while` loop; compiled, a `for`
 loop lets the software pipeliner overlap loads with the tensor-core work).
 """
@@ -29,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["gmm_kernel", "tgmm_kernel"]
+__all__ = ["fp8_gmm_kernel", "gmm_kernel", "tgmm_kernel"]
 
 
 @triton.jit
@@ -70,6 +73,38 @@ def _group_spans(sizes_ptr, M: tl.constexpr, E: tl.constexpr, E_LANES: tl.conste
 
 
 @triton.jit
+def _row_tile(sizes_ptr, M: tl.constexpr, N: tl.constexpr, E: tl.constexpr, E_LANES: tl.constexpr,
+              NUM_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's `(group, first row, one-past-last row, in a group, column block)` of a row-tile
+    kernel over `M` packed rows: the tiles of `moe_jax.ops.gmm.schedule.make_group_metadata`
+    computed from the sizes vector, then the zero-fill pseudo-group's tiles (`in a group` False)
+    up to M. A program past the schedule gets an empty span."""
+    pid = tl.program_id(0)
+    # Row-tile-major swizzle: GROUP_M row tiles (usually one group's rows) sweep the column
+    # blocks together, so their weight block and rows stay in L2.
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_sweep = GROUP_M * num_n
+    first = (pid // per_sweep) * GROUP_M
+    height = tl.minimum(NUM_TILES - first, GROUP_M)
+    local = pid % per_sweep
+    tile = first + local % height
+    n_blk = local // height
+
+    lanes, starts, ends = _group_spans(sizes_ptr, M, E, E_LANES)
+    tiles_e = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    tile_ends = tl.cumsum(tiles_e, 0)
+    group_tiles = tl.sum(tiles_e, 0)
+    group = tl.sum((tile_ends <= tile).to(tl.int32), 0)
+    is_group = tile < group_tiles
+    here = lanes == group
+    g_start = tl.sum(tl.where(here, starts, 0), 0) + (tile - tl.sum(tl.where(here, tile_ends - tiles_e, 0), 0)) * BLOCK_M
+    g_end = tl.minimum(g_start + BLOCK_M, tl.sum(tl.where(here, ends, 0), 0))
+    f_start = tl.minimum(tl.max(ends, 0) + (tile - group_tiles) * BLOCK_M, M)
+    f_end = tl.minimum(f_start + BLOCK_M, M)
+    return group, tl.where(is_group, g_start, f_start), tl.where(is_group, g_end, f_end), is_group, n_blk
+
+
+@triton.jit
 def gmm_kernel(
     sizes_ptr, rows_ptr, a_ptr, b_ptr, c_ptr,
     M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, E: tl.constexpr, E_LANES: tl.constexpr,
@@ -82,31 +117,7 @@ def gmm_kernel(
     its strides (the NT layout `[E, N, K]` has `stride_bk == 1`). `sizes_ptr`: int32 `[E_LANES]`
     sizes, lanes past E ignored. `rows_ptr`: int32 `[M]` source rows of `a` `[T, K]` (read only
     with `GATHER`; ids outside `[0, T)` read zeros)."""
-    pid = tl.program_id(0)
-    # Row-tile-major swizzle: GROUP_M row tiles (usually one group's rows) sweep the column
-    # blocks together, so their weight block and rows stay in L2.
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_sweep = GROUP_M * num_n
-    first = (pid // per_sweep) * GROUP_M
-    height = tl.minimum(NUM_TILES - first, GROUP_M)
-    local = pid % per_sweep
-    tile = first + local % height
-    n_blk = local // height
-
-    # The schedule (`moe_jax.ops.gmm.schedule.make_group_metadata`'s tiles) from the sizes vector.
-    lanes, starts, ends = _group_spans(sizes_ptr, M, E, E_LANES)
-    tiles_e = (ends - starts + BLOCK_M - 1) // BLOCK_M
-    tile_ends = tl.cumsum(tiles_e, 0)
-    group_tiles = tl.sum(tiles_e, 0)
-    group = tl.sum((tile_ends <= tile).to(tl.int32), 0)
-    is_group = tile < group_tiles
-    here = lanes == group
-    g_start = tl.sum(tl.where(here, starts, 0), 0) + (tile - tl.sum(tl.where(here, tile_ends - tiles_e, 0), 0)) * BLOCK_M
-    g_end = tl.minimum(g_start + BLOCK_M, tl.sum(tl.where(here, ends, 0), 0))
-    f_start = tl.minimum(tl.max(ends, 0) + (tile - group_tiles) * BLOCK_M, M)
-    f_end = tl.minimum(f_start + BLOCK_M, M)
-    start = tl.where(is_group, g_start, f_start)
-    end = tl.where(is_group, g_end, f_end)
+    group, start, end, is_group, n_blk = _row_tile(sizes_ptr, M, N, E, E_LANES, NUM_TILES, BLOCK_M, BLOCK_N, GROUP_M)
     if start >= end:  # a tile past the schedule: nothing to read or write
         return
 
@@ -197,3 +208,49 @@ def tgmm_kernel(
             acc = _tgmm_rows(ids, a_ptr, d_ptr, r0, end, ns, ks, acc, N, K, T, BLOCK_M, GATHER, PRECISION, INTERPRET)
             ids = _row_ids(rows_ptr, r0 + BLOCK_M, end, BLOCK_M, GATHER)
     _tgmm_store(o_ptr, group, ns, ks, acc, N, K)
+
+
+@triton.jit
+def fp8_gmm_kernel(
+    sizes_ptr, rows_ptr, a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, c_ptr,
+    M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, E: tl.constexpr, E_LANES: tl.constexpr,
+    NUM_TILES: tl.constexpr, T: tl.constexpr, K_BLOCKS: tl.constexpr, N_BLOCKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SCALE_BLOCK: tl.constexpr, GROUP_M: tl.constexpr,
+    GATHER: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """One (row tile, column block) of `c = a_g @ b[g]^T` by the blockwise FP8 recipe
+    (`moe_jax.ops.fp8`): `a` e4m3 `[M, K]` (or with `GATHER` `[T, K]` read through `rows_ptr`, ids
+    outside `[0, T)` read zeros) with fp32 `a_scale` `[M or T, K_BLOCKS]` per 1 x SCALE_BLOCK tile;
+    `b` e4m3 `[E, N, K]` with fp32 `b_scale` `[E, N_BLOCKS, K_BLOCKS]` per SCALE_BLOCK x SCALE_BLOCK
+    block. The K loop steps SCALE_BLOCK at a time: each step's e4m3 products are summed by the
+    tensor cores from a zero accumulator, and that partial sum, times the step's row scales and
+    column-block scales, is added to the fp32 accumulator (the recipe's promotion every 128).
+    Schedule, zero fill and row contract as `gmm_kernel`'s."""
+    group, start, end, is_group, n_blk = _row_tile(sizes_ptr, M, N, E, E_LANES, NUM_TILES, BLOCK_M, BLOCK_N, GROUP_M)
+    if start >= end:  # a tile past the schedule: nothing to read or write
+        return
+
+    rows = start + tl.arange(0, BLOCK_M)
+    row_ok = rows < end  # rows stored
+    src, read_ok = _source_rows(_row_ids(rows_ptr, start, end, BLOCK_M, GATHER), rows, row_ok, T, GATHER)
+    cols = n_blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    g = tl.minimum(group, E - 1).to(tl.int64)
+    b_group = b_ptr + g * N * K
+    a_scales = a_scale_ptr + src * K_BLOCKS
+    b_scales = b_scale_ptr + g * N_BLOCKS * K_BLOCKS + (cols // SCALE_BLOCK) * K_BLOCKS
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if is_group:
+        for kb in range(0, K_BLOCKS):
+            ks = kb * SCALE_BLOCK + tl.arange(0, SCALE_BLOCK)
+            k_ok = ks < K
+            a = tl.load(a_ptr + src[:, None] * K + ks[None, :], mask=read_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_group + ks[:, None] + cols[None, :] * K, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            a_s = tl.load(a_scales + kb, mask=read_ok, other=0.0)
+            b_s = tl.load(b_scales + kb, mask=col_ok, other=0.0)
+            if INTERPRET:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+    tl.store(c_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])

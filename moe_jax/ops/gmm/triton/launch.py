@@ -16,13 +16,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from moe_jax.ops.fp8 import BLOCK as FP8_BLOCK
+from moe_jax.ops.fp8 import Fp8Rows, Fp8Weights
 from moe_jax.ops.gmm.schedule import lane_sizes, max_tiles
 from moe_jax.ops.gmm.tiles import TileConfig
 from moe_jax.ops.pallas_triton import cdiv, next_pow2
 from moe_jax.ops.sharding import varying_like
 
-__all__ = ["Launch", "gmm_launch", "import_jax_triton", "gmm_triton", "gmm_torch", "tgmm_launch", "tgmm_triton",
-           "tgmm_torch"]
+__all__ = ["Launch", "fp8_gmm_launch", "fp8_gmm_torch", "fp8_gmm_triton", "gmm_launch", "import_jax_triton",
+           "gmm_triton", "gmm_torch", "tgmm_launch", "tgmm_triton", "tgmm_torch"]
 
 
 def _precision(dtype, precision) -> str:
@@ -68,6 +70,27 @@ def tgmm_launch(*, m: int, n: int, k: int, num_groups: int, tiles: TileConfig, d
                      GATHER=source_rows is not None, PRECISION=_precision(dtype, precision), INTERPRET=interpret)
     grid = (num_groups * cdiv(n, tiles.block_n) * cdiv(k, tiles.block_k),)
     return Launch(grid, tiles.num_warps, tiles.num_stages, constants)
+
+
+def fp8_gmm_launch(*, m: int, n: int, k: int, num_groups: int, source_rows: int | None, tiles: TileConfig,
+                   interpret: bool) -> Launch:
+    """The launch of `fp8_gmm_kernel` for `M = m` packed e4m3 rows `[M, K]` (or `[T, K]` read
+    through row ids, `source_rows = T`) against e4m3 `rhs` `[E, N, K]`: `tiles.block_k` is the
+    recipe's scale block (`moe_jax.ops.fp8.BLOCK`), each K step one scale. Needs `M, N, K > 0`
+    and `E * M < 2**31`."""
+    if num_groups * m >= 2**31:
+        raise ValueError(f"gmm_fp8 (triton backend): E * M = {num_groups} * {m} must stay below 2**31.")
+    if tiles.block_k != FP8_BLOCK:
+        raise ValueError(f"tiles.block_k={tiles.block_k}: the FP8 kernel steps K one {FP8_BLOCK}-wide scale block at "
+                         f"a time; pass block_k={FP8_BLOCK}.")
+    num_tiles = max_tiles(m, num_groups, tiles.block_m)
+    constants = dict(
+        M=m, N=n, K=k, E=num_groups, E_LANES=max(16, next_pow2(num_groups)), NUM_TILES=num_tiles,
+        T=m if source_rows is None else source_rows, K_BLOCKS=cdiv(k, FP8_BLOCK), N_BLOCKS=cdiv(n, FP8_BLOCK),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, SCALE_BLOCK=FP8_BLOCK, GROUP_M=tiles.group_m,
+        GATHER=source_rows is not None, INTERPRET=interpret,
+    )
+    return Launch((num_tiles * cdiv(n, tiles.block_n),), tiles.num_warps, tiles.num_stages, constants)
 
 
 def import_jax_triton():
@@ -129,6 +152,26 @@ def tgmm_triton(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *, tile
     rows = sizes if row_ids is None else row_ids.astype(jnp.int32)
     return _triton_call(tgmm_kernel, (sizes, rows, lhs, dout), jax.ShapeDtypeStruct((num_groups, n, k), out_dtype),
                         launch, "moe_jax_tgmm_triton")
+
+
+def fp8_gmm_triton(lhs: Fp8Rows, rhs: Fp8Weights, group_sizes: jax.Array, *, tiles: TileConfig, out_dtype,
+                   row_ids: jax.Array | None = None) -> jax.Array:
+    """`gmm_fp8`'s forward orientation on the `triton` backend, through `jax_triton` (GPU):
+    `[M, N]` of `out_dtype`, rows of group e the recipe's `lhs_e @ rhs[e]^T`; with `row_ids`
+    (int `[M]`), `lhs` holds `[T, K]` rows read through them. Validated shapes with
+    `M, N, K > 0` expected."""
+    from moe_jax.ops.gmm.triton.kernels import fp8_gmm_kernel  # noqa: PLC0415  (triton imported on use)
+
+    k = lhs.values_MK.shape[1]
+    m = lhs.values_MK.shape[0] if row_ids is None else row_ids.shape[0]
+    n = rhs.values_ENK.shape[1]
+    launch = fp8_gmm_launch(m=m, n=n, k=k, num_groups=rhs.values_ENK.shape[0],
+                            source_rows=None if row_ids is None else lhs.values_MK.shape[0], tiles=tiles,
+                            interpret=False)
+    sizes = lane_sizes(group_sizes, m)
+    rows = sizes if row_ids is None else row_ids.astype(jnp.int32)
+    return _triton_call(fp8_gmm_kernel, (sizes, rows, lhs.values_MK, lhs.scale_MKb, rhs.values_ENK, rhs.scale_ENbKb),
+                        jax.ShapeDtypeStruct((m, n), out_dtype), launch, "moe_jax_fp8_gmm_triton")
 
 
 def _torch_kernel(kernel, interpret: bool):
@@ -207,6 +250,28 @@ def tgmm_torch(lhs, dout, group_sizes, *, tiles: TileConfig, precision=None, row
     if out is None:
         out = torch.empty((num_groups, n, k), dtype=lhs.dtype, device=lhs.device)
     return _run_torch(tgmm_kernel, launch, (sizes, rows), (lhs, dout), out, interpret)
+
+
+def fp8_gmm_torch(values, scale, rhs_values, rhs_scale, group_sizes, *, tiles: TileConfig, row_ids=None, out=None):
+    """`fp8_gmm_kernel` on torch tensors (CUDA compiled, CPU interpreted): e4m3 `values` `[M, K]`
+    (or `[T, K]` read through int `row_ids` `[M]`) with fp32 `scale` `[.., ceil(K/128)]`, e4m3
+    `rhs_values` `[E, N, K]` with fp32 `rhs_scale` `[E, ceil(N/128), ceil(K/128)]`. Returns `out`
+    (fp32 `[M, N]` allocated when None)."""
+    import torch  # noqa: PLC0415
+
+    from moe_jax.ops.gmm.triton.kernels import fp8_gmm_kernel  # noqa: PLC0415
+
+    interpret = values.device.type == "cpu"
+    m = values.shape[0] if row_ids is None else row_ids.shape[0]
+    k = values.shape[1]
+    n = rhs_values.shape[1]
+    launch = fp8_gmm_launch(m=m, n=n, k=k, num_groups=rhs_values.shape[0],
+                            source_rows=None if row_ids is None else values.shape[0], tiles=tiles, interpret=interpret)
+    sizes = _torch_sizes(group_sizes, launch.constants["E_LANES"])
+    rows = sizes if row_ids is None else row_ids.to(torch.int32)
+    if out is None:
+        out = torch.empty((m, n), dtype=torch.float32, device=values.device)
+    return _run_torch(fp8_gmm_kernel, launch, (sizes, rows), (values, scale, rhs_values, rhs_scale), out, interpret)
 
 
 def _np_dtype(torch_dtype):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from moe_jax.ops.gmm.tiles import TileConfig
 
-__all__ = ["gmm_tiles", "tgmm_tiles"]
+__all__ = ["fp8_gmm_tiles", "gmm_tiles", "tgmm_tiles"]
 
 
 def gmm_tiles(m: int, n: int, k: int, num_groups: int) -> TileConfig:
@@ -36,3 +36,16 @@ def tgmm_tiles(m: int, n: int, k: int, num_groups: int) -> TileConfig:
     if rows >= 768:
         return TileConfig(block_m=64, block_n=128, block_k=256, num_warps=8, num_stages=3, group_m=1)
     return TileConfig(block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=4, group_m=1)
+
+
+def fp8_gmm_tiles(m: int, n: int, k: int, num_groups: int) -> TileConfig:
+    """Tiles of the FP8 kernel (`fp8_gmm_kernel`) for `lhs[m, k] x rhs[num_groups, n, k]`: K steps
+    of one 128-wide scale block. Prefill takes 128 x 128 output tiles: the per-step promotion keeps
+    a second fp32 tile (the step's partial sum) live beside the accumulator, and at 128 x 256 the
+    two spill (half the rate, measured on an H200: docs/fp8.md)."""
+    rows = m / max(num_groups, 1)
+    if rows <= 16:
+        return TileConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, group_m=1)
+    if rows <= 64:
+        return TileConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=4, group_m=8)
+    return TileConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4, group_m=8)

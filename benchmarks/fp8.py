@@ -1,0 +1,239 @@
+"""FP8 grouped GEMMs on one GPU: our blockwise-FP8 kernel (`moe_jax.ops.gmm.fp8_api.gmm_fp8`)
+against our bf16 `gmm`, `torch._grouped_mm` (bf16) and `torch._scaled_grouped_mm` (FP8, rowwise
+scales: torch's own FP8 grouped GEMM), in one process on the same inputs; then the differentiable
+linear layer forward+backward (`fp8_grouped_linear` vs `grouped_linear`), decode with FP8 weights
+against copy bandwidth, and the dense ceilings (`torch._scaled_mm` FP8 and bf16 `mm`, 8192^3).
+
+    python -m benchmarks.fp8 [--json OUT.json] [--sections gemm,fb,decode,dense] [--variants]
+
+Effective TFLOP/s count 2 M N K per GEMM (the routed rows only). Every kernel result is checked
+against the recipe's fp32 reference (`gmm_fp8_reference`) before it is timed (relative error
+printed). Decode bytes: the active experts' e4m3 weights and their scales (FP8) or bf16 weights,
+read once; the ratio is to the measured copy bandwidth (read + write bytes per second).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import shapes as S
+from benchmarks.gmm import attempt, make_inputs, measure_copy_tbps, reps_for, to_torch, torch_offsets
+from benchmarks.timing import compile_jax, run_meta, time_compiled, time_torch
+from moe_jax.ops import TileConfig, gmm, grouped_linear
+from moe_jax.ops.fp8 import quantize_rows, quantize_weights
+from moe_jax.ops.fp8_linear import fp8_grouped_linear
+from moe_jax.ops.gmm.fp8_api import fp8_tiles, gmm_fp8
+from moe_jax.ops.gmm.reference import gmm_fp8_reference
+
+VARIANTS = (  # tile candidates timed beside the rule's choice with --variants
+    TileConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4, group_m=8),
+    TileConfig(block_m=128, block_n=256, block_k=128, num_warps=8, num_stages=3, group_m=8),
+    TileConfig(block_m=128, block_n=128, block_k=128, num_warps=4, num_stages=5, group_m=8),
+    TileConfig(block_m=64, block_n=256, block_k=128, num_warps=8, num_stages=4, group_m=8),
+)
+
+
+def _tflops(m, n, k, t):
+    return 2 * m * n * k / t / 1e12 if t else None
+
+
+def _rel(a, b) -> float:
+    a = np.asarray(a, np.float32)
+    b = np.asarray(b, np.float32)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _head_ref(rows, wq, counts, groups: int = 2):
+    """The recipe's fp32 reference for the first `groups` experts' rows (the checked slice): the
+    fp32 reference of the whole shape costs more than the benchmark."""
+    from moe_jax.ops.fp8 import Fp8Rows, Fp8Weights
+
+    m = int(counts[:groups].sum())
+    head = Fp8Rows(rows.values_MK[:m], rows.scale_MKb[:m])
+    return m, jax.jit(gmm_fp8_reference)(head, Fp8Weights(wq.values_ENK[:groups], wq.scale_ENbKb[:groups]),
+                                         jnp.asarray(counts[:groups], jnp.int32))
+
+
+def _time_jax(fn, args, reps):
+    run, reps = compile_jax(fn, [args], reps=reps)
+    return time_compiled(run, reps)
+
+
+def _torch_fp8_rowwise(tx, tw):
+    """Rowwise e4m3 operands for `torch._scaled_grouped_mm`: per-row scales of x `[M]` and per
+    output channel of each expert's weights `[E, N]` (torch's tensor-wise recipe on Hopper)."""
+    import torch
+
+    fmax = torch.finfo(torch.float8_e4m3fn).max
+    sx = tx.float().abs().amax(dim=1).clamp(min=1e-12) / fmax
+    xq = (tx.float() / sx[:, None]).to(torch.float8_e4m3fn)
+    sw = tw.float().abs().amax(dim=2).clamp(min=1e-12) / fmax  # [E, N]
+    wq = (tw.float() / sw[:, :, None]).to(torch.float8_e4m3fn)
+    return xq, sx, wq, sw
+
+
+def gemm_rows(shape: S.GemmShape, variants: bool) -> dict:
+    import torch
+
+    counts = S.balanced_counts(shape.m, shape.e)
+    x, (w,), dy, gs = make_inputs(shape, counts)
+    rows, wq = jax.jit(quantize_rows)(x), jax.jit(quantize_weights)(w)
+    reps = reps_for(shape.m * shape.n * 2)
+    rec = dict(shape=shape.name, m=shape.m, e=shape.e, k=shape.k, n=shape.n, times={}, errors={})
+    head, ref = _head_ref(rows, wq, counts)
+    tiles = [("rule", None)] + ([(f"{t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages}", t) for t in VARIANTS]
+                                if variants else [])
+    rec["rule_tiles"] = str(fp8_tiles(shape.m, shape.n, shape.k, shape.e))
+    for label, cfg in tiles:
+        fn = jax.jit(lambda r, w_, g, cfg=cfg: gmm_fp8(r, w_, g, backend="triton", config=cfg, out_dtype=jnp.bfloat16))
+        out = attempt(fn, rows, wq, gs)
+        if out is None:
+            continue
+        rec["errors"][f"fp8 {label}"] = _rel(out[:head], ref)
+        rec["times"][f"fp8 {label}"] = _time_jax(fn, (rows, wq, gs), reps)
+    bf = jax.jit(lambda a, b, g: gmm(a, b, g))
+    rec["times"]["bf16 ours"] = _time_jax(bf, (x, w, gs), reps)
+    rec["errors"]["bf16 ours"] = _rel(bf(x, w, gs)[:head], ref)
+    offs = torch_offsets(counts)
+    tx, tw = to_torch(x), to_torch(w)
+    rec["times"]["bf16 torch"] = attempt(time_torch, lambda: torch._grouped_mm(tx, tw.transpose(-2, -1), offs=offs),
+                                         [()], reps=reps)
+    xq, sx, twq, sw = _torch_fp8_rowwise(tx, tw)
+    scaled = lambda: torch._scaled_grouped_mm(xq, twq.transpose(-2, -1), sx, sw, offs=offs,  # noqa: E731
+                                               out_dtype=torch.bfloat16, use_fast_accum=True)
+    out = attempt(scaled)
+    if out is not None:
+        rec["errors"]["fp8 torch rowwise"] = _rel(out[:head].float().cpu().numpy(), ref)
+        rec["times"]["fp8 torch rowwise"] = time_torch(scaled, [()], reps=reps)
+    del tx, tw, xq, twq
+    rec["tflops"] = {k: _tflops(shape.m, shape.n, shape.k, t) for k, t in rec["times"].items() if t}
+    return rec
+
+
+def fb_rows(shape: S.GemmShape) -> dict:
+    """Forward + backward of the grouped linear layer (dx and dw), FP8 recipe vs bf16."""
+    counts = S.balanced_counts(shape.m, shape.e)
+    x, (w,), dy, gs = make_inputs(shape, counts)
+    # Two calls' weight gradients stay live across the timing barrier: at DeepSeek-V3's 15 GB of
+    # bf16 weights per call, two calls only.
+    reps = max(2, min(6, (20 << 30) // (shape.e * shape.n * shape.k * 2)))
+
+    def step(lin):
+        def f(x, w, gs, dy):
+            y, vjp = jax.vjp(lambda a, b: lin(a, b, gs), x, w)
+            return y, *vjp(dy)
+        return jax.jit(f)
+
+    fp8 = step(lambda a, b, g: fp8_grouped_linear(a, b, g, backend="auto"))
+    bf = step(lambda a, b, g: grouped_linear(a, b, g))
+    y8, dx8, dw8 = fp8(x, w, gs, dy)
+    yb, dxb, dwb = bf(x, w, gs, dy)
+    rec = dict(shape=shape.name, errors=dict(y=_rel(y8, yb), dx=_rel(dx8, dxb), dw=_rel(dw8, dwb)))
+    rec["times"] = {"fp8 f+b": _time_jax(fp8, (x, w, gs, dy), reps), "bf16 f+b": _time_jax(bf, (x, w, gs, dy), reps)}
+    rec["tflops"] = {k: _tflops(shape.m, shape.n, shape.k, t) * 3 for k, t in rec["times"].items()}
+    return rec
+
+
+def decode_rows(copy_tbps: float) -> list[dict]:
+    out = []
+    for tokens in (1, 8, 32, 128):
+        shape = S.decode_shape(tokens)
+        counts = S.decode_counts(tokens)
+        x, (w,), _, gs = make_inputs(shape, counts)
+        rows, wq = jax.jit(quantize_rows)(x), jax.jit(quantize_weights)(w)
+        active = int((counts > 0).sum())
+        fp8_bytes = active * shape.n * shape.k + active * (-(-shape.n // 128)) * (-(-shape.k // 128)) * 4
+        bf_bytes = active * shape.n * shape.k * 2
+        f8 = jax.jit(lambda r, w_, g: gmm_fp8(r, w_, g, backend="triton", out_dtype=jnp.bfloat16))
+        bf = jax.jit(lambda a, b, g: gmm(a, b, g))
+        ref = jax.jit(gmm_fp8_reference)(rows, wq, gs)
+        rec = dict(tokens=tokens, active_experts=active, error=_rel(f8(rows, wq, gs), ref),
+                   tiles=str(fp8_tiles(shape.m, shape.n, shape.k, shape.e)))
+        rec["fp8 s"] = _time_jax(f8, (rows, wq, gs), 50)
+        rec["bf16 s"] = _time_jax(bf, (x, w, gs), 50)
+        rec["fp8 of copy"] = fp8_bytes / rec["fp8 s"] / 1e12 / (copy_tbps / 2)
+        rec["bf16 of copy"] = bf_bytes / rec["bf16 s"] / 1e12 / (copy_tbps / 2)
+        out.append(rec)
+    return out
+
+
+def dense_rows() -> dict:
+    import torch
+
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    t8 = time_torch(lambda: torch._scaled_mm(a8, b8.t(), one, one, out_dtype=torch.bfloat16, use_fast_accum=True),
+                    [()], reps=20)
+    tb = time_torch(lambda: a @ b, [()], reps=20)
+    return {"fp8 _scaled_mm TFLOP/s": _tflops(n, n, n, t8), "bf16 mm TFLOP/s": _tflops(n, n, n, tb)}
+
+
+def _fmt_err(v):
+    return "-" if v is None else f"{v:.2e}"
+
+
+def _fmt(v):
+    return "-" if v is None else f"{v:.0f}"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", help="write the records here")
+    p.add_argument("--sections", default="dense,gemm,fb,decode")
+    p.add_argument("--shapes", default=None, help="indices into benchmarks.shapes.PREFILL (default all)")
+    p.add_argument("--variants", action="store_true", help="also time the tile candidates of VARIANTS")
+    args = p.parse_args(argv)
+    sections = args.sections.split(",")
+    shapes = [S.PREFILL[int(i)] for i in args.shapes.split(",")] if args.shapes else list(S.PREFILL)
+    result = dict(meta=run_meta("python -m benchmarks.fp8 " + " ".join(argv if argv is not None else sys.argv[1:])))
+    if "dense" in sections:
+        result["dense"] = dense_rows()
+        print("dense 8192^3:", {k: round(v) for k, v in result["dense"].items()}, flush=True)
+    if "gemm" in sections:
+        result["gemm"] = []
+        for shape in shapes:
+            rec = gemm_rows(shape, args.variants)
+            result["gemm"].append(rec)
+            print(shape.name, "rule", rec["rule_tiles"], flush=True)
+            for k in rec["times"]:
+                print(f"  {k:28s} {_fmt(rec['tflops'].get(k)):>6} TFLOP/s  err {rec['errors'].get(k, float('nan')):.2e}",
+                      flush=True)
+    if "fb" in sections:
+        result["fb"] = []
+        for shape in shapes:
+            rec = fb_rows(shape)
+            result["fb"].append(rec)
+            print(shape.name, "f+b", {k: _fmt(v) for k, v in rec["tflops"].items()},
+                  {k: f"{v:.1e}" for k, v in rec["errors"].items()}, flush=True)
+    if "decode" in sections:
+        copy = measure_copy_tbps()
+        result["copy_tbps"] = copy
+        result["decode"] = decode_rows(copy)
+        for rec in result["decode"]:
+            print(f"decode T={rec['tokens']:4d} fp8 {rec['fp8 s'] * 1e6:7.1f} us ({rec['fp8 of copy']:.2f} of copy) "
+                  f"bf16 {rec['bf16 s'] * 1e6:7.1f} us ({rec['bf16 of copy']:.2f})  err {rec['error']:.1e}", flush=True)
+    if "gemm" in sections:
+        print("\n| shape | ours FP8 | ours bf16 | torch bf16 | torch FP8 rowwise | FP8/bf16 ours | FP8/torch FP8 |")
+        print("|---|---|---|---|---|---|---|")
+        for rec in result["gemm"]:
+            tf = rec["tflops"]
+            best = max((v for k, v in tf.items() if k.startswith("fp8 ") and "torch" not in k), default=None)
+            bfo, t8 = tf.get("bf16 ours"), tf.get("fp8 torch rowwise")
+            print(f"| {rec['shape']} | {_fmt(best)} | {_fmt(bfo)} | {_fmt(tf.get('bf16 torch'))} | {_fmt(t8)} | "
+                  f"{best / bfo if best and bfo else float('nan'):.2f} | {best / t8 if best and t8 else float('nan'):.2f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""`gmm_fp8`: the grouped GEMM of the blockwise FP8 recipe (`moe_jax.ops.fp8`), on a kernel or on
+the reference path.
+
+Legend: M packed rows, C contraction width, O output width, E groups (experts), T source rows.
+
+Backends (`FP8_GEMM_BACKENDS`):
+- `triton`: the FP8 kernel (`moe_jax.ops.gmm.triton.kernels.fp8_gmm_kernel`): e4m3 operands on
+  the tensor cores (Hopper's wgmma), each 128-wide K step summed from zero and promoted into an
+  fp32 accumulator with its scales, as the recipe prescribes. It needs e4m3 tensor cores (compute
+  capability >= 8.9) and jax_triton. Hopper's 8-bit MMA reads both operands K-major, so the
+  input-gradient orientation (`transpose_rhs=False`, contraction over the weights' N) runs on an
+  e4m3 copy of the weights transposed to `[E, K, N]` (a byte per weight; the 128 x 128 blocks and
+  their scales transpose with it).
+- `xla`, `pallas_triton`: the operands dequantized to fp32 and multiplied by `gmm` at
+  `Precision.HIGHEST` on that backend: `gmm_fp8_reference`'s value up to fp32 summation order,
+  slower than a bf16 `gmm`.
+- `auto`: `triton` where it runs, else `xla`.
+
+Contract as `gmm`'s: rows of group e are `lhs_e @ rhs[e]^T` (`transpose_rhs=True`) or
+`lhs_e @ rhs[e]` (False); empty groups are legal; rows past `sum(group_sizes)` are zero; under
+`jit` sizes are clamped as `gmm` documents. With `row_ids`, packed row i is source row
+`row_ids[i]` of `lhs` (values and scales; ids outside `[0, T)` read zeros): rows quantized once
+per token, read by every expert that token goes to.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from moe_jax.ops.fp8 import BLOCK, FP8_DTYPE, Fp8Rows, Fp8Weights, dequantize_rows, dequantize_weights
+from moe_jax.ops.gmm.api import as_primitive, check_group_sizes, check_row_ids, gmm
+from moe_jax.ops.gmm.tiles import TileConfig, fit_tiles
+from moe_jax.ops.gmm.triton.backend import BACKEND as TRITON
+from moe_jax.ops.gmm.triton.launch import fp8_gmm_triton
+from moe_jax.ops.gmm.triton.rules import fp8_gmm_tiles
+from moe_jax.ops.platform import device_facts
+from moe_jax.ops.sharding import replicate_explicit
+
+__all__ = ["FP8_GEMM_BACKENDS", "FP8_KERNEL_CAPABILITY", "fp8_backend", "fp8_tiles", "gmm_fp8"]
+
+FP8_GEMM_BACKENDS = ("auto", "triton", "xla", "pallas_triton")
+FP8_KERNEL_CAPABILITY = (8, 9)  # e4m3 tensor-core MMA: Ada and Hopper on
+
+
+def _kernel_unavailable() -> str | None:
+    """None where the FP8 kernel runs here, else why not."""
+    reason = TRITON.available()
+    if reason:
+        return reason
+    device = device_facts()
+    if device.capability is None or device.capability < FP8_KERNEL_CAPABILITY:
+        return (f"the FP8 kernel needs e4m3 tensor cores (compute capability >= 8.9); {device.kind} has "
+                f"{device.capability}")
+    return None
+
+
+def fp8_backend(backend: str) -> str:
+    """The backend that runs `gmm_fp8` for `backend`: `auto` is `triton` where the FP8 kernel runs,
+    else `xla`. ValueError for a name outside `FP8_GEMM_BACKENDS`, or `triton` where the kernel
+    cannot run (naming why)."""
+    if not isinstance(backend, str) or backend not in FP8_GEMM_BACKENDS:
+        raise ValueError(f"backend={backend!r}: the FP8 grouped GEMM runs on one of {FP8_GEMM_BACKENDS} (`triton` "
+                         "is its kernel; `xla` and `pallas_triton` multiply the dequantized operands in fp32).")
+    reason = _kernel_unavailable() if backend in ("auto", "triton") else None
+    if backend == "auto":
+        return "xla" if reason else "triton"
+    if reason:
+        raise ValueError(f"backend='triton': {reason}; pass backend='auto' (the reference path where the kernel "
+                         "cannot run) or 'xla'.")
+    return backend
+
+
+def fp8_tiles(m: int, n: int, k: int, num_groups: int, config: TileConfig | None = None) -> TileConfig:
+    """The FP8 kernel's tiles for `m` packed rows against `[num_groups, n, k]` weights: `config`, or
+    the rule (`fp8_gmm_tiles`), fitted to the device's shared memory (`tiles.fit_tiles`: a
+    `config` that does not fit is a ValueError naming the bytes)."""
+    if config is not None and not isinstance(config, TileConfig):
+        raise TypeError(f"config={config!r}: the FP8 kernel takes a TileConfig (block_k={BLOCK}) or None.")
+    if config is not None and config.block_k != BLOCK:
+        raise ValueError(f"config.block_k={config.block_k}: the FP8 kernel steps K one {BLOCK}-wide scale block at a "
+                         f"time; pass block_k={BLOCK}.")
+    tiles = config or fp8_gmm_tiles(m, n, k, num_groups)
+    fitted, _, _ = fit_tiles(tiles, wgrad=False, dtype=FP8_DTYPE, ieee_fp32=False, device=device_facts(),
+                             explicit=config is not None)
+    return fitted
+
+
+def _check_operands(lhs, rhs, transpose_rhs: bool, row_ids) -> tuple[int, int, int, int]:
+    if not isinstance(lhs, Fp8Rows):
+        raise TypeError(f"lhs: expected moe_jax.ops.fp8.Fp8Rows (quantize_rows), got {type(lhs).__name__}.")
+    if not isinstance(rhs, Fp8Weights):
+        raise TypeError(f"rhs: expected moe_jax.ops.fp8.Fp8Weights (quantize_weights), got {type(rhs).__name__}.")
+    for name, x, ndim in (("lhs.values_MK", lhs.values_MK, 2), ("rhs.values_ENK", rhs.values_ENK, 3)):
+        if x.dtype != FP8_DTYPE or x.ndim != ndim:
+            raise TypeError(f"{name}: expected {ndim}-D float8_e4m3fn, got {x.dtype} of shape {tuple(x.shape)}.")
+    for name, s in (("lhs.scale_MKb", lhs.scale_MKb), ("rhs.scale_ENbKb", rhs.scale_ENbKb)):
+        if s.dtype != jnp.float32:
+            raise TypeError(f"{name}: expected float32 scales, got {s.dtype}.")
+    rows, c = lhs.values_MK.shape
+    e, n, k = rhs.values_ENK.shape
+    contraction, out = (k, n) if transpose_rhs else (n, k)
+    if c != contraction:
+        raise ValueError(f"lhs has {c} columns but rhs {tuple(rhs.values_ENK.shape)} contracts over {contraction} "
+                         f"(transpose_rhs={transpose_rhs}); check transpose_rhs.")
+    blocks = -(-c // BLOCK)
+    if tuple(lhs.scale_MKb.shape) != (rows, blocks):
+        raise ValueError(f"lhs.scale_MKb: expected {(rows, blocks)} (one scale per 1 x {BLOCK} tile), got "
+                         f"{tuple(lhs.scale_MKb.shape)}.")
+    want = (e, -(-n // BLOCK), -(-k // BLOCK))
+    if tuple(rhs.scale_ENbKb.shape) != want:
+        raise ValueError(f"rhs.scale_ENbKb: expected {want} (one scale per {BLOCK} x {BLOCK} block), got "
+                         f"{tuple(rhs.scale_ENbKb.shape)}.")
+    if e == 0:
+        raise ValueError("rhs has zero groups (E=0); a grouped GEMM needs at least one group.")
+    m = rows
+    if row_ids is not None:
+        check_row_ids("row_ids", row_ids)
+        m = row_ids.shape[0]
+    return m, out, c, e
+
+
+def gmm_fp8(lhs: Fp8Rows, rhs: Fp8Weights, group_sizes: jax.Array, *, transpose_rhs: bool = True,
+            backend: str = "auto", config: TileConfig | None = None, out_dtype=jnp.float32,
+            row_ids: jax.Array | None = None) -> jax.Array:
+    """The recipe's grouped GEMM (module docstring): `[M, O]` of `out_dtype`.
+
+    Args:
+      lhs: `Fp8Rows` `[M, C]` (or `[T, C]` with `row_ids`) quantized per 1 x 128 tile of C.
+      rhs: `Fp8Weights` `[E, N, K]`: contracted over K (`transpose_rhs=True`, the forward, O = N)
+        or over N (False, the input gradient, O = K).
+      group_sizes: `[E]` integer rows per group.
+      backend: one of `FP8_GEMM_BACKENDS`.
+      config: the FP8 kernel's `TileConfig` (`block_k=128`), or None for its rule.
+      out_dtype: the output dtype (the fp32 accumulator is rounded once, at the store).
+      row_ids: optional int `[M]` source rows of `lhs`.
+    """
+    m, out, c, e = _check_operands(lhs, rhs, transpose_rhs, row_ids)
+    check_group_sizes(group_sizes, e, m, "rhs")
+    name = fp8_backend(backend)
+    out_dtype = jnp.dtype(out_dtype)
+    if name != "triton":
+        if config is not None:
+            raise ValueError(f"config={config!r} is the FP8 kernel's; backend {name!r} multiplies dequantized operands "
+                             "and takes none.")
+        return gmm(dequantize_rows(lhs), dequantize_weights(rhs), group_sizes, transpose_rhs=transpose_rhs,
+                   backend=name, precision=jax.lax.Precision.HIGHEST, preferred_element_type=out_dtype,
+                   row_ids=row_ids)
+    if m == 0 or out == 0 or c == 0 or lhs.values_MK.shape[0] == 0:
+        return jnp.zeros((m, out), out_dtype)
+    tiles = fp8_tiles(m, out, c, e, config)
+    if not transpose_rhs:
+        rhs = Fp8Weights(jnp.swapaxes(rhs.values_ENK, 1, 2), jnp.swapaxes(rhs.scale_ENbKb, 1, 2))
+    arrays = replicate_explicit(*lhs, *rhs, group_sizes, *(() if row_ids is None else (row_ids.astype(jnp.int32),)))
+
+    def impl(a, a_s, b, b_s, sizes, *ids):
+        return fp8_gmm_triton(Fp8Rows(a, a_s), Fp8Weights(b, b_s), sizes, tiles=tiles, out_dtype=out_dtype,
+                              row_ids=ids[0] if ids else None)
+
+    return as_primitive("gmm_fp8", impl, *arrays, differentiable="fp8_grouped_linear")
