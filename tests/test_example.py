@@ -137,16 +137,17 @@ def test_router_and_balance_choices_train(tmp_path, extra):
         np.testing.assert_allclose(record["loss"], record["ce"] + 1e-3 * record["layers"][0]["z"], rtol=1e-5)
 
 
-@pytest.mark.slow  # a whole EP run that recompiles after each rebalance
-def test_rebalance_every_moves_experts_between_steps(tmp_path, capsys):
-    """`--ep 2 --rebalance-every 2` on this process's 8 host devices: the placements are re-planned
-    after steps 2 and 4, training goes on (finite losses), and each record's per-rank rows follow the
-    placement the step ran (they add up to the layer's routes)."""
+@pytest.mark.slow  # a whole EP run that recompiles after each rebalance, in a subprocess
+def test_rebalance_every_moves_experts_between_steps(tmp_path):
+    """`--ep 2 --rebalance-every 2` on 2 host devices (a child process: on a one-GPU host this
+    process sees one device): the placements are re-planned after steps 2 and 4, training goes on
+    (finite losses), and each record's per-rank rows follow the placement the step ran (they add up
+    to the layer's routes)."""
     out = tmp_path / "run"
-    cli.main(TINY + ["--batch", "8", "--ep", "2", "--rebalance-every", "2", "--steps", "5", "--warmup", "1",
-                     "--eval-every", "5", "--no-plot", "--out", str(out)])
-    log = capsys.readouterr()
-    assert (log.out + log.err).count("rebalance: rank max/mean over the last 2 steps") == 2  # after steps 2 and 4
+    (output,) = _finish(_run_example(TINY + ["--batch", "8", "--ep", "2", "--rebalance-every", "2", "--steps", "5",
+                                             "--warmup", "1", "--eval-every", "5", "--no-plot", "--out", str(out)],
+                                     host_devices=2, log=tmp_path / "rebalance.log"))
+    assert output.count("rebalance: rank max/mean over the last 2 steps") == 2  # after steps 2 and 4
     history = _metrics(out)["history"]
     assert [r["step"] for r in history] == [1, 2, 3, 4, 5]
     for record in history:
