@@ -135,8 +135,9 @@ class Fp8Blockwise:
     (arXiv:2412.19437, section 3.3; `moe_jax.ops.fp8_grouped_linear`): rows quantized per 1 x 128
     tile, the master weights (in `param_dtype`, trainable as ever) quantized per 128 x 128 block in
     each call, gradients to them by the straight-through estimator. The router, combine, shared
-    experts and latent projections are unchanged. It runs the recipe on the reference path
-    (dequantized fp32 grouped GEMMs), which is slower than bf16; docs/fp8.md.
+    experts and latent projections are unchanged. On `auto` its products run the FP8 kernel where
+    the GPU has e4m3 tensor cores (about bf16's speed today), else the reference path (dequantized
+    fp32 grouped GEMMs, slower than bf16); docs/fp8.md.
 
     Needs `GemmOptions(backend=...)` of `moe_jax.ops.FP8_LINEAR_BACKENDS` and separate gate and up
     weights (`fused_gate_up=False`); the routed rows are packed first (`row_gather` is not used).
