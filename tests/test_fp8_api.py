@@ -13,9 +13,10 @@ import pytest
 
 from moe_jax.ops import TileConfig
 from moe_jax.ops.fp8 import Fp8Rows, Fp8Weights, quantize_rows, quantize_weights
-from moe_jax.ops.gmm.fp8_api import FP8_GEMM_BACKENDS, fp8_backend, fp8_tiles, gmm_fp8
+from moe_jax.ops import device_facts
+from moe_jax.ops.gmm.fp8_api import FP8_GEMM_BACKENDS, FP8_KERNEL_CAPABILITY, fp8_backend, fp8_tiles, gmm_fp8
 from moe_jax.ops.gmm.reference import gmm_fp8_reference
-from tests.helpers import ON_GPU
+from moe_jax.ops.gmm.triton.backend import BACKEND as TRITON
 
 TOL = dict(rtol=2e-5, atol=2e-5)
 
@@ -51,14 +52,26 @@ def test_row_ids_read_source_rows_and_out_of_range_ids_read_zeros():
     np.testing.assert_allclose(np.asarray(y, np.float32), gmm_fp8_reference(packed, wq, gs), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.skipif(ON_GPU, reason="the kernel runs on a GPU; this checks the CPU's choice")
-def test_auto_is_the_reference_path_without_the_kernel_and_triton_says_why():
-    assert fp8_backend("auto") == "xla"
-    with pytest.raises(ValueError, match="backend='triton'.*backend='auto'"):
-        fp8_backend("triton")
+def test_auto_takes_the_kernel_where_it_runs_and_triton_says_why_where_not():
+    """`auto` is the kernel on a GPU with e4m3 tensor cores and jax_triton (there the kernel equals
+    the recipe, its in-step sums on the tensor cores), else the reference path, where `triton` is a
+    ValueError naming why."""
+    capability = device_facts().capability
+    kernel_runs = TRITON.available() is None and capability is not None and capability >= FP8_KERNEL_CAPABILITY
     rows, wq = _operands()
-    with pytest.raises(ValueError, match="backend='triton'"):
-        gmm_fp8(rows, wq, jnp.array([10, 0, 25], jnp.int32), backend="triton")
+    gs = jnp.array([10, 0, 25], jnp.int32)
+    if not kernel_runs:
+        assert fp8_backend("auto") == "xla"
+        with pytest.raises(ValueError, match="backend='triton'.*backend='auto'"):
+            fp8_backend("triton")
+        with pytest.raises(ValueError, match="backend='triton'"):
+            gmm_fp8(rows, wq, gs, backend="triton")
+        return
+    assert fp8_backend("auto") == "triton"
+    np.testing.assert_allclose(gmm_fp8(rows, wq, gs), gmm_fp8_reference(rows, wq, gs), rtol=2e-3, atol=2e-3)
+    dy_rows = quantize_rows(jax.random.normal(jax.random.key(3), (40, 136), jnp.float32))
+    np.testing.assert_allclose(gmm_fp8(dy_rows, wq, gs, transpose_rhs=False),
+                               gmm_fp8_reference(dy_rows, wq, gs, transpose_rhs=False), rtol=2e-3, atol=2e-3)
 
 
 def test_tiles_step_k_by_the_scale_block_and_fit_the_device():
