@@ -67,7 +67,7 @@ def _time_jax(fn, args, reps):
 
 def _torch_fp8_rowwise(tx, tw):
     """Rowwise e4m3 operands for `torch._scaled_grouped_mm`: per-row scales of x `[M]` and per
-    output channel of each expert's weights `[E, N]` (torch's tensor-wise recipe on Hopper)."""
+    output channel of each expert's weights `[E, N]` (the rowwise scaling torch's FP8 grouped GEMM takes on Hopper)."""
     import torch
 
     fmax = torch.finfo(torch.float8_e4m3fn).max
