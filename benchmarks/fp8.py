@@ -32,10 +32,10 @@ from moe_jax.ops.gmm.fp8_api import fp8_tiles, gmm_fp8
 from moe_jax.ops.gmm.reference import gmm_fp8_reference
 
 VARIANTS = (  # tile candidates timed beside the rule's choice with --variants
+    TileConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3, group_m=8),
     TileConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4, group_m=8),
+    TileConfig(block_m=128, block_n=64, block_k=128, num_warps=4, num_stages=4, group_m=8),
     TileConfig(block_m=128, block_n=256, block_k=128, num_warps=8, num_stages=3, group_m=8),
-    TileConfig(block_m=128, block_n=128, block_k=128, num_warps=4, num_stages=5, group_m=8),
-    TileConfig(block_m=64, block_n=256, block_k=128, num_warps=8, num_stages=4, group_m=8),
 )
 
 

@@ -245,20 +245,25 @@ def _fp8(x, w, dtype=None):
 
 
 FP8_TILES = TileConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=2, group_m=3)
+# Columns spanning two weight blocks: the per-column scale vector instead of one scale per step.
+FP8_WIDE_TILES = TileConfig(block_m=16, block_n=256, block_k=128, num_warps=4, num_stages=2, group_m=1)
 
 
+@pytest.mark.parametrize("tiles", [FP8_TILES, FP8_WIDE_TILES], ids=["narrow", "wide"])
+@pytest.mark.parametrize("k", [200, 256], ids=["k-partial-block", "k-whole-blocks"])
 @pytest.mark.parametrize("sizes", _ragged_on_every_pin(SIZES[:3], ["ragged", "one-hot", "all-empty"]))
-def test_fp8_gmm_kernel_matches_the_recipe_and_writes_every_row(sizes):
-    """The FP8 kernel against the recipe's fp32 reference: K and N not multiples of the 128-wide
-    scale blocks nor N of the tile, empty groups, every row written (NaN-poisoned output), rows past
-    the groups zero."""
-    m, k, n = 70, 200, 150
+def test_fp8_gmm_kernel_matches_the_recipe_and_writes_every_row(sizes, k, tiles):
+    """The FP8 kernel against the recipe's fp32 reference: K a multiple of the 128-wide scale
+    blocks or not, N not a multiple of them nor of the tile, column tiles within one weight block
+    or across two, empty groups, every row written (NaN-poisoned output), rows past the groups
+    zero."""
+    m, n = 70, 150
     x, w = _inputs(3, m, k, n, len(sizes))
     x[5, :128] *= 300.0  # one tile far larger than its neighbours: its own scale, no effect on them
     rows, wq, args = _fp8(x, w)
     gs = np.asarray(sizes, np.int32)
     out = torch.full((m, n), float("nan"), device=DEVICE)
-    y = fp8_gmm_torch(*args, torch.from_numpy(gs).to(DEVICE), tiles=FP8_TILES, out=out)
+    y = fp8_gmm_torch(*args, torch.from_numpy(gs).to(DEVICE), tiles=tiles, out=out)
     want = gmm_fp8_reference(rows, wq, jnp.asarray(gs))
     assert_close(y.cpu().numpy(), want, jnp.float32, "fp8_gmm_kernel")
 

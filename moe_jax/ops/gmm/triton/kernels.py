@@ -236,21 +236,36 @@ def fp8_gmm_kernel(
     cols = n_blk * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     g = tl.minimum(group, E - 1).to(tl.int64)
-    b_group = b_ptr + g * N * K
+    steps = tl.arange(0, SCALE_BLOCK)
+    # Pointers of step 0, advanced by a constant per step; K's mask only where K has a partial block.
+    a_tile = a_ptr + src[:, None] * K + steps[None, :]
     a_scales = a_scale_ptr + src * K_BLOCKS
-    b_scales = b_scale_ptr + g * N_BLOCKS * K_BLOCKS + (cols // SCALE_BLOCK) * K_BLOCKS
+    b_tile = b_ptr + g * N * K + steps[:, None] + cols[None, :] * K
+    EVEN_K: tl.constexpr = K % SCALE_BLOCK == 0
+    # A column block within one 128-row weight block has one scale per step: a scalar, so the
+    # promotion multiplies the partial sum by a per-row vector only (no second tile of scales).
+    ONE_COLUMN_SCALE: tl.constexpr = SCALE_BLOCK % BLOCK_N == 0
+    if ONE_COLUMN_SCALE:
+        b_scales = b_scale_ptr + (g * N_BLOCKS + (n_blk * BLOCK_N) // SCALE_BLOCK) * K_BLOCKS
+    else:
+        b_scales = b_scale_ptr + g * N_BLOCKS * K_BLOCKS + (cols // SCALE_BLOCK) * K_BLOCKS
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if is_group:
         for kb in range(0, K_BLOCKS):
-            ks = kb * SCALE_BLOCK + tl.arange(0, SCALE_BLOCK)
-            k_ok = ks < K
-            a = tl.load(a_ptr + src[:, None] * K + ks[None, :], mask=read_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_group + ks[:, None] + cols[None, :] * K, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if EVEN_K:
+                a = tl.load(a_tile + kb * SCALE_BLOCK, mask=read_ok[:, None], other=0.0)
+                b = tl.load(b_tile + kb * SCALE_BLOCK, mask=col_ok[None, :], other=0.0)
+            else:
+                k_ok = kb * SCALE_BLOCK + steps < K
+                a = tl.load(a_tile + kb * SCALE_BLOCK, mask=read_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_tile + kb * SCALE_BLOCK, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             a_s = tl.load(a_scales + kb, mask=read_ok, other=0.0)
-            b_s = tl.load(b_scales + kb, mask=col_ok, other=0.0)
             if INTERPRET:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
-            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+            if ONE_COLUMN_SCALE:
+                acc += tl.dot(a, b) * (a_s * tl.load(b_scales + kb))[:, None]
+            else:
+                acc += tl.dot(a, b) * a_s[:, None] * tl.load(b_scales + kb, mask=col_ok, other=0.0)[None, :]
     tl.store(c_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], acc.to(c_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])

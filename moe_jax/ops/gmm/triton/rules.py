@@ -40,12 +40,12 @@ def tgmm_tiles(m: int, n: int, k: int, num_groups: int) -> TileConfig:
 
 def fp8_gmm_tiles(m: int, n: int, k: int, num_groups: int) -> TileConfig:
     """Tiles of the FP8 kernel (`fp8_gmm_kernel`) for `lhs[m, k] x rhs[num_groups, n, k]`: K steps
-    of one 128-wide scale block. Prefill takes 128 x 128 output tiles: the per-step promotion keeps
-    a second fp32 tile (the step's partial sum) live beside the accumulator, and at 128 x 256 the
-    two spill (half the rate, measured on an H200: docs/fp8.md)."""
+    of one 128-wide scale block. Beyond decode sizes, 64 x 128 output tiles on one warpgroup with a
+    4-deep pipeline: each step waits for its tensor-core sum before promoting it, so the SM's
+    overlap comes from two such programs resident at once (their registers and shared memory fit
+    twice); 128 x 128 on two warpgroups fits once and measured equal or slower, 128 x 256 spills
+    the promotion's second fp32 tile (H200 sweep: docs/fp8.md)."""
     rows = m / max(num_groups, 1)
     if rows <= 16:
         return TileConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, group_m=1)
-    if rows <= 64:
-        return TileConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=4, group_m=8)
-    return TileConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4, group_m=8)
+    return TileConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=4, group_m=8)
