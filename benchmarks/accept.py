@@ -227,9 +227,30 @@ def ncu_table(args) -> None:
 XLA_OUT_OF_MEMORY = r"RESOURCE_EXHAUSTED: Out of memory|NOT_FOUND: All configs failed during profiling"
 
 
+# The example runs of `accept-example` (benchmarks/gpu_run.sh): log suffix -> what it runs.
+EXAMPLE_RUNS = {"float32": "example with its defaults (fp32)", "bfloat16": "example, --dtype bfloat16",
+                "fp8": "example, --dtype bfloat16 --fp8 (routed experts in blockwise FP8)"}
+
+
+def loss_curves(bf16: dict, fp8: dict, every: int = 50) -> str:
+    """Markdown table of two example runs' `metrics.json` side by side: the training loss every
+    `every` steps and at the last step, then each validation loss, with FP8's difference."""
+    def by_step(records):
+        return {r["step"]: r["loss"] for r in records}
+
+    train_b, train_f = by_step(bf16["history"]), by_step(fp8["history"])
+    steps = sorted(s for s in train_b.keys() & train_f.keys() if s % every == 0 or s == max(train_b))
+    rows = [("train", s, train_b[s], train_f[s]) for s in steps]
+    val_b, val_f = by_step(bf16["val"]), by_step(fp8["val"])
+    rows += [("val", s, val_b[s], val_f[s]) for s in sorted(val_b.keys() & val_f.keys())]
+    out = ["| loss | step | bf16 | FP8 | FP8 - bf16 |", "|---|---|---|---|---|"]
+    out += [f"| {kind} | {s} | {b:.4f} | {f:.4f} | {f - b:+.4f} |" for kind, s, b, f in rows]
+    return "\n".join(out)
+
+
 def verdict(out: str) -> list[tuple[str, bool, str]]:
     """The green criteria of docs/acceptance.md, each `(check, passed, detail)`, from the logs under
-    `out`: no test failed; both example runs exit 0 with a falling loss; every layer cell of our
+    `out`: no test failed; the example runs (`EXAMPLE_RUNS`) exit 0 with a falling loss; every layer cell of our
     backends is ok or a ValueError, and every `xla` cell ok or XLA's out-of-memory; the model never
     below a compiled kernel (Triton's compiler, and Nsight Compute's reading of XLA's launches)."""
 
@@ -241,11 +262,11 @@ def verdict(out: str) -> list[tuple[str, bool, str]]:
     counts = {w: int(n) for n, w in re.findall(r"(\d+) (passed|failed|error|errors)\b", read("tests.log"))}
     checks.append(("tests and parity compiled", counts.get("passed", 0) > 0 and not counts.get("failed")
                    and not counts.get("error") and not counts.get("errors"), str(counts or "no result")))
-    for dt in ("float32", "bfloat16"):
-        log = read(f"example_{dt}.log")
+    for run in EXAMPLE_RUNS:
+        log = read(f"example_{run}.log")
         loss = re.findall(r"loss ([\d.]+) -> ([\d.]+)", log)
         falls = bool(loss) and float(loss[-1][1]) < float(loss[-1][0])
-        checks.append((f"example {dt}", "exit 0" in log and falls, f"loss {' -> '.join(loss[-1]) if loss else '?'}"))
+        checks.append((f"example {run}", "exit 0" in log and falls, f"loss {' -> '.join(loss[-1]) if loss else '?'}"))
     rows = json.loads(read("accept_layers.json") or "[]")
     bad = [r for r in rows if not (r["cell"] == "ok" or (r["backend"] != "xla" and r["cell"].startswith("ValueError"))
                                    or (r["backend"] == "xla" and re.search(XLA_OUT_OF_MEMORY, r["cell"])))]
@@ -279,10 +300,13 @@ def summary(args) -> None:
     lines += [f"Versions: {pip}", ""]
     last = [ln for ln in read("tests.log").splitlines() if re.search(r"\d+ (passed|failed)", ln)]
     lines += [f"- `pytest tests parity` compiled: {last[-1].strip('= ') if last else 'no result (see the log)'}"]
-    for name, title in (("example_float32.log", "example with its defaults (fp32)"),
-                        ("example_bfloat16.log", "example, --dtype bfloat16")):
-        tail = [ln for ln in read(name).splitlines() if ln.strip()][-3:]
+    for run, title in EXAMPLE_RUNS.items():
+        tail = [ln for ln in read(f"example_{run}.log").splitlines() if ln.strip()][-3:]
         lines += [f"- {title}:", "", "  ```", *("  " + ln for ln in tail), "  ```"]
+    curves = {run: json.loads(read(f"example_{run}.metrics.json") or "null") for run in ("bfloat16", "fp8")}
+    if all(curves.values()):
+        lines += ["", "The example in FP8 against bf16, same seed and batches (training loss, then validation):", "",
+                  loss_curves(curves["bfloat16"], curves["fp8"])]
     layers_json = os.path.join(out, "accept_layers.json")
     if os.path.exists(layers_json):
         lines += ["", "Layer forward+backward, every backend and dtype (relative error to the xla layer):", "",

@@ -10,8 +10,8 @@ from benchmarks import accept
 
 def _write_green(tmp_path):
     (tmp_path / "tests.log").write_text("....\n943 passed, 3 skipped, 2 warnings in 319.83s (0:05:19)\n")
-    for dt in ("float32", "bfloat16"):
-        (tmp_path / f"example_{dt}.log").write_text("done: steps 0..300 in 39.3 s | loss 5.645 -> 2.273 | val 2.3\nexit 0\n")
+    for run in accept.EXAMPLE_RUNS:
+        (tmp_path / f"example_{run}.log").write_text("done: steps 0..300 in 39.3 s | loss 5.645 -> 2.273 | val 2.3\nexit 0\n")
     rows = []
     for shape in accept.LAYER_SHAPES:
         for dtype in ("float32", "bfloat16"):
@@ -42,6 +42,7 @@ def test_a_complete_passing_run_is_green(tmp_path):
     ("tests", "tests and parity compiled"),
     ("example", "example float32"),
     ("loss", "example bfloat16"),
+    ("fp8", "example fp8"),
     ("ours-oom", "layer table"),
     ("xla-typeerror", "layer table"),
     ("missing-cell", "layer table"),
@@ -54,6 +55,8 @@ def test_each_failure_turns_the_run_red(tmp_path, breakage, check):
         (tmp_path / "tests.log").write_text("1 failed, 942 passed in 300s\n")
     elif breakage == "example":
         (tmp_path / "example_float32.log").write_text("Traceback ...\nexit 1\n")
+    elif breakage == "fp8":
+        (tmp_path / "example_fp8.log").unlink()
     elif breakage == "loss":
         (tmp_path / "example_bfloat16.log").write_text("done: loss 2.0 -> 5.6 | val 5\nexit 0\n")
     elif breakage in ("ours-oom", "xla-typeerror", "missing-cell"):
@@ -69,3 +72,27 @@ def test_each_failure_turns_the_run_red(tmp_path, breakage, check):
     else:
         (tmp_path / "accept_resources.json").write_text(json.dumps([]))
     assert _failed(tmp_path) == [check]
+
+
+def test_summary_sets_the_fp8_example_beside_bf16(tmp_path, capsys):
+    """The summary's FP8 training curve: both runs' losses at every 50th and the last step and each
+    validation loss, FP8's difference to bf16 signed; a run without its metrics leaves the table out."""
+    import argparse
+
+    _write_green(tmp_path)
+    (tmp_path / "accept_layers.json").unlink()  # the layer table is not this test's
+    for run, offset in (("bfloat16", 0.0), ("fp8", 0.01)):
+        metrics = dict(history=[dict(step=s, loss=5.0 - s / 100 + offset) for s in range(1, 121)],
+                       val=[dict(step=100, loss=4.1 + offset), dict(step=120, loss=3.9 + offset)])
+        (tmp_path / f"example_{run}.metrics.json").write_text(json.dumps(metrics))
+    accept.summary(argparse.Namespace(out=str(tmp_path), commit="abc1234"))
+    text = (tmp_path / "accept_summary.md").read_text()
+    assert "FP8 against bf16, same seed" in text
+    assert "| train | 50 | 4.5000 | 4.5100 | +0.0100 |" in text
+    assert "| train | 120 | 3.8000 | 3.8100 | +0.0100 |" in text
+    assert "| val | 100 | 4.1000 | 4.1100 | +0.0100 |" in text
+    assert "| train | 60 |" not in text
+    (tmp_path / "example_fp8.metrics.json").unlink()
+    accept.summary(argparse.Namespace(out=str(tmp_path), commit="abc1234"))
+    assert "FP8 against bf16" not in (tmp_path / "accept_summary.md").read_text()
+    capsys.readouterr()

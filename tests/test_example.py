@@ -122,8 +122,9 @@ def test_resume_continues_the_same_trajectory(tmp_path):
         ["--router", "selected_softmax", "--balance", "seq_aux", "--shared-experts", "1", "--no-tied-head"],
         ["--router", "sigmoid_grouped", "--n-group", "2", "--topk-group", "1", "--balance", "none",
          "--latent-dim", "16", "--dtype", "bfloat16", "--backend", "xla"],
+        ["--fp8", "--dtype", "bfloat16", "--shared-experts", "1"],
     ],
-    ids=["selected_softmax-seq_aux-shared-untied", "sigmoid_grouped-none-latent-bf16"],
+    ids=["selected_softmax-seq_aux-shared-untied", "sigmoid_grouped-none-latent-bf16", "fp8-bf16-shared"],
 )
 @pytest.mark.slow  # whole training runs; the one-step run below trains on every pin
 def test_router_and_balance_choices_train(tmp_path, extra):
@@ -177,6 +178,7 @@ def test_rebalance_every_moves_experts_between_steps(tmp_path):
         (["--ep", "2", "--rebalance-every", "2", "--resume"], "--rebalance-every cannot --resume"),
         (["--redundant-slots", "2"], "--redundant-slots needs --rebalance-every"),
         (["--ep-chunks", "2"], "--ep-chunks needs --ep"),
+        (["--fp8", "--backend", "mosaic_gpu"], "--fp8 runs the FP8 recipe's grouped GEMMs"),
         (["--data", "/nonexistent/corpus.txt"], "no such file"),
         (["--data", "/tmp"], "is a directory; pass one text file"),
     ],
@@ -195,7 +197,7 @@ def test_help_lists_every_option(capsys):
     text = capsys.readouterr().out
     for option in ("--steps", "--router", "--balance", "--ep-strategy", "--capacity-factor", "--resume",
                    "--distributed", "--host-devices", "--latent-dim", "--shared-experts", "--backend",
-                   "--rebalance-every", "--redundant-slots", "--ep-chunks"):
+                   "--rebalance-every", "--redundant-slots", "--ep-chunks", "--fp8"):
         assert option in text
 
 

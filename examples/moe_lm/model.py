@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moe_jax import routing
-from moe_jax.layers import GemmOptions, MoE, SharedExperts
+from moe_jax.layers import Fp8Blockwise, GemmOptions, MoE, SharedExperts
 from moe_jax.ops import BACKENDS as GEMM_BACKENDS
 from moe_jax.parallel import EPOptions
 
@@ -57,6 +57,7 @@ class ModelConfig:
     tied_head: bool = True
     dtype: str = "float32"
     backend: str = "auto"
+    fp8: bool = False
     ep_strategy: str = "padded"
     capacity_factor: float | None = None
     ep_chunks: int = 1
@@ -68,7 +69,7 @@ class ModelConfig:
             num_experts=args.experts, top_k=args.top_k, d_ff=args.d_ff,
             num_shared_experts=args.shared_experts, latent_dim=args.latent_dim, router=args.router,
             n_group=args.n_group, topk_group=args.topk_group, tied_head=args.tied_head,
-            dtype=args.dtype, backend=args.backend, ep_strategy=args.ep_strategy,
+            dtype=args.dtype, backend=args.backend, fp8=args.fp8, ep_strategy=args.ep_strategy,
             capacity_factor=args.capacity_factor, ep_chunks=args.ep_chunks,
         )
 
@@ -106,7 +107,8 @@ class Block(nnx.Module):
             cfg.d_model, cfg.d_ff, cfg.num_experts, cfg.top_k,
             router=make_router(cfg.router, cfg.top_k, cfg.n_group, cfg.topk_group),
             shared_experts=SharedExperts(cfg.num_shared_experts) if cfg.num_shared_experts else None,
-            latent_dim=cfg.latent_dim, dtype=dtype, gemm=GemmOptions(backend=cfg.backend), rngs=rngs, **ep_kwargs,
+            latent_dim=cfg.latent_dim, dtype=dtype, rngs=rngs, **ep_kwargs,
+            gemm=GemmOptions(backend=cfg.backend, quantization=Fp8Blockwise() if cfg.fp8 else None),
         )
 
     def __call__(self, x_BSD: jax.Array, return_routing: bool = False):
