@@ -11,7 +11,9 @@ Ours: `moe_jax.layers.MoE` (one variant per `--variants` entry: `auto` the defau
 `pallas_triton`; `static` that with `GemmOptions(kernel="static")`; `triton` all GEMMs on `triton`; `mosaic` all on
 `mosaic_gpu`; `mosaic-dgrad` / `mosaic-fwd-dgrad` the default's table (`moe_jax.ops.BackendTable`)
 with the prefill input gradient / forward and input gradient on `mosaic_gpu` where it takes the
-shapes; `fused` / `separate` the default with `row_gather` forced either way), the gradient of
+shapes; `fused` / `separate` the default with `row_gather` forced either way; `fp8` the routed
+experts in blockwise FP8 with trainable master weights, `GemmOptions(quantization=Fp8Blockwise())`,
+its error to the bf16 torch layer the recipe's quantization), the gradient of
 `sum(y**2)` with respect to the input and every parameter, jitted; device memory is the compiled
 step's footprint (`memory_analysis`: arguments + outputs + temporaries - aliased).
 Torch: the same weights and tokens through router (fp32 logits, softmax, top-k, renormalise), a
@@ -38,7 +40,7 @@ from flax import nnx
 
 from benchmarks.gmm import to_torch
 from benchmarks.timing import compile_jax, run_meta, time_compiled, time_torch
-from moe_jax.layers import GemmOptions, MoE
+from moe_jax.layers import Fp8Blockwise, GemmOptions, MoE
 from moe_jax.ops import H200_BACKENDS
 from moe_jax.routing import SoftmaxTopK
 
@@ -67,6 +69,7 @@ MOSAIC_FIRST = ("mosaic_gpu", "triton", "pallas_triton")  # Mosaic where it take
 VARIANTS = {"auto": dict(), "pallas": dict(backend="pallas_triton"), "static": dict(backend="pallas_triton", kernel="static"),
             "triton": dict(backend="triton"), "separate": dict(row_gather="separate"),
             "fused": dict(row_gather="fused"), "mosaic": dict(backend="mosaic_gpu"),
+            "fp8": dict(quantization=Fp8Blockwise()),
             "mosaic-dgrad": dict(backend=H200_BACKENDS.replace({("gmm_nn", "prefill"): MOSAIC_FIRST})),
             "mosaic-fwd-dgrad": dict(backend=H200_BACKENDS.replace({("gmm_nt", "prefill"): MOSAIC_FIRST,
                                                                     ("gmm_nn", "prefill"): MOSAIC_FIRST}))}

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_jax.ops import LinearPlan, RowGather, fp8_grouped_linear, gmm_reference, grouped_linear, plan_linear
+from moe_jax.ops.fp8 import Fp8Weights
 from moe_jax.ops.platform import BackendName
 from moe_jax.validation import check_int
 
@@ -214,17 +215,26 @@ def swiglu_experts_fused(
 def swiglu_experts_fp8(
     x_MD: jax.Array,
     group_sizes_E: jax.Array,
-    w_gate_EFD: jax.Array,
-    w_up_EFD: jax.Array,
-    w_down_EDF: jax.Array,
+    w_gate_EFD: jax.Array | Fp8Weights,
+    w_up_EFD: jax.Array | Fp8Weights,
+    w_down_EDF: jax.Array | Fp8Weights,
     *,
     backend: BackendName = "xla",
 ) -> jax.Array:
     """`swiglu_experts` with its three projections in DeepSeek-V3's blockwise FP8
-    (`moe_jax.ops.fp8_grouped_linear`: rows per 1 x 128 tile, master weights quantized per
-    128 x 128 block in each call, straight-through weight gradients), on packed rows `x_MD`;
-    `y_MD` in `x_MD.dtype`. The SwiGLU in between runs in fp32 as in `swiglu_experts`."""
-    _check_separate(x_MD, w_gate_EFD, w_up_EFD, w_down_EDF)
+    (`moe_jax.ops.fp8_grouped_linear`: rows per 1 x 128 tile), on packed rows `x_MD`; `y_MD` in
+    `x_MD.dtype`. The SwiGLU in between runs in fp32 as in `swiglu_experts`.
+
+    The weights are all master weights (bf16/fp16/fp32, quantized per 128 x 128 block in each call,
+    straight-through weight gradients) or all `moe_jax.ops.fp8.Fp8Weights` (e4m3 values with fp32
+    block scales, used as they are, no weight gradient); shapes as `swiglu_experts`' (the values'
+    for `Fp8Weights`)."""
+    weights = (w_gate_EFD, w_up_EFD, w_down_EDF)
+    stored = [isinstance(w, Fp8Weights) for w in weights]
+    if any(stored) and not all(stored):
+        raise TypeError("swiglu_experts_fp8: w_gate_EFD, w_up_EFD and w_down_EDF must be all master weights or all "
+                        f"Fp8Weights; got {', '.join(type(w).__name__ for w in weights)}.")
+    _check_separate(x_MD, *(w.values_ENK if s else w for w, s in zip(weights, stored)))
     gate_MF = fp8_grouped_linear(x_MD, w_gate_EFD, group_sizes_E, backend=backend)
     up_MF = fp8_grouped_linear(x_MD, w_up_EFD, group_sizes_E, backend=backend)
     return fp8_grouped_linear(_swiglu(gate_MF, up_MF), w_down_EDF, group_sizes_E, backend=backend)

@@ -23,10 +23,13 @@ examples:
   python -m parity --skew zipf --top-k 8 --experts 16 --dtype bfloat16
   python -m parity --shared-experts 2 --latent-dim 16 --router sigmoid_grouped
   python -m parity --ep-size 4            # our side on a 4-device mesh (CPU: forced host devices)
+  python -m parity --fp8 --d-model 160 --d-ff 136 --dtype bfloat16   # blockwise FP8 on both sides
   python -m parity --time --tokens 4096 --d-model 2048 --d-ff 768 --experts 128 --top-k 8 \\
       --dtype bfloat16 --json benchmarks/results/parity_timing.json   # GPU only
 
 thresholds (relative Frobenius error): float32 1e-5 (HIGHEST / TF32 off), bfloat16 1e-2;
+--fp8 layers 1e-3 in float32 and 1e-2 in bfloat16 (same e4m3 bits on both sides), and their fp8_vs_unquantized.*
+rows (our FP8 layer against the unquantized one: what FP8 gives up) within 0.125;
 router comparisons are fp32 on both sides (1e-5), the router's choice must match exactly.
 """
 
@@ -49,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shared-experts", type=int, default=0, help="shared experts (SwiGLU of width F * n)")
     p.add_argument("--latent-dim", type=int, default=None, help="LatentMoE width of the routed experts")
     p.add_argument("--fused-gate-up", action="store_true", help="fused w_gate_up [E, 2F, Din] on both sides")
+    p.add_argument("--fp8", action="store_true",
+                   help="routed experts in DeepSeek-V3's blockwise FP8 on both sides (not with --fused-gate-up "
+                        "or --time)")
     p.add_argument("--backend", choices=BACKENDS, default="auto", help="moe_jax GEMM backend (default auto)")
     p.add_argument("--ep-size", type=int, default=1, help="expert-parallel devices of our side (default 1)")
     p.add_argument("--ep-strategy", choices=EP_STRATEGIES, default="padded", help="EP exchange (ragged: GPU only)")
@@ -89,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             tokens=args.tokens, d_model=args.d_model, d_ff=args.d_ff, num_experts=args.experts,
             top_k=args.top_k, dtype=args.dtype, skew=args.skew, router=args.router,
             shared_experts=args.shared_experts, latent_dim=args.latent_dim,
-            fused_gate_up=args.fused_gate_up, backend=args.backend, ep_size=args.ep_size,
+            fused_gate_up=args.fused_gate_up, fp8=args.fp8, backend=args.backend, ep_size=args.ep_size,
             ep_strategy=args.ep_strategy, seed=args.seed,
         )
     except (TypeError, ValueError) as exc:

@@ -2,7 +2,10 @@
 
 `compare_tensor` measures the max abs error and the relative Frobenius error
 `||ours - ref|| / ||ref||` of one tensor (integer tensors exactly); `compare_sides` does so for
-every `layer_tensor_names(config)` entry against the dtype's threshold (`THRESHOLDS`).
+every `layer_tensor_names(config)` entry against the configuration's threshold
+(`layer_threshold`: the dtype's, `THRESHOLDS`, no tighter than `fp8_products_threshold` for an FP8
+layer: `FP8_THRESHOLD`, or `FP8_KERNEL_THRESHOLD` where our FP8 products run on the FP8 kernel).
+`compare_quantized` measures what FP8 gives up: our FP8 layer against the unquantized layer.
 `format_table(report)` prints a `ParityReport`; `check(report)` raises `AssertionError` naming
 every failing tensor, the configuration and the error figures.
 """
@@ -15,6 +18,7 @@ import math
 import jax
 import torch
 
+from moe_jax.ops.gmm.fp8_api import fp8_backend
 from moe_jax.testing import rel_err, tolerance
 from parity.config import ParityConfig
 from parity.problem import layer_tensor_names
@@ -23,6 +27,35 @@ from parity.problem import layer_tensor_names
 THRESHOLDS = {name: tolerance(name) for name in ("float32", "bfloat16")}
 # Router math is fp32 on both sides whatever the layer's dtype.
 ROUTER_THRESHOLD = THRESHOLDS["float32"]
+# FP8 layers (`ParityConfig.fp8`), either dtype. Both sides quantize the same values to the same
+# e4m3 values and scales, bit for bit (parity/tests/test_parity_fp8.py); the products then differ
+# only by fp32 summation order (and, in bf16, by the roundings of the outputs that order moves).
+# Where such a difference moves a value that is quantized next (the SwiGLU output, the upstream
+# gradient of a projection) across an e4m3 rounding boundary, that element moves by a whole e4m3
+# step (2^-4 to 2^-3 relative), so the tensors downstream differ by more than fp32 noise: measured
+# up to 9e-5 (CPU, dims 136-264; 2e-7 where nothing flips). 1e-3 leaves 10x for larger shapes and
+# other summation orders (the FP8 kernel's) and stays 10x below the smallest deviation from the
+# recipe we measured (a scale differing in its last bit: 1.6e-2 in bf16) and 60x below the
+# quantization error itself (`FP8_QUANTIZATION_BOUND`). A bf16 FP8 layer is held to bf16's 1e-2
+# (`layer_threshold`): its unquantized parts (shared experts, latent projections) differ as any bf16
+# layer's do (measured 4e-3); its routed tensors alone stay within 1e-3 (test_parity_fp8.py).
+FP8_THRESHOLD = 1e-3
+# Where our side runs the FP8 products on the FP8 kernel (a GPU with e4m3 tensor cores, `auto` or
+# `triton`), the tensor cores sum each 128-wide step with fewer bits than fp32 (about 14 on Hopper:
+# DeepSeek-V3 report, section 3.3.2, the reason the recipe promotes every 128), so each step's sum
+# differs from the reference's fp32 sum by about 1e-4 relative, and the next quantization flips
+# the e4m3 rounding of a fraction of order 1e-3 of its elements, each by a whole e4m3 step: of
+# order 3e-3 downstream. 1e-2 holds that with room and stays 5x below what FP8 gives up.
+FP8_KERNEL_THRESHOLD = 1e-2
+# Our FP8 layer against the unquantized layer of the same dtype (what FP8 gives up): measured
+# 4.8e-2 to 6.9e-2 at dims 136-264 in fp32 and bf16 (e4m3's 3 mantissa bits on both operands of
+# three chained products). Not a parity threshold but a sanity bound: one e4m3 step, 2^-3; a
+# misplaced scale or block gives errors of order 1. `FP8_QUANTIZATION_FLOOR` is the other side:
+# below it the layer did not quantize.
+FP8_QUANTIZATION_BOUND = 2.0**-3
+FP8_QUANTIZATION_FLOOR = 1e-2
+# Prefix of the tensors of `compare_quantized`.
+QUANTIZATION_PREFIX = "fp8_vs_unquantized."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +80,7 @@ class Comparison:
     def summary(self) -> str:
         return (
             f"{self.tensor} {list(self.shape)}: rel Frobenius error {self.rel_fro:.3e} "
-            f"(threshold {self.threshold:.0e}), max abs error {self.max_abs:.3e}"
+            f"(threshold {self.threshold:.3g}), max abs error {self.max_abs:.3e}"
         )
 
 
@@ -110,9 +143,30 @@ def compare_tensor(name: str, ours, reference: torch.Tensor, threshold: float) -
     return Comparison(name, shape, float((a - b).abs().max()), rel_err(a.numpy(), b.numpy()), threshold)
 
 
+def fp8_products_threshold(config: ParityConfig) -> float:
+    """The relative Frobenius error allowed for what the routed experts' FP8 products alone move:
+    `FP8_KERNEL_THRESHOLD` where our side runs them on the FP8 kernel here (`config.backend`
+    resolved by `moe_jax.ops.gmm.fp8_api.fp8_backend`), else `FP8_THRESHOLD` (the reference path:
+    fp32 products, as the torch side's)."""
+    if config.backend in ("auto", "triton"):
+        try:
+            kernel = fp8_backend(config.backend) == "triton"
+        except ValueError:  # `triton` where the kernel cannot run: the layer raises that itself
+            kernel = False
+        if kernel:
+            return FP8_KERNEL_THRESHOLD
+    return FP8_THRESHOLD
+
+
+def layer_threshold(config: ParityConfig) -> float:
+    """The relative Frobenius error allowed between the two layers of `config`: the dtype's
+    (`THRESHOLDS`), no tighter than `fp8_products_threshold` for an FP8 layer."""
+    return max(fp8_products_threshold(config), THRESHOLDS[config.dtype]) if config.fp8 else THRESHOLDS[config.dtype]
+
+
 def compare_sides(config: ParityConfig, ours: dict, reference: dict[str, torch.Tensor]) -> ParityReport:
     """Compare every `layer_tensor_names(config)` entry of the two sides."""
-    threshold = THRESHOLDS[config.dtype]
+    threshold = layer_threshold(config)
     comparisons = []
     for name in layer_tensor_names(config):
         for side, values in (("our", ours), ("reference", reference)):
@@ -122,13 +176,28 @@ def compare_sides(config: ParityConfig, ours: dict, reference: dict[str, torch.T
     return ParityReport(config, tuple(comparisons))
 
 
+def compare_quantized(config: ParityConfig, ours: dict, unquantized: dict) -> ParityReport:
+    """What FP8 gives up: our FP8 layer's `layer_tensor_names(config)` against the unquantized
+    layer's (same problem, same dtype; jax arrays or torch tensors), as
+    `fp8_vs_unquantized.<tensor>`, each held to `FP8_QUANTIZATION_BOUND`. ValueError unless
+    `config.fp8`."""
+    if not config.fp8:
+        raise ValueError(f"config: compare_quantized measures an FP8 layer; got fp8=False ({config.describe()}).")
+    cpu = torch.device("cpu")
+    return ParityReport(config, tuple(
+        compare_tensor(QUANTIZATION_PREFIX + name, ours[name], _as_torch(unquantized[name], cpu),
+                       FP8_QUANTIZATION_BOUND)
+        for name in layer_tensor_names(config)
+    ))
+
+
 def format_table(report: ParityReport) -> str:
     """A fixed-width table of the report, headed by the configuration."""
     rows = [("tensor", "shape", "max abs err", "rel Frobenius", "threshold", "status")]
     for c in report.comparisons:
         rows.append((
             c.tensor, "x".join(map(str, c.shape)) or "scalar", f"{c.max_abs:.3e}", f"{c.rel_fro:.3e}",
-            f"{c.threshold:.0e}", "ok" if c.passed else "FAIL",
+            f"{c.threshold:.3g}", "ok" if c.passed else "FAIL",
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [f"parity: {report.config.describe()}"]

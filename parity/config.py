@@ -36,6 +36,9 @@ class ParityConfig:
       "sigmoid_grouped" (DeepSeek-V3: groups, normalised, scaled by 2.5).
     shared_experts: number of shared experts; they form one SwiGLU of width d_ff * shared_experts.
     latent_dim: LatentMoE width of the routed experts (None: they work at d_model).
+    fp8: the routed experts' three projections in DeepSeek-V3's blockwise FP8 on both sides (ours:
+      `GemmOptions(quantization=Fp8Blockwise())`; the reference: `parity.reference.fp8`); needs
+      `fused_gate_up=False`. Compared at `parity.compare.layer_threshold`.
     backend: `moe_jax` GEMM backend of our side ("auto": Pallas/Triton on GPU, XLA elsewhere).
     ep_size: expert-parallel size of our side: >1 runs the layer on a `("data", "ep")` mesh of
       ep_size devices (data=1; host CPUs when the GPUs are too few, see `parity.ours.ep_mesh`),
@@ -55,6 +58,7 @@ class ParityConfig:
     shared_experts: int = 0
     latent_dim: int | None = None
     fused_gate_up: bool = False
+    fp8: bool = False
     backend: str = "auto"
     ep_size: int = 1
     ep_strategy: str = "padded"
@@ -72,8 +76,14 @@ class ParityConfig:
         _check_choice("router", self.router, ROUTERS)
         _check_choice("backend", self.backend, BACKENDS)
         _check_choice("ep_strategy", self.ep_strategy, EP_STRATEGIES)
-        if not isinstance(self.fused_gate_up, bool):
-            raise TypeError(f"fused_gate_up={self.fused_gate_up!r}: must be a bool.")
+        for name in ("fused_gate_up", "fp8"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}={getattr(self, name)!r}: must be a bool.")
+        if self.fp8 and self.fused_gate_up:
+            raise ValueError(
+                "fp8=True needs fused_gate_up=False: the FP8 recipe quantizes the gate and up weights in "
+                "their own 128 x 128 blocks (moe_jax's Fp8Blockwise takes separate weights only)."
+            )
         if self.top_k > self.num_experts:
             raise ValueError(
                 f"top_k={self.top_k} exceeds num_experts={self.num_experts}; choose top_k <= num_experts."
@@ -112,6 +122,8 @@ class ParityConfig:
             parts.append(f"latent={self.latent_dim}")
         if self.fused_gate_up:
             parts.append("fused_gate_up")
+        if self.fp8:
+            parts.append("fp8")
         if self.ep_size > 1:
             parts.append(f"ep={self.ep_size}/{self.ep_strategy}")
         parts += [f"backend={self.backend}", f"seed={self.seed}"]

@@ -12,7 +12,7 @@ This module is the public entry: it runs the comparisons (`compare_layer`, `comp
 - `parity.ours`: the `moe_jax` side (layer construction, state loading, step, router).
 - `parity.theirs`: the torch/Triton reference side (graph, step, router).
 - `parity.compare`: `Comparison`, `ParityReport`, `compare_tensor`, `compare_sides`,
-  `format_table`, `check`.
+  `compare_quantized`, `format_table`, `check`.
 
 Flow:
 
@@ -36,6 +36,16 @@ Flow:
 4. `format_table(report)` prints it; `check(report)` raises `AssertionError` naming every failing
    tensor, the configuration and the error figures.
 
+FP8 (`ParityConfig(fp8=True)`): our layer runs `GemmOptions(quantization=Fp8Blockwise())`, the
+reference `parity.reference.fp8` (DeepSeek-V3's blockwise recipe written again in torch, with its
+straight-through backward), on the same routing; the layers are held to `layer_threshold` (both
+sides quantize to the same e4m3 bits; `FP8_THRESHOLD`, or `FP8_KERNEL_THRESHOLD` where our FP8
+products run on the FP8 kernel, whose tensor-core step sums carry fewer bits than fp32; see
+`parity.compare`). `compare_quantization` (and
+`run_parity` for an FP8 configuration) also reports what FP8 gives up: our FP8 layer against our
+unquantized layer (at parity with the reference's by the unquantized cases),
+`fp8_vs_unquantized.<tensor>`, within `FP8_QUANTIZATION_BOUND`.
+
 Precision: fp32 runs with full-precision products on both sides (jax `Precision.HIGHEST` passed
 to the layer; torch under `precise_matmuls`, TF32 off, and the reference's Triton kernels use IEEE
 products). bf16 runs the layer in bf16 (params and activations; products accumulate in fp32 on
@@ -48,15 +58,25 @@ with `ep_size > 1` on ep_size of its devices, else on the host's CPU devices (`e
 
 from __future__ import annotations
 
+import dataclasses
+
 from parity.compare import (
+    FP8_QUANTIZATION_BOUND,
+    FP8_QUANTIZATION_FLOOR,
+    FP8_KERNEL_THRESHOLD,
+    FP8_THRESHOLD,
+    QUANTIZATION_PREFIX,
     ROUTER_THRESHOLD,
     THRESHOLDS,
     Comparison,
     ParityReport,
     check,
+    compare_quantized,
     compare_sides,
     compare_tensor,
     format_table,
+    fp8_products_threshold,
+    layer_threshold,
 )
 from parity.config import (
     BACKENDS,
@@ -117,10 +137,12 @@ __all__ = [
     "ReferenceOperands", "precise_matmuls", "reference_forward", "reference_operands",
     "reference_step", "run_reference", "run_router_reference", "torch_device", "torch_route",
     # parity.compare
-    "ROUTER_THRESHOLD", "THRESHOLDS", "Comparison", "ParityReport", "check", "compare_sides",
-    "compare_tensor", "format_table",
+    "FP8_KERNEL_THRESHOLD", "FP8_QUANTIZATION_BOUND", "FP8_QUANTIZATION_FLOOR", "FP8_THRESHOLD",
+    "QUANTIZATION_PREFIX", "ROUTER_THRESHOLD", "THRESHOLDS", "Comparison", "ParityReport", "check",
+    "compare_quantized", "compare_sides", "compare_tensor", "format_table", "fp8_products_threshold",
+    "layer_threshold",
     # this module
-    "compare_layer", "compare_routers", "run_parity",
+    "compare_layer", "compare_quantization", "compare_routers", "run_parity",
 ]
 
 
@@ -146,7 +168,25 @@ def compare_routers(config: ParityConfig, problem: ParityProblem | None = None) 
     )
 
 
+def _unquantized(config: ParityConfig) -> ParityConfig:
+    return dataclasses.replace(config, fp8=False)
+
+
+def compare_quantization(config: ParityConfig, problem: ParityProblem | None = None) -> ParityReport:
+    """What FP8 gives up: our FP8 layer against our unquantized layer of the same dtype on the same
+    problem (`compare_quantized`). ValueError unless `config.fp8`."""
+    if not config.fp8:
+        raise ValueError(f"config: compare_quantization measures an FP8 layer; got fp8=False ({config.describe()}).")
+    problem = problem if problem is not None else build_problem(config)
+    return compare_quantized(config, run_ours(config, problem), run_ours(_unquantized(config), problem))
+
+
 def run_parity(config: ParityConfig) -> ParityReport:
-    """The full comparison of `config`: layer (injected routing) then router (same logits)."""
+    """The full comparison of `config`: layer (injected routing), for an FP8 layer also what FP8
+    gives up (`compare_quantized`, on the same run of our layer), then router (same logits)."""
     problem = build_problem(config)
-    return compare_layer(config, problem) + compare_routers(config, problem)
+    ours = run_ours(config, problem)
+    report = compare_sides(config, ours, run_reference(config, problem))
+    if config.fp8:
+        report += compare_quantized(config, ours, run_ours(_unquantized(config), problem))
+    return report + compare_routers(config, problem)

@@ -10,7 +10,9 @@ every parameter; with `ep_size > 1` the layer runs expert-parallel on a mesh (`e
 `run_router_ours` runs the configuration's `moe_jax.routing` router on the problem's logits.
 
 Precision: fp32 runs with `Precision.HIGHEST` passed to the layer; bf16 runs the layer in bf16
-(params and activations). jax runs on its default device, or on the mesh `ep_mesh` picks.
+(params and activations). With `config.fp8` the routed experts run DeepSeek-V3's blockwise FP8
+(`GemmOptions(quantization=Fp8Blockwise())`). jax runs on its default device, or on the mesh
+`ep_mesh` picks.
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ def make_layer(config: ParityConfig, params: dict[str, np.ndarray]):
     Built abstractly (`nnx.eval_shape`): the random initialisation it skips would be overwritten
     anyway, and eagerly it costs seconds per layer on CPU.
     """
-    from moe_jax.layers import EPOptions, GemmOptions, MoE, SharedExperts
+    from moe_jax.layers import EPOptions, Fp8Blockwise, GemmOptions, MoE, SharedExperts
 
     dtype = jnp.dtype(config.dtype)
     mesh = ep_mesh(config)
@@ -107,7 +109,8 @@ def make_layer(config: ParityConfig, params: dict[str, np.ndarray]):
         latent_dim=config.latent_dim,
         dtype=dtype,
         param_dtype=dtype,
-        gemm=GemmOptions(backend=config.backend, precision=jax_precision(config), fused_gate_up=config.fused_gate_up),
+        gemm=GemmOptions(backend=config.backend, precision=jax_precision(config), fused_gate_up=config.fused_gate_up,
+                         quantization=Fp8Blockwise() if config.fp8 else None),
         mesh=mesh,
         expert_parallel=EPOptions(strategy=config.ep_strategy),
         rngs=nnx.Rngs(config.seed),

@@ -70,6 +70,7 @@ def reference_forward(
     """The layer's forward in torch: `y[T, D]` (differentiable by autograd).
 
     latent: x_l = x W_latent_down^T; routed experts at width Din; y_routed = r W_latent_up^T.
+    fp8: the routed experts' projections run `parity.reference.fp8.fp8_grouped_linear`.
     shared: y += (silu(x Ws_gate^T) * (x Ws_up^T)) Ws_down^T, nonlinearity in fp32 like the
     reference's `swiglu`.
     """
@@ -77,7 +78,9 @@ def reference_forward(
     if config.fused_gate_up:
         r_TD = ref.moe_experts_autograd_fused(h_TD, expert_idx_TK, weights_TK, p["w_gate_up"], p["w_down"])
     else:
-        r_TD = ref.moe_experts_autograd(h_TD, expert_idx_TK, weights_TK, p["w_gate"], p["w_up"], p["w_down"])
+        linear = ref.fp8_grouped_linear if config.fp8 else ref.grouped_linear
+        r_TD = ref.moe_experts_autograd(h_TD, expert_idx_TK, weights_TK, p["w_gate"], p["w_up"], p["w_down"],
+                                        linear=linear)
     y_TD = r_TD if config.latent_dim is None else r_TD @ p["w_latent_up"].T
     if config.shared_experts:
         hidden = ref.swiglu(x_TD @ p["shared.w_gate"].T, x_TD @ p["shared.w_up"].T)

@@ -126,8 +126,14 @@ def time_layers(config: ParityConfig, *, warmup: int = 3, iters: int = 20) -> Ti
     """Median forward+backward step time of the torch reference and of our layer on `config`.
 
     GPU only: raises RuntimeError unless both torch and jax see a CUDA GPU, and ValueError when
-    `config.ep_size > 1` and jax's default backend has fewer than ep_size devices.
+    `config.ep_size > 1` and jax's default backend has fewer than ep_size devices, or for
+    `config.fp8` (the torch FP8 reference is an fp32 oracle, no peer to time against).
     """
+    if config.fp8:
+        raise ValueError(
+            "config.fp8: the torch FP8 reference (parity.reference.fp8) is an fp32 oracle looping over experts "
+            "and 128-wide steps, not a peer to time against; time the FP8 GEMMs and linear layer with python -m benchmarks.fp8."
+        )
     if not gpu_available():
         raise RuntimeError(
             "timing needs a CUDA GPU visible to both torch and jax (torch.cuda.is_available()="

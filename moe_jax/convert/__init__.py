@@ -12,17 +12,32 @@ converted (not attention, norms or embeddings). See docs/convert.md for the name
     from_checkpoint(path, layers=None, **layer_kwargs) -> {layer: MoE}
     to_state_dict(moe, hf_config, prefix=..., layout="fused" | "per_expert") -> {name: np.ndarray}
     block_prefix(hf_config, layer, layout=...) -> "model.layers.{layer}.mlp."
+    fp8_quantization(hf_config) -> dict | None      # the blockwise FP8 quantization_config, or None
+
+Blockwise FP8 checkpoints (`quantization_config` = `FP8_QUANTIZATION_CONFIG`: DeepSeek-V3/R1, the
+Qwen3 FP8 releases) are read and written with their e4m3 weights and fp32 `weight_scale_inv` block
+scales; the routed experts go into stored FP8 weights (`Fp8Blockwise(weights="stored")`) bit for
+bit. See docs/fp8.md ("Checkpoints").
 
 This package reads torch tensors when handed them but never imports torch or transformers.
 """
 
 from moe_jax.convert.checkpoint import from_checkpoint, read_config
 from moe_jax.convert.hf import from_hf, from_state_dict, to_state_dict
-from moe_jax.convert.specs import SUPPORTED_MODEL_TYPES, block_prefix, moe_config, moe_layers
+from moe_jax.convert.specs import (
+    FP8_QUANTIZATION_CONFIG,
+    SUPPORTED_MODEL_TYPES,
+    block_prefix,
+    fp8_quantization,
+    moe_config,
+    moe_layers,
+)
 
 __all__ = [
+    "FP8_QUANTIZATION_CONFIG",
     "SUPPORTED_MODEL_TYPES",
     "block_prefix",
+    "fp8_quantization",
     "from_checkpoint",
     "from_hf",
     "from_state_dict",

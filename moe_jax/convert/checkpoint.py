@@ -3,16 +3,22 @@
 Reads `config.json`, then only the requested MoE blocks' tensors: through
 `model.safetensors.index.json` (name -> shard) when the checkpoint is sharded, else from
 `model.safetensors`. Tensors are memory-mapped by `safetensors` and read one block at a time, so
-host memory holds one layer's weights at once, not the model's.
+host memory holds one layer's weights at once, not the model's. FP8 tensors (`F8_E4M3`,
+`F8_E5M2`), which safetensors' NumPy reader cannot type, are read from the file's bytes as
+`jnp.float8_e4m3fn` / `jnp.float8_e5m2` (the safetensors format: an 8-byte little-endian header
+length, a JSON header of dtype, shape and byte offsets, then the data).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import struct
 from collections import defaultdict
 from collections.abc import Iterable
 
+import jax.numpy as jnp
+import numpy as np
 from safetensors import safe_open
 
 from moe_jax.convert import hf, specs
@@ -23,6 +29,7 @@ __all__ = ["from_checkpoint", "read_config"]
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
+_FLOAT8 = {"F8_E4M3": jnp.float8_e4m3fn, "F8_E5M2": jnp.float8_e5m2}
 
 
 def read_config(path: str | os.PathLike) -> dict:
@@ -64,16 +71,32 @@ def _block_names(weight_map: dict[str, str], spec: specs.ModelSpec, hf_config: d
                      f"its tensors of that layer: {specs.listing(near)}.")
 
 
+def _header(file: str) -> tuple[dict, int]:
+    """A safetensors file's header (name -> dtype, shape, data_offsets) and where its data start."""
+    with open(file, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(size)), 8 + size
+
+
 def _read(weight_map: dict[str, str], names: list[str]) -> dict:
-    """The tensors `names` as NumPy arrays (bfloat16 as `jnp.bfloat16`), opening each shard once."""
+    """The tensors `names` as NumPy arrays (bfloat16 as `jnp.bfloat16`, FP8 as `jnp.float8_e4m3fn`
+    or `jnp.float8_e5m2`), opening each shard once."""
     by_file: dict[str, list[str]] = defaultdict(list)
     for name in names:
         by_file[weight_map[name]].append(name)
     out = {}
     for file, file_names in by_file.items():
+        header, data = _header(file)
+        fp8 = [n for n in file_names if header[n]["dtype"] in _FLOAT8]
+        for name in fp8:
+            entry = header[name]
+            start, _ = entry["data_offsets"]
+            out[name] = np.array(np.memmap(file, dtype=_FLOAT8[entry["dtype"]], mode="r", offset=data + start,
+                                           shape=tuple(entry["shape"])))
         with safe_open(file, framework="numpy") as f:
             for name in file_names:
-                out[name] = f.get_tensor(name)
+                if name not in out:
+                    out[name] = f.get_tensor(name)
     return out
 
 

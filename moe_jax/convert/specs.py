@@ -16,11 +16,17 @@ relative to the MoE block (`model.layers.{i}.mlp.` in memory):
   block under `block_sparse_moe.` instead of `mlp.`.
 
 Both layouts are torch `[out, in]`, like moe_jax's, so converting never transposes.
+
+Hugging Face's blockwise FP8 checkpoints (`quantization_config` of `quant_method="fp8"`, read by
+transformers' FineGrainedFP8 quantizer: DeepSeek-V3/R1, the Qwen3 FP8 releases) store a linear
+layer's `weight` in e4m3 next to `weight_scale_inv`, the fp32 multiplier of each 128 x 128 block
+(`fp8_quantization` checks the config; `scale_name` names the scale).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -36,9 +42,13 @@ __all__ = [
     "block_prefix",
     "check_layout",
     "listing",
+    "FP8_QUANTIZATION_CONFIG",
     "config_dict",
+    "converts_to_fp8",
+    "fp8_quantization",
     "moe_config",
     "moe_layers",
+    "scale_name",
     "spec_for",
 ]
 
@@ -71,6 +81,13 @@ class BlockNames:
         if self.shared is None:
             return None
         return tuple(f"{self.shared}{p}_proj.weight" for p in ("gate", "up", "down"))
+
+    def linear_weights(self) -> tuple[str, ...]:
+        """The block's weights that transformers holds in `nn.Linear` modules besides the routed
+        experts (the shared expert's projections, Qwen2-MoE's shared-expert gate): FP8 in a
+        blockwise-FP8 checkpoint unless its `modules_to_not_convert` names them. The routers are
+        modules of their own, never quantized."""
+        return (self.shared_names() or ()) + ((self.shared_gate,) if self.shared_gate else ())
 
     def modules(self) -> tuple[str, ...]:
         """Prefixes of every tensor this block owns: a name under one of them that is not
@@ -271,18 +288,70 @@ SUPPORTED_MODEL_TYPES = tuple(SPECS)
 
 def spec_for(hf_config) -> tuple[ModelSpec, dict]:
     """`(spec, config dict)` for a supported config; ValueError naming the supported model types,
-    or the field, for anything else."""
+    or the field, for anything else (a `quantization_config` other than blockwise FP8 included)."""
     cfg = config_dict(hf_config)
     model_type = cfg.get("model_type")
     if model_type not in SPECS:
         raise ValueError(f"unsupported model_type {model_type!r}: moe_jax.convert supports "
                          f"{', '.join(SUPPORTED_MODEL_TYPES)}.")
-    if cfg.get("quantization_config"):
-        method = cfg["quantization_config"].get("quant_method", "?") if isinstance(
-            cfg["quantization_config"], Mapping) else "?"
-        raise ValueError(f"{model_type} config has a quantization_config (quant_method={method!r}): quantized "
-                         "checkpoints are not supported; convert an unquantized (bf16/fp32) checkpoint.")
+    fp8_quantization(cfg)
     return SPECS[model_type], cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# Blockwise FP8 checkpoints
+
+# The one quantization read and written: transformers' FineGrainedFP8 format as DeepSeek-V3's
+# config.json spells it (Qwen3's FP8 releases omit `fmt`; e4m3 is what transformers reads then).
+FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+                           "activation_scheme": "dynamic"}
+
+# Field -> (transformers' value when the config omits it, the only value moe_jax runs).
+_FP8_FIELDS = {
+    "fmt": ("e4m3", "e4m3"),
+    "weight_block_size": ((128, 128), (128, 128)),
+    "activation_scheme": ("dynamic", "dynamic"),
+    "scale_fmt": ("float", "float"),
+}
+
+
+def fp8_quantization(hf_config) -> dict | None:
+    """The config's `quantization_config` when it is blockwise FP8 as moe_jax reads it (e4m3 weights,
+    fp32 `weight_scale_inv` per 128 x 128 block, activations quantized dynamically), None without
+    one; ValueError naming the field and what is supported for any other quantization."""
+    cfg = config_dict(hf_config)
+    quant = cfg.get("quantization_config")
+    if not quant:
+        return None
+    supported = (f"moe_jax.convert reads Hugging Face blockwise FP8 checkpoints only ({FP8_QUANTIZATION_CONFIG}, "
+                 "as DeepSeek-V3/R1 and the Qwen3 FP8 releases are); convert an unquantized (bf16/fp32) checkpoint "
+                 "otherwise.")
+    if not isinstance(quant, Mapping):
+        quant = config_dict(quant)  # a transformers QuantizationConfig object
+    method = quant.get("quant_method")
+    if method != "fp8":
+        raise ValueError(f"quantization_config quant_method={method!r}: {supported}")
+    for field, (default, wanted) in _FP8_FIELDS.items():
+        value = quant.get(field)
+        value = default if value is None else value
+        if (tuple(value) if isinstance(value, (list, tuple)) else value) != wanted:
+            raise ValueError(f"quantization_config {field}={value!r}: {supported}")
+    return dict(quant)
+
+
+def scale_name(name: str) -> str:
+    """The block-scale tensor of an FP8 weight, as transformers names it: `x.weight` ->
+    `x.weight_scale_inv`, a fused expert stack `experts.gate_up_proj` -> `experts.gate_up_proj_scale_inv`."""
+    return name + "_scale_inv"
+
+
+def converts_to_fp8(quant: Mapping, module: str) -> bool:
+    """Whether transformers' FineGrainedFP8 quantizes the linear module `module` (its full name,
+    e.g. `model.layers.3.mlp.shared_experts.gate_proj`): yes unless a pattern of
+    `modules_to_not_convert` (or its alias `ignored_layers`) names it as transformers matches them
+    (the module or a parent by regex from the start, or a suffix of the name)."""
+    patterns = quant.get("modules_to_not_convert") or quant.get("ignored_layers") or ()
+    return not any(re.match(f"{key}\\.", module) or re.match(key, module) or module.endswith(key) for key in patterns)
 
 
 def moe_config(hf_config) -> dict:

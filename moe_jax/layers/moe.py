@@ -16,6 +16,10 @@ per token.
    (`g = sigmoid(x W_sg^T)` with `shared_expert_gate`, Qwen2-MoE; else 1).
 4. statistics over real tokens (`stats.moe_stats`).
 
+With `GemmOptions(quantization=Fp8Blockwise(weights="stored"))` the routed experts are held as
+e4m3 values and fp32 128 x 128 block scales (`Fp8Stored` variables, `w_gate` + `w_gate_scale` and
+so on) that stage 2 reads as they are; `stored_fp8(moe)` quantizes a layer's master weights once.
+
 Everything outside stage 2 is ordinary `jnp`; with a mesh it is partitioned by XLA on the
 token-sharded activations, so router math is local to each shard, and the statistics are global
 reductions equal to the single-device values.
@@ -24,6 +28,7 @@ reductions equal to the single-device values.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import warnings
 
@@ -34,7 +39,7 @@ from jax import lax
 from jax.sharding import Mesh
 
 from moe_jax import routing as routing_lib
-from moe_jax.experts import fuse_gate_up
+from moe_jax.experts import fuse_gate_up, split_gate_up
 from moe_jax.layers.checks import (
     check_axis_rules,
     check_input,
@@ -48,16 +53,17 @@ from moe_jax.layers.checks import (
     float_dtype,
 )
 from moe_jax.layers.dense import SwiGLU, expert_init, init, linear, param
-from moe_jax.layers.options import GEMM_KERNELS, ROW_GATHERS, GemmOptions, SharedExperts
+from moe_jax.layers.options import GEMM_KERNELS, ROW_GATHERS, Fp8Blockwise, GemmOptions, SharedExperts
 from moe_jax.layers.routed import ExpertStage, routed_on_mesh, single_device
 from moe_jax.layers.stats import MoEStats, moe_stats
 from moe_jax.layers.tokens import explicit_mesh, on_tokens, split_axes, to_tokens, token_axes, unflatten
 from moe_jax.ops import BackendTable
+from moe_jax.ops.fp8 import BLOCK, quantize_weights
 from moe_jax.parallel import AxisRules, EPOptions, is_explicit
 from moe_jax.parallel.replicas import physical_weights
 from moe_jax.validation import check_bool, check_int
 
-__all__ = ["GEMM_KERNELS", "MoE", "ROW_GATHERS", "SelectionBias"]
+__all__ = ["GEMM_KERNELS", "MoE", "ROW_GATHERS", "Fp8Stored", "SelectionBias", "stored_fp8"]
 
 _HI = lax.Precision.HIGHEST
 
@@ -65,6 +71,33 @@ _HI = lax.Precision.HIGHEST
 class SelectionBias(nnx.Variable):
     """Loss-free balancing bias `[E]` f32 (DeepSeek-V3). Not an `nnx.Param`: optimizers filtering
     on `nnx.Param` never see it; `MoE.update_selection_bias` changes it outside the gradient."""
+
+
+class Fp8Stored(nnx.Variable):
+    """Stored FP8 routed-expert weights of `Fp8Blockwise(weights="stored")`: e4m3 values `[E, N, K]`
+    or their fp32 block scales `[E, ceil(N/128), ceil(K/128)]`. Not an `nnx.Param`: optimizers
+    filtering on `nnx.Param` never see them, and nothing differentiates them."""
+
+
+# The routed experts' weight names, separate gate and up (the only layout of stored FP8 weights).
+_SEPARATE = ("w_gate", "w_up", "w_down")
+
+
+def _stored_variable(value: jax.Array, spec: tuple | None, mesh: Mesh | None) -> Fp8Stored:
+    """`value` as an `Fp8Stored` carrying its mesh layout (placed on the mesh when there is one), as `param`."""
+    if mesh is None:
+        return Fp8Stored(value)
+    return Fp8Stored(value, out_sharding=spec, mesh=mesh)
+
+
+def _check_stored_split(stored: bool, d_ff: int, etp: int) -> None:
+    """Stored block scales split over an expert-tensor axis only along whole 128-row blocks."""
+    if stored and etp > 1 and d_ff % (BLOCK * etp):
+        raise ValueError(
+            f"Fp8Blockwise(weights='stored') under expert tensor parallelism of size {etp} needs d_ff={d_ff} to be a "
+            f"multiple of {BLOCK} * {etp} (each rank holds whole {BLOCK} x {BLOCK} blocks of the hidden width and "
+            "their scales); use an expert-tensor size that keeps the slices block-aligned, or no expert-tensor axis."
+        )
 
 
 def _option(name: str, value, cls, example: str):
@@ -94,9 +127,11 @@ class MoE(nnx.Module):
       param_dtype: parameter dtype.
       gemm: `moe_jax.layers.GemmOptions(backend, kernel, row_gather, precision, fused_gate_up,
         quantization)`:
-        how the grouped GEMMs run (backend, kernel choice, row gather, dot precision) and whether
-        gate and up are one GEMM (`w_gate_up [E, 2F, Din]`, gate rows first); default
-        `GemmOptions()` (auto backend and kernel, separate gate and up).
+        how the grouped GEMMs run (backend, kernel choice, row gather, dot precision), whether
+        gate and up are one GEMM (`w_gate_up [E, 2F, Din]`, gate rows first) and whether the routed
+        experts run in blockwise FP8 (`Fp8Blockwise`: from master weights, or from stored e4m3
+        weights with `weights="stored"`, initialised as the quantized random master weights);
+        default `GemmOptions()` (auto backend and kernel, separate gate and up).
       mesh: a `jax.sharding.Mesh` (Auto or Explicit axes) for data/expert (tensor) parallelism: the
         parameters are placed on it and the routed stage runs in `jax.shard_map` over it
         (`routed`); the layer enters it itself when called outside `jax.set_mesh`. None
@@ -175,6 +210,7 @@ class MoE(nnx.Module):
         placement = self.expert_parallel.placement
         slots = check_placement(placement, mesh, self.rules, e)
         self.ep, self.etp = check_layer_mesh(mesh, self.rules, slots, f, self.gemm.backend)
+        _check_stored_split(self.fp8_stored, f, self.etp)
         self.mesh = mesh
         if self.ep > 1 and self.expert_parallel.strategy == "ragged" and mesh.devices.flat[0].platform != "gpu":
             raise ValueError(
@@ -191,15 +227,25 @@ class MoE(nnx.Module):
         def experts(w_EX, spec):  # the logical weights, or every slot a copy of its expert's
             return param(w_EX if placement is None else physical_weights(w_EX, placement), spec, mesh)
 
+        def stored(name, w_EX, spec):  # the quantized weights: values and block scales, copied per slot alike
+            for suffix, value in zip(("", "_scale"), quantize_weights(w_EX)):
+                value = value if placement is None else physical_weights(value, placement)
+                setattr(self, name + suffix, _stored_variable(value, spec, mesh))
+
         self.w_router = param(init(rngs.params(), (e, d), param_dtype), replicated, mesh)
         w_gate = expert_init(rngs.params(), (e, f, d_in), param_dtype)
         w_up = expert_init(rngs.params(), (e, f, d_in), param_dtype)
-        if self.fused_gate_up:
-            self.w_gate_up = experts(fuse_gate_up(w_gate, w_up, shards=self.etp), gate_up)
+        w_down = expert_init(rngs.params(), (e, d_in, f), param_dtype)
+        if self.fp8_stored:
+            for name, w_EX, spec in zip(_SEPARATE, (w_gate, w_up, w_down), (gate_up, gate_up, down)):
+                stored(name, w_EX, spec)
         else:
-            self.w_gate = experts(w_gate, gate_up)
-            self.w_up = experts(w_up, gate_up)
-        self.w_down = experts(expert_init(rngs.params(), (e, d_in, f), param_dtype), down)
+            if self.fused_gate_up:
+                self.w_gate_up = experts(fuse_gate_up(w_gate, w_up, shards=self.etp), gate_up)
+            else:
+                self.w_gate = experts(w_gate, gate_up)
+                self.w_up = experts(w_up, gate_up)
+            self.w_down = experts(w_down, down)
         if self.latent_dim is not None:
             self.w_latent_down = param(init(rngs.params(), (self.latent_dim, d), param_dtype), replicated, mesh)
             self.w_latent_up = param(init(rngs.params(), (d, self.latent_dim), param_dtype), replicated, mesh)
@@ -241,6 +287,11 @@ class MoE(nnx.Module):
     @property
     def shared_expert_gate(self) -> bool:
         return self.shared_experts is not None and self.shared_experts.gate
+
+    @property
+    def fp8_stored(self) -> bool:
+        """True when the routed experts are stored FP8 weights (`Fp8Blockwise(weights="stored")`)."""
+        return self.quantization is not None and self.quantization.stored
 
     def __call__(
         self, x: jax.Array, *, mask: jax.Array | None = None, routing: routing_lib.Routing | None = None,
@@ -391,6 +442,7 @@ class MoE(nnx.Module):
             if rules.check(mesh, self.num_experts) == 1:
                 self._warn_unused_ep_options()
             etp = rules.check_expert_tensor(mesh, self.d_ff)
+            _check_stored_split(self.fp8_stored, self.d_ff, etp)
             if self.fused_gate_up and etp != self.etp:
                 raise ValueError(
                     f"this layer's fused w_gate_up was laid out at construction for an expert-tensor size of "
@@ -409,9 +461,50 @@ class MoE(nnx.Module):
         return mesh, rules
 
     def _expert_weights(self, dtype) -> tuple[jax.Array, ...]:
-        """Expert weights in the compute dtype: `(w_gate_up, w_down)` or `(w_gate, w_up, w_down)`."""
-        names = ("w_gate_up", "w_down") if self.fused_gate_up else ("w_gate", "w_up", "w_down")
+        """Expert weights in the compute dtype: `(w_gate_up, w_down)` or `(w_gate, w_up, w_down)`;
+        stored FP8 weights as they are, each values array followed by its block scales."""
+        if self.fp8_stored:
+            return tuple(getattr(self, n + suffix)[...] for n in _SEPARATE for suffix in ("", "_scale"))
+        names = ("w_gate_up", "w_down") if self.fused_gate_up else _SEPARATE
         return tuple(getattr(self, n)[...].astype(dtype) for n in names)
+
+
+def stored_fp8(moe: MoE) -> MoE:
+    """A layer that computes with `moe`'s routed experts quantized once into stored FP8 weights
+    (`GemmOptions(quantization=Fp8Blockwise(weights="stored"), fused_gate_up=False)`, the rest of
+    `moe.gemm` kept): e4m3 values and fp32 128 x 128 block scales of its master weights in
+    `param_dtype` (`moe_jax.ops.fp8.quantize_weights`; a fused `w_gate_up` is split first), e.g.
+    to serve a bf16 checkpoint in FP8. Every other variable is `moe`'s own (shared, not copied);
+    `moe` itself is unchanged and keeps its master weights.
+
+    TypeError unless `moe` is an `MoE`; ValueError when its experts are stored FP8 already, when
+    its backend runs no FP8 GEMM (`GemmOptions`' message), or when an expert-tensor split would cut
+    a 128-row block.
+    """
+    if not isinstance(moe, MoE):
+        raise TypeError(f"stored_fp8(moe): moe must be a moe_jax.layers.MoE; got {type(moe).__name__}.")
+    if moe.fp8_stored:
+        raise ValueError("stored_fp8(moe): moe already holds stored FP8 expert weights "
+                         "(Fp8Blockwise(weights='stored')).")
+    gemm = dataclasses.replace(moe.gemm, fused_gate_up=False, quantization=Fp8Blockwise(weights="stored"))
+    _check_stored_split(True, moe.d_ff, moe.etp)
+    if moe.fused_gate_up:
+        w_gate_up = moe.w_gate_up
+        masters = (*split_gate_up(w_gate_up[...], shards=moe.etp), moe.w_down[...])
+        variables = (w_gate_up, w_gate_up, moe.w_down)
+    else:
+        variables = tuple(getattr(moe, n) for n in _SEPARATE)
+        masters = tuple(v[...] for v in variables)
+    new = nnx.merge(*nnx.split(moe))  # the same arrays in a graph of its own
+    if moe.fused_gate_up:
+        del new.w_gate_up
+    for name, master, variable in zip(_SEPARATE, masters, variables):
+        # The master's layout (on a mesh): [E, N, K] values and their [E, Nb, Kb] scales split alike.
+        spec = variable.get_value().sharding.spec if moe.mesh is not None else None
+        for suffix, value in zip(("", "_scale"), quantize_weights(master)):
+            setattr(new, name + suffix, _stored_variable(value, spec, moe.mesh))
+    new.gemm, new.quantization = gemm, gemm.quantization
+    return new
 
 
 def _invalid_routes(idx_TK, mask_T, num_experts: int) -> jax.Array:

@@ -16,10 +16,11 @@ from jax import lax
 from moe_jax.ops import FP8_LINEAR_BACKENDS, BackendTable, resolve_backend
 from moe_jax.validation import check_bool, check_int, is_int
 
-__all__ = ["GEMM_KERNELS", "ROW_GATHERS", "Fp8Blockwise", "GemmOptions", "SharedExperts"]
+__all__ = ["FP8_WEIGHTS", "GEMM_KERNELS", "ROW_GATHERS", "Fp8Blockwise", "GemmOptions", "SharedExperts"]
 
 GEMM_KERNELS = ("auto", "static")
 ROW_GATHERS = ("auto", "fused", "separate")
+FP8_WEIGHTS = ("master", "stored")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +53,8 @@ class GemmOptions:
       parallelism of size n, in n per-shard blocks, `moe_jax.experts.fuse_gate_up(..., shards=n)`)
       instead of `w_gate`/`w_up [E, F, Din]` (`moe_jax.convert` reads and writes either).
     quantization: `Fp8Blockwise()`: the routed experts' projections in DeepSeek-V3's blockwise FP8
-      (master weights stay in `param_dtype`, quantized in each call; docs/fp8.md); needs a backend
+      (master weights stay in `param_dtype`, quantized in each call; `Fp8Blockwise(weights="stored")`:
+      e4m3 weights and block scales held as they are, for inference; docs/fp8.md); needs a backend
       of `moe_jax.ops.FP8_LINEAR_BACKENDS` and `fused_gate_up=False`. None (default): the compute
       dtype.
     """
@@ -98,8 +100,8 @@ class GemmOptions:
                              f"backend={self.backend!r} does not run; use one of {FP8_LINEAR_BACKENDS} ('auto': the FP8 "
                              "kernel where it runs, else the dequantized reference path).")
         if self.fused_gate_up:
-            raise ValueError("GemmOptions(quantization=Fp8Blockwise()) needs separate gate and up weights (each is "
-                             "quantized in its own 128 x 128 blocks); use fused_gate_up=False.")
+            raise ValueError(f"GemmOptions(quantization={self.quantization!r}) needs separate gate and up weights "
+                             "(each is quantized in its own 128 x 128 blocks); use fused_gate_up=False.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,9 +138,35 @@ class Fp8Blockwise:
     tile, the master weights (in `param_dtype`, trainable as ever) quantized per 128 x 128 block in
     each call, gradients to them by the straight-through estimator. The router, combine, shared
     experts and latent projections are unchanged. On `auto` its products run the FP8 kernel where
-    the GPU has e4m3 tensor cores (about bf16's speed today), else the reference path (dequantized
-    fp32 grouped GEMMs, slower than bf16); docs/fp8.md.
+    the GPU has e4m3 tensor cores (its forward faster than bf16's), else the reference path
+    (dequantized fp32 grouped GEMMs, slower than bf16); docs/fp8.md.
+
+    weights: where the weights of the FP8 GEMMs come from.
+      `"master"` (default): the layer holds master weights `w_gate`, `w_up`, `w_down` as
+      `nnx.Param`s in `param_dtype`, quantized (from their compute-dtype cast) in each call and
+      trained by the straight-through estimator above.
+      `"stored"` (inference): the layer holds the quantized weights themselves, e4m3 `w_gate`,
+      `w_up` `[E, F, Din]`, `w_down` `[E, Din, F]` with fp32 block scales `w_gate_scale`,
+      `w_up_scale` `[E, ceil(F/128), ceil(Din/128)]`, `w_down_scale` `[E, ceil(Din/128),
+      ceil(F/128)]` (`moe_jax.layers.Fp8Stored` variables, not `nnx.Param`: optimizers never see
+      them), used in every call as they are: no per-call quantization, the layout of a Hugging Face
+      FP8 checkpoint's `weight`/`weight_scale_inv` pairs (`moe_jax.convert` reads them bit for bit).
+      Input gradients flow through them (`dx`, e.g. for adapters); they have no gradient of their
+      own. `moe_jax.layers.stored_fp8(moe)` quantizes a layer's master weights once into them.
 
     Needs `GemmOptions(backend=...)` of `moe_jax.ops.FP8_LINEAR_BACKENDS` and separate gate and up
     weights (`fused_gate_up=False`); the routed rows are packed first (`row_gather` is not used).
     """
+
+    weights: str = "master"
+
+    def __post_init__(self):
+        if self.weights not in FP8_WEIGHTS:
+            raise ValueError(f"Fp8Blockwise.weights={self.weights!r}: use one of {FP8_WEIGHTS} ('master': trainable "
+                             "weights in param_dtype quantized in each call; 'stored': e4m3 weights with fp32 block "
+                             "scales, frozen, e.g. from an FP8 checkpoint).")
+
+    @property
+    def stored(self) -> bool:
+        """True when the layer holds e4m3 weights and block scales (`weights="stored"`)."""
+        return self.weights == "stored"

@@ -47,6 +47,7 @@ from jax.sharding import PartitionSpec as P
 from moe_jax.experts import ExpertPlans, expert_plans, swiglu_experts, swiglu_experts_fp8, swiglu_experts_fused
 from moe_jax.layers.options import Fp8Blockwise
 from moe_jax.ops import AUTO_FUSED_GATHER, CANDIDATES, executed
+from moe_jax.ops.fp8 import Fp8Weights
 from moe_jax.ops.platform import BackendTable
 from moe_jax.ops.sharding import vary_to_union
 from moe_jax.parallel import AxisRules, EPOptions, ep_moe, is_explicit
@@ -89,7 +90,9 @@ class ExpertStage:
     """The routed experts' static configuration, shared by every mesh case.
 
     `weights` handed to the methods are `(w_gate_up, w_down)` with `fused_gate_up`, else
-    `(w_gate, w_up, w_down)`, in the compute dtype (the `[El, ...]` shard inside `shard_map`).
+    `(w_gate, w_up, w_down)`, in the compute dtype (the `[El, ...]` shard inside `shard_map`); with
+    stored FP8 weights (`Fp8Blockwise(weights="stored")`) each is an e4m3 values, fp32 block scales
+    pair, flat: `(w_gate, w_gate_scale, w_up, w_up_scale, w_down, w_down_scale)`.
     """
 
     num_experts: int
@@ -130,6 +133,8 @@ class ExpertStage:
         the FP8 experts run on the packed rows (`swiglu_experts_fp8`; `plans` then only serve the
         telemetry)."""
         if self.quantization is not None:
+            if self.quantization.stored:
+                weights = [Fp8Weights(*weights[i:i + 2]) for i in range(0, len(weights), 2)]
             return swiglu_experts_fp8(x_MD, group_sizes, *weights, backend=self.backend)
         fn = swiglu_experts_fused if self.fused_gate_up else swiglu_experts
         return fn(x_MD, group_sizes, *weights, rows=rows, plans=plans)
@@ -258,6 +263,10 @@ def routed_on_mesh(stage: ExpertStage, mesh, rules: AxisRules, options: EPOption
     weight_rules = rules if ep > 1 else dataclasses.replace(rules, experts=None)
     gate_up, down = weight_rules.gate_up_spec(), weight_rules.down_spec()
     weight_specs = (gate_up, down) if stage.fused_gate_up else (gate_up, gate_up, down)
+    if stage.quantization is not None and stage.quantization.stored:
+        # A block-scale stack [E, Nb, Kb] splits as its values [E, N, K] do: whole 128 x 128 blocks
+        # per shard, which the layer checked for the hidden width under ETP.
+        weight_specs = tuple(spec for spec in weight_specs for _ in range(2))
     body = data_parallel if ep == 1 else expert_parallel
     out_specs = (act, GemmTelemetry(*(rep,) * len(GemmTelemetry._fields)), rep) + (() if ep == 1 else (rep,))
     inputs = (x_TD, idx_TK, w_TK, mask_T, *weights)

@@ -17,8 +17,9 @@ checkpoints (DeepSeek-V3/R1, the Qwen3 FP8 releases) store a linear layer's `wei
 `[N, K]`) with `weight_scale_inv` (fp32, `[Nb, Kb]`) in exactly this sense, so a checkpoint's
 `(weight, weight_scale_inv)` is an `Fp8Weights` of one expert without any conversion.
 
-Non-finite inputs poison their own tile and no other: the tile's amax is NaN or inf, and so is its
-dequantized value. Magnitudes past e4m3's range cannot occur after scaling, except by rounding of
+Non-finite inputs stay in their own tile: a NaN or infinity dequantizes to NaN and no other tile
+changes; the tile's scale is NaN or inf too (except that XLA:CPU's maximum over a 128 x 128
+weight block can drop a NaN, leaving that block's scale finite and only the NaN element NaN). Magnitudes past e4m3's range cannot occur after scaling, except by rounding of
 `x / scale` just above 448, which is clipped (a cast to e4m3 would turn it into NaN).
 """
 
@@ -28,6 +29,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = [
     "BLOCK",
@@ -75,9 +77,16 @@ def _check_float(x, name: str, ndim: int, layout: str) -> jax.Array:
     return x
 
 
+# A tile's scale is amax times the fp32-rounded reciprocal of 448, written as a product: XLA's
+# algebraic simplifier turns a division by the constant into exactly this, and the correctly
+# rounded quotient differs from it by one ulp in about half the tiles (enough to flip e4m3
+# rounding ties), so the product is the definition every backend and the torch reference share.
+_INV_FP8_MAX = np.float32(1 / FP8_MAX)  # NumPy's: a JAX scalar here would start the backend at import
+
+
 def _scale_of(amax: jax.Array) -> jax.Array:
     # An all-zero tile gets scale 1 (any positive value dequantizes its zeros); NaN and inf stay.
-    return jnp.where(amax == 0, jnp.float32(1), amax / FP8_MAX)
+    return jnp.where(amax == 0, jnp.float32(1), amax * _INV_FP8_MAX)
 
 
 def _to_fp8(x: jax.Array, scale: jax.Array) -> jax.Array:

@@ -2,7 +2,9 @@
 
 Written from docs/reference-algorithm.md: routing -> packing by expert -> Triton grouped GEMM (NT
 layout) -> SwiGLU -> grouped GEMM -> weighted combine, with the explicit backward of each step,
-torch-autograd versions of the same graph, plain loop oracles, routers and balancing terms.
+torch-autograd versions of the same graph, plain loop oracles, routers and balancing terms, and
+DeepSeek-V3's blockwise FP8 recipe (`fp8`: quantization, the recipe's grouped GEMM, its autograd
+layer) for the FP8 layer's parity.
 
 Shape legend used throughout:
     T  tokens                        D  model width
@@ -39,6 +41,17 @@ from parity.reference.experts import (  # noqa: E402  (the mode must be chosen f
     split_gate_up,
     swiglu,
 )
+from parity.reference.fp8 import (  # noqa: E402
+    Fp8GroupedLinear,
+    Fp8Rows,
+    Fp8Weights,
+    dequantize_rows,
+    dequantize_weights,
+    fp8_grouped_linear,
+    fp8_grouped_mm,
+    quantize_rows,
+    quantize_weights,
+)
 from parity.reference.grouped_gemm import (  # noqa: E402
     SUPPORTED_DTYPES,
     GroupedLinear,
@@ -70,11 +83,18 @@ from parity.reference.routers import (  # noqa: E402
 __all__ = [
     "SUPPORTED_DTYPES",
     "ExpertPathCache",
+    "Fp8GroupedLinear",
+    "Fp8Rows",
+    "Fp8Weights",
     "GroupedLinear",
     "Packing",
     "acc_dtype",
     "aux_loss",
+    "dequantize_rows",
+    "dequantize_weights",
     "expert_counts",
+    "fp8_grouped_linear",
+    "fp8_grouped_mm",
     "fuse_gate_up",
     "grouped_linear",
     "grouped_mm",
@@ -89,6 +109,8 @@ __all__ = [
     "moe_experts_loop",
     "pack_by_expert",
     "prefer_interpreter_without_gpu",
+    "quantize_rows",
+    "quantize_weights",
     "route_selected_softmax",
     "route_sigmoid_grouped",
     "route_softmax_topk",

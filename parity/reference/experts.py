@@ -21,12 +21,15 @@ fp64 inputs) and rounded once; grouped GEMMs accumulate in fp32 and return the i
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from parity.reference.grouped_gemm import grouped_linear, grouped_mm, grouped_mm_backward
+
+# A differentiable grouped linear layer: `(a[M, K], w[E, N, K], offsets[E + 1]) -> [M, N]`.
+GroupedLinearFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class Packing(NamedTuple):
@@ -351,11 +354,13 @@ def selected_expert_path_backward_fused(
 
 def expert_swiglu(
     a: torch.Tensor, offsets: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+    *, linear: GroupedLinearFn = grouped_linear,
 ) -> torch.Tensor:
-    """SwiGLU experts over packed rows `a[R, D]` grouped by `offsets[E + 1]`: `[R, D]`. Triton
-    grouped GEMMs with autograd; the nonlinearity in float32, rounded once."""
-    hidden = swiglu(grouped_linear(a, w_gate, offsets), grouped_linear(a, w_up, offsets))
-    return grouped_linear(hidden, w_down, offsets)
+    """SwiGLU experts over packed rows `a[R, D]` grouped by `offsets[E + 1]`: `[R, D]`. The three
+    projections run `linear` (default the Triton grouped GEMMs with autograd; `fp8_grouped_linear`
+    for the blockwise FP8 recipe); the nonlinearity in float32, rounded once."""
+    hidden = swiglu(linear(a, w_gate, offsets), linear(a, w_up, offsets))
+    return linear(hidden, w_down, offsets)
 
 
 def moe_experts_autograd(
@@ -365,15 +370,20 @@ def moe_experts_autograd(
     w_gate: torch.Tensor,
     w_up: torch.Tensor,
     w_down: torch.Tensor,
+    *,
+    linear: GroupedLinearFn = grouped_linear,
 ) -> torch.Tensor:
-    """The expert path as a differentiable torch graph over `grouped_linear`: `out[T, D]`.
+    """The expert path as a differentiable torch graph over `linear`: `out[T, D]`.
 
-    Gradients reach `x`, `selected_weight` and the three weights (not the integer choice).
+    `linear(a[M, K], w[E, N, K], offsets[E + 1]) -> [M, N]` runs the three projections:
+    `grouped_linear` (default), or `parity.reference.fp8.fp8_grouped_linear` for DeepSeek-V3's
+    blockwise FP8 recipe. Gradients reach `x`, `selected_weight` and the three weights (not the
+    integer choice).
     """
     e, _ = _check_shapes(x, selected_expert, selected_weight, _check_weight_pair(w_gate, w_up),
                          w_down, "w_gate")
     packing, pair_weight, a = _pack(x, selected_expert, selected_weight, e)
-    pair_out = expert_swiglu(a, packing.offsets, w_gate, w_up, w_down)
+    pair_out = expert_swiglu(a, packing.offsets, w_gate, w_up, w_down, linear=linear)
     return combine_pairs(pair_out, pair_weight, packing.token_ids, x.shape[0])
 
 
