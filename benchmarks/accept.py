@@ -232,16 +232,20 @@ EXAMPLE_RUNS = {"float32": "example with its defaults (fp32)", "bfloat16": "exam
                 "fp8": "example, --dtype bfloat16 --fp8 (routed experts in blockwise FP8)"}
 
 
-def loss_curves(bf16: dict, fp8: dict, every: int = 50) -> str:
-    """Markdown table of two example runs' `metrics.json` side by side: the training loss every
-    `every` steps and at the last step, then each validation loss, with FP8's difference."""
-    def by_step(records):
-        return {r["step"]: r["loss"] for r in records}
+def loss_curves(bf16_log: str, fp8_log: str, every: int = 50) -> str:
+    """Markdown table of two example runs' logs side by side: the training loss every `every`
+    steps and at the last logged step (`step N | loss X` lines), then each validation loss
+    (`step N | val loss X`), with FP8's difference."""
+    def losses(log, pattern):
+        return {int(s): float(v) for s, v in re.findall(pattern, log)}
 
-    train_b, train_f = by_step(bf16["history"]), by_step(fp8["history"])
-    steps = sorted(s for s in train_b.keys() & train_f.keys() if s % every == 0 or s == max(train_b))
+    train = r"step\s+(\d+) \| loss ([\d.]+)"
+    val = r"step\s+(\d+) \| val loss ([\d.]+)"
+    train_b, train_f = losses(bf16_log, train), losses(fp8_log, train)
+    both = train_b.keys() & train_f.keys()
+    steps = sorted(s for s in both if s % every == 0 or s == max(both))
     rows = [("train", s, train_b[s], train_f[s]) for s in steps]
-    val_b, val_f = by_step(bf16["val"]), by_step(fp8["val"])
+    val_b, val_f = losses(bf16_log, val), losses(fp8_log, val)
     rows += [("val", s, val_b[s], val_f[s]) for s in sorted(val_b.keys() & val_f.keys())]
     out = ["| loss | step | bf16 | FP8 | FP8 - bf16 |", "|---|---|---|---|---|"]
     out += [f"| {kind} | {s} | {b:.4f} | {f:.4f} | {f - b:+.4f} |" for kind, s, b, f in rows]
@@ -303,10 +307,10 @@ def summary(args) -> None:
     for run, title in EXAMPLE_RUNS.items():
         tail = [ln for ln in read(f"example_{run}.log").splitlines() if ln.strip()][-3:]
         lines += [f"- {title}:", "", "  ```", *("  " + ln for ln in tail), "  ```"]
-    curves = {run: json.loads(read(f"example_{run}.metrics.json") or "null") for run in ("bfloat16", "fp8")}
-    if all(curves.values()):
+    bf16_log, fp8_log = read("example_bfloat16.log"), read("example_fp8.log")
+    if "val loss" in bf16_log and "val loss" in fp8_log:
         lines += ["", "The example in FP8 against bf16, same seed and batches (training loss, then validation):", "",
-                  loss_curves(curves["bfloat16"], curves["fp8"])]
+                  loss_curves(bf16_log, fp8_log)]
     layers_json = os.path.join(out, "accept_layers.json")
     if os.path.exists(layers_json):
         lines += ["", "Layer forward+backward, every backend and dtype (relative error to the xla layer):", "",

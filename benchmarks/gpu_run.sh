@@ -74,12 +74,11 @@ for phase in "${phases[@]}"; do
     accept-tests) timeout "$limit" python3 -m pytest tests parity -q -n ${NPROC:-14} -p no:cacheprovider 2>&1 | tee "$OUT/${L}tests.log" | tail -25 ;;
     accept-example) for run in float32 bfloat16 fp8; do  # the README's command with its defaults (fp32), bf16, bf16 in FP8
                       case $run in float32) args= ;; bfloat16) args="--dtype bfloat16" ;; fp8) args="--dtype bfloat16 --fp8" ;; esac
-                      # the run's folder (checkpoints) stays on the host: only its log and metrics come back
+                      # the run's folder (checkpoints, metrics, plot) stays on the host: its log comes back
                       rm -rf "/tmp/${L}example_$run"
                       timeout $((limit / 3)) python3 examples/train_moe.py $args --out "/tmp/${L}example_$run" 2>&1 \
                         | tr '\r' '\n' | grep -v '^ *$' > "$OUT/${L}example_$run.log"
                       echo "exit ${PIPESTATUS[0]}" >> "$OUT/${L}example_$run.log"; tail -4 "$OUT/${L}example_$run.log"
-                      cp "/tmp/${L}example_$run/metrics.json" "$OUT/${L}example_$run.metrics.json" 2>/dev/null
                     done ;;
     accept-layers) timeout "$limit" python3 -m benchmarks.accept layers ${ACCEPT_SHAPES:+--shapes $ACCEPT_SHAPES} --json "$OUT/${L}accept_layers.json" 2>&1 | tee "$OUT/${L}accept_layers.log" | tail -14 ;;
     accept-compiled) timeout "$limit" env -u TRITON_INTERPRET python3 -m tests.compiled_resources --jobs ${NPROC:-14} > "$OUT/${L}compiled.jsonl" 2> "$OUT/${L}compiled.err"

@@ -75,24 +75,26 @@ def test_each_failure_turns_the_run_red(tmp_path, breakage, check):
 
 
 def test_summary_sets_the_fp8_example_beside_bf16(tmp_path, capsys):
-    """The summary's FP8 training curve: both runs' losses at every 50th and the last step and each
-    validation loss, FP8's difference to bf16 signed; a run without its metrics leaves the table out."""
+    """The summary's FP8 training curve from the two runs' logs: the losses at every 50th and the
+    last logged step and each validation loss, FP8's difference to bf16 signed; a run whose log has
+    no losses leaves the table out."""
     import argparse
 
     _write_green(tmp_path)
     (tmp_path / "accept_layers.json").unlink()  # the layer table is not this test's
     for run, offset in (("bfloat16", 0.0), ("fp8", 0.01)):
-        metrics = dict(history=[dict(step=s, loss=5.0 - s / 100 + offset) for s in range(1, 121)],
-                       val=[dict(step=100, loss=4.1 + offset), dict(step=120, loss=3.9 + offset)])
-        (tmp_path / f"example_{run}.metrics.json").write_text(json.dumps(metrics))
+        lines = [f"step {s:>6} | loss {5.0 - s / 100 + offset:.4f} ce 1.0 | lr 1e-3 | grad 0.5 | 9 tok/s"
+                 for s in range(25, 130, 25)]
+        lines += [f"step {s:>6} | val loss {4.0 - s / 1000 + offset:.4f}" for s in (100, 125)]
+        (tmp_path / f"example_{run}.log").write_text("\n".join(lines + ["done: loss 5.0 -> 3.8", "exit 0"]))
     accept.summary(argparse.Namespace(out=str(tmp_path), commit="abc1234"))
     text = (tmp_path / "accept_summary.md").read_text()
     assert "FP8 against bf16, same seed" in text
     assert "| train | 50 | 4.5000 | 4.5100 | +0.0100 |" in text
-    assert "| train | 120 | 3.8000 | 3.8100 | +0.0100 |" in text
-    assert "| val | 100 | 4.1000 | 4.1100 | +0.0100 |" in text
-    assert "| train | 60 |" not in text
-    (tmp_path / "example_fp8.metrics.json").unlink()
+    assert "| train | 125 | 3.7500 | 3.7600 | +0.0100 |" in text  # the last logged step
+    assert "| val | 100 | 3.9000 | 3.9100 | +0.0100 |" in text
+    assert "| train | 75 |" not in text
+    (tmp_path / "example_fp8.log").write_text("Traceback ...\nexit 1\n")
     accept.summary(argparse.Namespace(out=str(tmp_path), commit="abc1234"))
     assert "FP8 against bf16" not in (tmp_path / "accept_summary.md").read_text()
     capsys.readouterr()
