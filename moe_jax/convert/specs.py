@@ -82,13 +82,6 @@ class BlockNames:
             return None
         return tuple(f"{self.shared}{p}_proj.weight" for p in ("gate", "up", "down"))
 
-    def linear_weights(self) -> tuple[str, ...]:
-        """The block's weights that transformers holds in `nn.Linear` modules besides the routed
-        experts (the shared expert's projections, Qwen2-MoE's shared-expert gate): FP8 in a
-        blockwise-FP8 checkpoint unless its `modules_to_not_convert` names them. The routers are
-        modules of their own, never quantized."""
-        return (self.shared_names() or ()) + ((self.shared_gate,) if self.shared_gate else ())
-
     def modules(self) -> tuple[str, ...]:
         """Prefixes of every tensor this block owns: a name under one of them that is not
         recognised is an error (quantisation scales, biases), not something to skip."""
@@ -351,7 +344,7 @@ def converts_to_fp8(quant: Mapping, module: str) -> bool:
     `modules_to_not_convert` (or its alias `ignored_layers`) names it as transformers matches them
     (the module or a parent by regex from the start, or a suffix of the name)."""
     patterns = quant.get("modules_to_not_convert") or quant.get("ignored_layers") or ()
-    return not any(re.match(f"{key}\\.", module) or re.match(key, module) or module.endswith(key) for key in patterns)
+    return not any(re.match(key, module) or module.endswith(key) for key in patterns)
 
 
 def moe_config(hf_config) -> dict:
