@@ -1,15 +1,19 @@
 """FP8 grouped GEMMs on one GPU: our blockwise-FP8 kernel (`moe_jax.ops.gmm.fp8_api.gmm_fp8`)
 against our bf16 `gmm`, `torch._grouped_mm` (bf16) and `torch._scaled_grouped_mm` (FP8, rowwise
 scales: torch's own FP8 grouped GEMM), in one process on the same inputs; then the differentiable
-linear layer forward+backward (`fp8_grouped_linear` vs `grouped_linear`), decode with FP8 weights
-against copy bandwidth, and the dense ceilings (`torch._scaled_mm` FP8 and bf16 `mm`, 8192^3).
+linear layer forward+backward (`fp8_grouped_linear` vs `grouped_linear`), the weights'
+quantization (the quantizer kernel, alone and writing both layouts, against `quantize_weights` in
+XLA, alone and with the transposed copy), decode with FP8 weights against copy bandwidth, and the
+dense ceilings (`torch._scaled_mm` FP8 and bf16 `mm`, 8192^3).
 
-    python -m benchmarks.fp8 [--json OUT.json] [--sections gemm,fb,decode,dense] [--variants]
+    python -m benchmarks.fp8 [--json OUT.json] [--sections gemm,fb,quantize,decode,dense] [--variants]
 
 Effective TFLOP/s count 2 M N K per GEMM (the routed rows only). Every kernel result is checked
 against the recipe's fp32 reference (`gmm_fp8_reference`) before it is timed (relative error
 printed). Decode bytes: the active experts' e4m3 weights and their scales (FP8) or bf16 weights,
 read once; the ratio is to the measured copy bandwidth (read + write bytes per second).
+Quantization bytes: the bf16 weights read once, each e4m3 layout and the fp32 scales written once,
+also as a fraction of copy bandwidth.
 """
 
 from __future__ import annotations
@@ -26,9 +30,9 @@ from benchmarks import shapes as S
 from benchmarks.gmm import attempt, make_inputs, measure_copy_tbps, reps_for, to_torch, torch_offsets
 from benchmarks.timing import compile_jax, run_meta, time_compiled, time_torch
 from moe_jax.ops import TileConfig, gmm, grouped_linear
-from moe_jax.ops.fp8 import quantize_rows, quantize_weights
+from moe_jax.ops.fp8 import quantize_rows, quantize_weights, transpose_weights
 from moe_jax.ops.fp8_linear import fp8_grouped_linear
-from moe_jax.ops.gmm.fp8_api import fp8_tiles, gmm_fp8
+from moe_jax.ops.gmm.fp8_api import fp8_tiles, gmm_fp8, quantize_for_gemm, quantize_pair_for_gemm
 from moe_jax.ops.gmm.reference import gmm_fp8_reference
 
 VARIANTS = (  # tile candidates timed beside the rule's choice with --variants
@@ -65,7 +69,7 @@ def _time_jax(fn, args, reps):
     return time_compiled(run, reps)
 
 
-def _torch_fp8_rowwise(tx, tw):
+def torch_fp8_rowwise(tx, tw):
     """Rowwise e4m3 operands for `torch._scaled_grouped_mm`: per-row scales of x `[M]` and per
     output channel of each expert's weights `[E, N]` (the rowwise scaling torch's FP8 grouped GEMM takes on Hopper)."""
     import torch
@@ -104,7 +108,7 @@ def gemm_rows(shape: S.GemmShape, variants: bool) -> dict:
     tx, tw = to_torch(x), to_torch(w)
     rec["times"]["bf16 torch"] = attempt(time_torch, lambda: torch._grouped_mm(tx, tw.transpose(-2, -1), offs=offs),
                                          [()], reps=reps)
-    xq, sx, twq, sw = _torch_fp8_rowwise(tx, tw)
+    xq, sx, twq, sw = torch_fp8_rowwise(tx, tw)
     scaled = lambda: torch._scaled_grouped_mm(xq, twq.transpose(-2, -1), sx, sw, offs=offs,  # noqa: E731
                                                out_dtype=torch.bfloat16, use_fast_accum=True)
     out = attempt(scaled)
@@ -137,6 +141,37 @@ def fb_rows(shape: S.GemmShape) -> dict:
     rec = dict(shape=shape.name, errors=dict(y=_rel(y8, yb), dx=_rel(dx8, dxb), dw=_rel(dw8, dwb)))
     rec["times"] = {"fp8 f+b": _time_jax(fp8, (x, w, gs, dy), reps), "bf16 f+b": _time_jax(bf, (x, w, gs, dy), reps)}
     rec["tflops"] = {k: _tflops(shape.m, shape.n, shape.k, t) * 3 for k, t in rec["times"].items()}
+    return rec
+
+
+def quantize_records(shape: S.GemmShape, copy_tbps: float) -> dict:
+    """The weights `[E, N, K]` of `shape` quantized four ways: XLA's `quantize_weights`, that and a
+    materialized `transpose_weights` copy (what a training step needed before the quantizer
+    kernel), the kernel for the forward layout, and the kernel writing both layouts in one pass."""
+    _, (w,), _, _ = make_inputs(shape, S.balanced_counts(shape.m, shape.e))
+    params = shape.e * shape.n * shape.k
+    scales = shape.e * -(-shape.n // 128) * -(-shape.k // 128) * 4
+    ways = {
+        "xla": (lambda v: quantize_weights(v), 3 * params + scales),
+        "xla + transposed copy": (lambda v: (lambda q: (q, transpose_weights(q)))(quantize_weights(v)),
+                                  5 * params + 2 * scales),
+        "kernel": (lambda v: quantize_for_gemm(v, backend="triton"), 3 * params + scales),
+        "kernel pair": (lambda v: quantize_pair_for_gemm(v, backend="triton"), 4 * params + 2 * scales),
+    }
+    want = jax.jit(quantize_weights)(w)
+    pair = jax.jit(lambda v: quantize_pair_for_gemm(v, backend="triton"))(w)
+    same = bool(jnp.array_equal(pair.forward.values_ENK.view(jnp.uint8), want.values_ENK.view(jnp.uint8))
+                & jnp.array_equal(pair.forward.scale_ENbKb, want.scale_ENbKb, equal_nan=True)
+                & jnp.array_equal(pair.transposed.values_ENK.view(jnp.uint8),
+                                  transpose_weights(want).values_ENK.view(jnp.uint8)))
+    del want, pair
+    # Two calls' outputs stay live across the timing barrier (DeepSeek-V3: 15 GB of bf16 weights).
+    reps = max(2, min(10, (24 << 30) // (5 * params)))
+    rec = dict(shape=shape.name, e=shape.e, n=shape.n, k=shape.k, bit_equal=same, ms={}, of_copy={})
+    for name, (fn, nbytes) in ways.items():
+        t = _time_jax(fn, (w,), reps)
+        rec["ms"][name] = t * 1e3
+        rec["of_copy"][name] = nbytes / t / 1e12 / copy_tbps
     return rec
 
 
@@ -188,7 +223,7 @@ def _fmt(v):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", help="write the records here")
-    p.add_argument("--sections", default="dense,gemm,fb,decode")
+    p.add_argument("--sections", default="dense,gemm,fb,quantize,decode")
     p.add_argument("--shapes", default=None, help="indices into benchmarks.shapes.PREFILL (default all)")
     p.add_argument("--variants", action="store_true", help="also time the tile candidates of VARIANTS")
     args = p.parse_args(argv)
@@ -214,9 +249,16 @@ def main(argv=None):
             result["fb"].append(rec)
             print(shape.name, "f+b", {k: _fmt(v) for k, v in rec["tflops"].items()},
                   {k: f"{v:.1e}" for k, v in rec["errors"].items()}, flush=True)
+    if "quantize" in sections or "decode" in sections:
+        result["copy_tbps"] = copy = measure_copy_tbps()
+    if "quantize" in sections:
+        result["quantize"] = []
+        for shape in shapes:
+            rec = quantize_records(shape, copy)
+            result["quantize"].append(rec)
+            print(shape.name, "quantize bit-equal" if rec["bit_equal"] else "quantize DIFFERS",
+                  {k: f"{v:.3f} ms ({rec['of_copy'][k]:.2f} of copy)" for k, v in rec["ms"].items()}, flush=True)
     if "decode" in sections:
-        copy = measure_copy_tbps()
-        result["copy_tbps"] = copy
         result["decode"] = decode_rows(copy)
         for rec in result["decode"]:
             print(f"decode T={rec['tokens']:4d} fp8 {rec['fp8 s'] * 1e6:7.1f} us ({rec['fp8 of copy']:.2f} of copy) "

@@ -41,6 +41,7 @@ __all__ = [
     "dequantize_weights",
     "quantize_rows",
     "quantize_weights",
+    "transpose_weights",
 ]
 
 FP8_DTYPE = jnp.float8_e4m3fn
@@ -68,7 +69,9 @@ def _blocks(n: int) -> int:
     return -(-n // BLOCK)
 
 
-def _check_float(x, name: str, ndim: int, layout: str) -> jax.Array:
+def as_float_operand(x, name: str, ndim: int, layout: str) -> jax.Array:
+    """`x` as a 16- or 32-bit float array of `ndim` dims (`layout` names them), else a TypeError or
+    ValueError naming `name`."""
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == FP8_DTYPE:
         raise TypeError(f"{name}: expected a float32/bfloat16/float16 array to quantize, got {x.dtype}.")
@@ -96,7 +99,7 @@ def _to_fp8(x: jax.Array, scale: jax.Array) -> jax.Array:
 def quantize_rows(x_MK: jax.Array) -> Fp8Rows:
     """e4m3 values and one fp32 scale per 1 x 128 tile of each row (the last tile of a K that is not
     a multiple of 128 is narrower; its scale is its own channels')."""
-    x_MK = _check_float(x_MK, "x_MK", 2, "[M, K] rows")
+    x_MK = as_float_operand(x_MK, "x_MK", 2, "[M, K] rows")
     m, k = x_MK.shape
     kb = _blocks(k)
     x = jnp.pad(x_MK.astype(jnp.float32), ((0, 0), (0, kb * BLOCK - k))).reshape(m, kb, BLOCK)
@@ -108,7 +111,7 @@ def quantize_rows(x_MK: jax.Array) -> Fp8Rows:
 def quantize_weights(w_ENK: jax.Array) -> Fp8Weights:
     """e4m3 values and one fp32 scale per 128 x 128 block of each expert's `[N, K]` matrix (edge
     blocks are narrower)."""
-    w_ENK = _check_float(w_ENK, "w_ENK", 3, "[E, N, K] expert weights")
+    w_ENK = as_float_operand(w_ENK, "w_ENK", 3, "[E, N, K] expert weights")
     e, n, k = w_ENK.shape
     nb, kb = _blocks(n), _blocks(k)
     w = jnp.pad(w_ENK.astype(jnp.float32), ((0, 0), (0, nb * BLOCK - n), (0, kb * BLOCK - k)))
@@ -116,6 +119,12 @@ def quantize_weights(w_ENK: jax.Array) -> Fp8Weights:
     scale_ENbKb = _scale_of(jnp.max(jnp.abs(w), axis=(2, 4)))
     values = _to_fp8(w, scale_ENbKb[:, :, None, :, None]).reshape(e, nb * BLOCK, kb * BLOCK)[:, :n, :k]
     return Fp8Weights(values, scale_ENbKb)
+
+
+def transpose_weights(weights: Fp8Weights) -> Fp8Weights:
+    """The same quantized weights as the operand of the transposed product: values `[E, K, N]`,
+    scales `[E, Kb, Nb]` (a 128 x 128 block's scale is its transpose's: no value changes)."""
+    return Fp8Weights(jnp.swapaxes(weights.values_ENK, 1, 2), jnp.swapaxes(weights.scale_ENbKb, 1, 2))
 
 
 def _check_scale(scale, want: tuple[int, ...], name: str) -> None:

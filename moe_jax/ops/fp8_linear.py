@@ -8,9 +8,12 @@ The recipe is DeepSeek-V3's blockwise FP8 (DeepSeek-AI, "DeepSeek-V3 Technical R
 arXiv:2412.19437, section 3.3; the quantization itself is `moe_jax.ops.fp8`):
 
 - Forward: `x` quantized per 1 x 128 tile of K (`quantize_rows`), the weights per 128 x 128 block
-  (`quantize_weights`, or given already quantized), `y = rows @ w^T` by the recipe.
+  (`quantize_weights`, or given already quantized), `y = rows @ w^T` by the recipe. Master weights
+  are quantized on the products' backend (`quantize_for_gemm`; in a differentiated call
+  `quantize_pair_for_gemm`, which also writes the `[E, K, N]` copy the input gradient reads, in the
+  same pass over the weights; that copy, not the forward's, is what the backward keeps).
 - Input gradient: `dy` quantized per 1 x 128 tile of N, `dx = dy @ w` by the recipe with the same
-  128 x 128 weight blocks read in the other orientation (`transpose_rhs=False`).
+  128 x 128 weight blocks read in the other orientation.
 - Weight gradient: `dw = dy^T @ rows` in x's dtype from the dequantized FP8 rows (the recipe keeps
   the FP8 rows, not `x`, for the backward: that is its activation-memory saving) and the
   unquantized `dy`: bf16 when `x` is (an FP8 weight gradient is for the kernels to measure).
@@ -36,16 +39,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from moe_jax.ops.fp8 import (
-    BLOCK,
-    FP8_DTYPE,
-    Fp8Weights,
-    dequantize_rows,
-    quantize_rows,
-    quantize_weights,
-)
+from moe_jax.ops.fp8 import BLOCK, FP8_DTYPE, Fp8Weights, dequantize_rows, quantize_rows, transpose_weights
 from moe_jax.ops.gmm import SUPPORTED_DTYPES, tgmm
-from moe_jax.ops.gmm.fp8_api import FP8_GEMM_BACKENDS, fp8_backend, gmm_fp8
+from moe_jax.ops.gmm.fp8_api import (FP8_GEMM_BACKENDS, fp8_backend, gmm_fp8, quantize_for_gemm,
+                                     quantize_pair_for_gemm)
 
 __all__ = ["FP8_LINEAR_BACKENDS", "fp8_grouped_linear"]
 
@@ -59,27 +56,27 @@ def _forward(backend, x, wq, group_sizes):
     return gmm_fp8(rows, wq, group_sizes, backend=backend, out_dtype=x.dtype), rows
 
 
-def _dgrad(backend, dy, wq, group_sizes, x_dtype):
-    """`dx[M, K]` by the recipe: `dy` quantized per 1 x 128 tile of N, the same weight blocks."""
-    return gmm_fp8(quantize_rows(dy.astype(x_dtype)), wq, group_sizes, transpose_rhs=False, backend=backend,
-                   out_dtype=x_dtype)
+def _dgrad(backend, dy, wq_t, group_sizes, x_dtype):
+    """`dx[M, K]` by the recipe: `dy` quantized per 1 x 128 tile of N, the weight blocks as
+    `[E, K, N]` (`transpose_weights`)."""
+    return gmm_fp8(quantize_rows(dy.astype(x_dtype)), wq_t, group_sizes, backend=backend, out_dtype=x_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _master_linear(backend, x, w, group_sizes):
-    return _forward(backend, x, quantize_weights(w), group_sizes)[0]
+    return _forward(backend, x, quantize_for_gemm(w, backend=backend), group_sizes)[0]
 
 
 def _master_linear_fwd(backend, x, w, group_sizes):
-    wq = quantize_weights(w)
+    wq, wq_t = quantize_pair_for_gemm(w, backend=backend)
     y, rows = _forward(backend, x, wq, group_sizes)
     # The master weights are not kept: only a zero-size witness of their dtype for the cotangent.
-    return y, (rows, wq, group_sizes, jnp.zeros((0,), w.dtype), jnp.zeros((0,), x.dtype))
+    return y, (rows, wq_t, group_sizes, jnp.zeros((0,), w.dtype), jnp.zeros((0,), x.dtype))
 
 
 def _master_linear_bwd(backend, res, dy):
-    rows, wq, group_sizes, w_dtype, x_dtype = res
-    dx = _dgrad(backend, dy, wq, group_sizes, x_dtype.dtype)
+    rows, wq_t, group_sizes, w_dtype, x_dtype = res
+    dx = _dgrad(backend, dy, wq_t, group_sizes, x_dtype.dtype)
     dw = tgmm(dequantize_rows(rows).astype(x_dtype.dtype), dy.astype(x_dtype.dtype), group_sizes,
               backend=backend, precision=_HI)
     return dx, dw.astype(w_dtype.dtype), None
@@ -100,7 +97,7 @@ def _stored_linear_fwd(backend, x, values, scale, group_sizes):
 
 def _stored_linear_bwd(backend, res, dy):
     rows, values, scale, group_sizes, x_dtype = res
-    dx = _dgrad(backend, dy, Fp8Weights(values, scale), group_sizes, x_dtype.dtype)
+    dx = _dgrad(backend, dy, transpose_weights(Fp8Weights(values, scale)), group_sizes, x_dtype.dtype)
     # Stored FP8 weights are frozen (inference): their cotangents are zero, never an update.
     return dx, jnp.zeros_like(values), jnp.zeros_like(scale), None
 
