@@ -2,9 +2,7 @@
 reference path (`xla`) against `gmm_fp8_reference` in both orientations and with row ids; the
 backend choice (`auto` is the reference path without the kernel; `triton` names why it cannot
 run); the kernel's tiles fitted to the device; argument errors naming the argument. The kernel
-itself runs interpreted in tests/test_triton_kernels.py. The weights' quantization for the GEMMs
-(`quantize_for_gemm`, `quantize_pair_for_gemm`): `quantize_weights` bit for bit on every backend
-this host runs (the quantizer kernel on a GPU), jitted and vmapped, and its argument errors.
+itself runs interpreted in tests/test_triton_kernels.py.
 
 Legend: M rows, K contraction, N outputs, E experts, T source rows."""
 
@@ -14,10 +12,9 @@ import numpy as np
 import pytest
 
 from moe_jax.ops import TileConfig
-from moe_jax.ops.fp8 import Fp8Rows, Fp8Weights, quantize_rows, quantize_weights, transpose_weights
+from moe_jax.ops.fp8 import Fp8Rows, Fp8Weights, quantize_rows, quantize_weights
 from moe_jax.ops import device_facts
-from moe_jax.ops.gmm.fp8_api import (FP8_GEMM_BACKENDS, FP8_KERNEL_CAPABILITY, fp8_backend, fp8_tiles, gmm_fp8,
-                                     quantize_for_gemm, quantize_pair_for_gemm)
+from moe_jax.ops.gmm.fp8_api import FP8_GEMM_BACKENDS, FP8_KERNEL_CAPABILITY, fp8_backend, fp8_tiles, gmm_fp8
 from moe_jax.ops.gmm.reference import gmm_fp8_reference
 from moe_jax.ops.gmm.triton.backend import BACKEND as TRITON
 
@@ -115,48 +112,3 @@ def test_bad_arguments_name_themselves():
         gmm_fp8(rows, wq, gs, backend="xla", config=TileConfig(block_k=128))
     with pytest.raises(ValueError, match="group_sizes"):
         gmm_fp8(rows, wq, jnp.array([10, 0], jnp.int32))
-
-
-def _same(a: Fp8Weights, b: Fp8Weights):
-    np.testing.assert_array_equal(np.asarray(a.values_ENK).view(np.uint8), np.asarray(b.values_ENK).view(np.uint8))
-    np.testing.assert_array_equal(np.asarray(a.scale_ENbKb), np.asarray(b.scale_ENbKb))
-
-
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "fp32"])
-def test_weights_quantized_for_the_gemms_are_the_recipe_on_every_backend(dtype):
-    """Bit for bit `quantize_weights` (and its `transpose_weights` for the pair) on each backend,
-    jitted; on a GPU with the FP8 kernel `auto` is the quantizer kernel through jax_triton."""
-    rng = np.random.default_rng(3)
-    w = rng.standard_normal((3, 130, 200)).astype(np.float32) * rng.lognormal(0, 2, (3, 130, 1)).astype(np.float32)
-    w[1, :128, :128] = 0  # an all-zero block: scale 1
-    w_ENK = jnp.asarray(w).astype(dtype)
-    want = quantize_weights(w_ENK)
-    for backend in ("auto", "xla"):
-        _same(jax.jit(lambda w: quantize_for_gemm(w, backend=backend))(w_ENK), want)
-        pair = jax.jit(lambda w: quantize_pair_for_gemm(w, backend=backend))(w_ENK)
-        _same(pair.forward, want)
-        _same(pair.transposed, transpose_weights(want))
-        assert pair.transposed.values_ENK.shape == (3, 200, 130) and pair.transposed.scale_ENbKb.shape == (3, 2, 2)
-
-
-def test_weights_quantized_for_the_gemms_map_and_take_empty_shapes():
-    w = jax.random.normal(jax.random.key(4), (2, 3, 136, 72), jnp.float32)  # two layers' experts
-    stacked = jax.vmap(quantize_pair_for_gemm)(w)
-    for i in range(2):
-        _same(Fp8Weights(stacked.forward.values_ENK[i], stacked.forward.scale_ENbKb[i]), quantize_weights(w[i]))
-        _same(Fp8Weights(stacked.transposed.values_ENK[i], stacked.transposed.scale_ENbKb[i]),
-              transpose_weights(quantize_weights(w[i])))
-    empty = quantize_pair_for_gemm(jnp.zeros((2, 0, 64), jnp.bfloat16))
-    assert empty.forward.values_ENK.shape == (2, 0, 64) and empty.transposed.values_ENK.shape == (2, 64, 0)
-
-
-def test_weights_quantized_for_the_gemms_name_bad_arguments():
-    w = jnp.ones((2, 128, 128), jnp.bfloat16)
-    with pytest.raises(ValueError, match="w_ENK: expected \\[E, N, K\\]"):
-        quantize_for_gemm(w[0])
-    with pytest.raises(TypeError, match="w_ENK: expected a float32/bfloat16/float16"):
-        quantize_pair_for_gemm(w.astype(jnp.float8_e4m3fn))
-    with pytest.raises(TypeError, match="w_ENK: expected a float32/bfloat16/float16"):
-        quantize_for_gemm(jnp.ones((2, 128, 128), jnp.int32))
-    with pytest.raises(ValueError, match="backend='bf16'.*one of"):
-        quantize_pair_for_gemm(w, backend="bf16")

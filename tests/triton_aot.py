@@ -1,8 +1,7 @@
 """Compile the `triton` backend's kernels ahead of time for an H200 (sm_90) on any host, and print
 what the compiled code uses, one JSON line per kernel variant: wgmma, cp.async, the deepest
 `cp.async.wait_group` (0 when every load is waited for where it is issued, > 0 when loads run
-ahead of their use: the loop is pipelined), shared memory; for the FP8 weight quantizer its
-division and e4m3 conversion instructions and vector memory access.
+ahead of their use: the loop is pipelined), shared memory.
 
     python -m tests.triton_aot
 
@@ -25,8 +24,8 @@ from triton.compiler import ASTSource
 
 from moe_jax.ops.fp8 import FP8_DTYPE
 from moe_jax.ops.gmm.tiles import triton_smem_bytes
-from moe_jax.ops.gmm.triton.kernels import fp8_gmm_kernel, fp8_quantize_weights_kernel, gmm_kernel, tgmm_kernel
-from moe_jax.ops.gmm.triton.launch import fp8_gmm_launch, fp8_quantize_launch, gmm_launch, tgmm_launch
+from moe_jax.ops.gmm.triton.kernels import fp8_gmm_kernel, gmm_kernel, tgmm_kernel
+from moe_jax.ops.gmm.triton.launch import fp8_gmm_launch, gmm_launch, tgmm_launch
 from moe_jax.ops.gmm.triton.rules import fp8_gmm_tiles, gmm_tiles, tgmm_tiles
 
 H200 = GPUTarget("cuda", 90, 32)
@@ -44,9 +43,7 @@ def _compile(kernel, pointers: list[str], launch) -> dict:
     return dict(wgmma="wgmma.mma_async" in ptx, cp_async="cp.async" in ptx, max_wait_group=max(waits, default=0),
                 shared=compiled.metadata.shared, cubin=len(compiled.asm["cubin"]),
                 e4m3_mma=bool(re.search(r"(wgmma\.mma_async|mma\.sync)\S*\.e4m3\.e4m3", ptx)),
-                e4m3_widened="cvt.rn.f16x2.e4m3x2" in ptx, div_rn="div.rn.f32" in ptx and "div.full" not in ptx,
-                cvt_e4m3="cvt.rn.satfinite.e4m3x2.f32" in ptx,
-                vector_global=bool(re.search(r"ld\.global\S*\.v4", ptx) and re.search(r"st\.global\S*\.v4", ptx)))
+                e4m3_widened="cvt.rn.f16x2.e4m3x2" in ptx)
 
 
 def main() -> None:
@@ -75,12 +72,6 @@ def main() -> None:
             model = triton_smem_bytes(tiles, wgrad=False, dtype=FP8_DTYPE, ieee_fp32=False)
             print(json.dumps(dict(kernel="fp8_gmm", gather=gather, block_m=tiles.block_m, model=model,
                                   **_compile(fp8_gmm_kernel, fp8_ptrs, launch))), flush=True)
-    # The weight quantizer on bf16 master weights of this shape, with and without the transposed copy.
-    quantize_ptrs = [("w_ptr", "bf16"), ("values_ptr", "fp8e4nv"), ("scale_ptr", "fp32"), ("values_t_ptr", "fp8e4nv")]
-    for transposed in (True, False):
-        launch = fp8_quantize_launch(e=E, n=N, k=K, transposed=transposed)
-        print(json.dumps(dict(kernel="fp8_quantize", transposed=transposed,
-                              **_compile(fp8_quantize_weights_kernel, quantize_ptrs, launch))), flush=True)
 
 
 if __name__ == "__main__":

@@ -69,9 +69,7 @@ def _blocks(n: int) -> int:
     return -(-n // BLOCK)
 
 
-def as_float_operand(x, name: str, ndim: int, layout: str) -> jax.Array:
-    """`x` as a 16- or 32-bit float array of `ndim` dims (`layout` names them), else a TypeError or
-    ValueError naming `name`."""
+def _check_float(x, name: str, ndim: int, layout: str) -> jax.Array:
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == FP8_DTYPE:
         raise TypeError(f"{name}: expected a float32/bfloat16/float16 array to quantize, got {x.dtype}.")
@@ -99,7 +97,7 @@ def _to_fp8(x: jax.Array, scale: jax.Array) -> jax.Array:
 def quantize_rows(x_MK: jax.Array) -> Fp8Rows:
     """e4m3 values and one fp32 scale per 1 x 128 tile of each row (the last tile of a K that is not
     a multiple of 128 is narrower; its scale is its own channels')."""
-    x_MK = as_float_operand(x_MK, "x_MK", 2, "[M, K] rows")
+    x_MK = _check_float(x_MK, "x_MK", 2, "[M, K] rows")
     m, k = x_MK.shape
     kb = _blocks(k)
     x = jnp.pad(x_MK.astype(jnp.float32), ((0, 0), (0, kb * BLOCK - k))).reshape(m, kb, BLOCK)
@@ -111,7 +109,7 @@ def quantize_rows(x_MK: jax.Array) -> Fp8Rows:
 def quantize_weights(w_ENK: jax.Array) -> Fp8Weights:
     """e4m3 values and one fp32 scale per 128 x 128 block of each expert's `[N, K]` matrix (edge
     blocks are narrower)."""
-    w_ENK = as_float_operand(w_ENK, "w_ENK", 3, "[E, N, K] expert weights")
+    w_ENK = _check_float(w_ENK, "w_ENK", 3, "[E, N, K] expert weights")
     e, n, k = w_ENK.shape
     nb, kb = _blocks(n), _blocks(k)
     w = jnp.pad(w_ENK.astype(jnp.float32), ((0, 0), (0, nb * BLOCK - n), (0, kb * BLOCK - k)))

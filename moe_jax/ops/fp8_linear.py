@@ -8,10 +8,11 @@ The recipe is DeepSeek-V3's blockwise FP8 (DeepSeek-AI, "DeepSeek-V3 Technical R
 arXiv:2412.19437, section 3.3; the quantization itself is `moe_jax.ops.fp8`):
 
 - Forward: `x` quantized per 1 x 128 tile of K (`quantize_rows`), the weights per 128 x 128 block
-  (`quantize_weights`, or given already quantized), `y = rows @ w^T` by the recipe. Master weights
-  are quantized on the products' backend (`quantize_for_gemm`; in a differentiated call
-  `quantize_pair_for_gemm`, which also writes the `[E, K, N]` copy the input gradient reads, in the
-  same pass over the weights; that copy, not the forward's, is what the backward keeps).
+  (`quantize_weights`, or given already quantized), `y = rows @ w^T` by the recipe. In a
+  differentiated call the forward also writes the quantized master weights as `[E, K, N]`
+  (`transpose_weights`), the layout the input gradient's product reads: XLA fuses that second
+  output into the quantization's pass over the weights (no extra read), and the backward keeps it
+  instead of the forward's layout (the same bytes), so it transposes nothing.
 - Input gradient: `dy` quantized per 1 x 128 tile of N, `dx = dy @ w` by the recipe with the same
   128 x 128 weight blocks read in the other orientation.
 - Weight gradient: `dw = dy^T @ rows` in x's dtype from the dequantized FP8 rows (the recipe keeps
@@ -39,10 +40,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from moe_jax.ops.fp8 import BLOCK, FP8_DTYPE, Fp8Weights, dequantize_rows, quantize_rows, transpose_weights
+from moe_jax.ops.fp8 import (BLOCK, FP8_DTYPE, Fp8Weights, dequantize_rows, quantize_rows, quantize_weights,
+                             transpose_weights)
 from moe_jax.ops.gmm import SUPPORTED_DTYPES, tgmm
-from moe_jax.ops.gmm.fp8_api import (FP8_GEMM_BACKENDS, fp8_backend, gmm_fp8, quantize_for_gemm,
-                                     quantize_pair_for_gemm)
+from moe_jax.ops.gmm.fp8_api import FP8_GEMM_BACKENDS, fp8_backend, gmm_fp8
 
 __all__ = ["FP8_LINEAR_BACKENDS", "fp8_grouped_linear"]
 
@@ -64,11 +65,12 @@ def _dgrad(backend, dy, wq_t, group_sizes, x_dtype):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _master_linear(backend, x, w, group_sizes):
-    return _forward(backend, x, quantize_for_gemm(w, backend=backend), group_sizes)[0]
+    return _forward(backend, x, quantize_weights(w), group_sizes)[0]
 
 
 def _master_linear_fwd(backend, x, w, group_sizes):
-    wq, wq_t = quantize_pair_for_gemm(w, backend=backend)
+    wq = quantize_weights(w)
+    wq_t = transpose_weights(wq)
     y, rows = _forward(backend, x, wq, group_sizes)
     # The master weights are not kept: only a zero-size witness of their dtype for the cotangent.
     return y, (rows, wq_t, group_sizes, jnp.zeros((0,), w.dtype), jnp.zeros((0,), x.dtype))

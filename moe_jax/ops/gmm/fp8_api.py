@@ -16,12 +16,6 @@ Backends (`FP8_GEMM_BACKENDS`):
   slower than a bf16 `gmm`.
 - `auto`: `triton` where it runs, else `xla`.
 
-The weights' quantization for these GEMMs (`quantize_for_gemm`, `quantize_pair_for_gemm`) runs on
-the same choice: `triton` is the quantizer kernel (`fp8_quantize_weights_kernel`: each 128 x 128
-block read once, its e4m3 values written in the forward layout and, for training, in the input
-gradient's `[E, K, N]` layout in the same pass), bit for bit `moe_jax.ops.fp8.quantize_weights`;
-the other backends are that function (and `transpose_weights`).
-
 Contract as `gmm`'s: rows of group e are `lhs_e @ rhs[e]^T` (`transpose_rhs=True`) or
 `lhs_e @ rhs[e]` (False); empty groups are legal; rows past `sum(group_sizes)` are zero; under
 `jit` sizes are clamped as `gmm` documents. With `row_ids`, packed row i is source row
@@ -34,20 +28,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from typing import NamedTuple
-
-from moe_jax.ops.fp8 import (BLOCK, FP8_DTYPE, Fp8Rows, Fp8Weights, as_float_operand, dequantize_rows,
-                             dequantize_weights, quantize_weights, transpose_weights)
+from moe_jax.ops.fp8 import (BLOCK, FP8_DTYPE, Fp8Rows, Fp8Weights, dequantize_rows, dequantize_weights,
+                             transpose_weights)
 from moe_jax.ops.gmm.api import as_primitive, check_group_sizes, check_row_ids, gmm
 from moe_jax.ops.gmm.tiles import TileConfig, fit_tiles
 from moe_jax.ops.gmm.triton.backend import BACKEND as TRITON
-from moe_jax.ops.gmm.triton.launch import fp8_gmm_triton, fp8_quantize_weights_triton
+from moe_jax.ops.gmm.triton.launch import fp8_gmm_triton
 from moe_jax.ops.gmm.triton.rules import fp8_gmm_tiles
 from moe_jax.ops.platform import device_facts
 from moe_jax.ops.sharding import replicate_explicit
 
-__all__ = ["FP8_GEMM_BACKENDS", "FP8_KERNEL_CAPABILITY", "Fp8WeightPair", "fp8_backend", "fp8_tiles", "gmm_fp8",
-           "quantize_for_gemm", "quantize_pair_for_gemm"]
+__all__ = ["FP8_GEMM_BACKENDS", "FP8_KERNEL_CAPABILITY", "fp8_backend", "fp8_tiles", "gmm_fp8"]
 
 FP8_GEMM_BACKENDS = ("auto", "triton", "xla", "pallas_triton")
 FP8_KERNEL_CAPABILITY = (8, 9)  # e4m3 tensor-core MMA: Ada and Hopper on
@@ -168,33 +159,3 @@ def gmm_fp8(lhs: Fp8Rows, rhs: Fp8Weights, group_sizes: jax.Array, *, transpose_
                               row_ids=ids[0] if ids else None)
 
     return as_primitive("gmm_fp8", impl, *arrays, differentiable="fp8_grouped_linear")
-
-
-class Fp8WeightPair(NamedTuple):
-    """Expert weights `[E, N, K]` quantized for both products of a training step: `forward` (the
-    `[E, N, K]` operand of `y = x @ w^T`) and `transposed` (the same blocks as `[E, K, N]`, the
-    operand of the input gradient `dx = dy @ w` as a `transpose_rhs=True` product)."""
-
-    forward: Fp8Weights
-    transposed: Fp8Weights
-
-
-def _quantize(w_ENK, backend: str, transposed: bool) -> tuple[Fp8Weights, Fp8Weights | None]:
-    w_ENK = as_float_operand(w_ENK, "w_ENK", 3, "[E, N, K] expert weights")
-    if fp8_backend(backend) != "triton" or 0 in w_ENK.shape:
-        wq = quantize_weights(w_ENK)
-        return wq, (transpose_weights(wq) if transposed else None)
-    return as_primitive("quantize_for_gemm", lambda w: fp8_quantize_weights_triton(w, transposed=transposed),
-                        *replicate_explicit(w_ENK), differentiable="fp8_grouped_linear")
-
-
-def quantize_for_gemm(w_ENK: jax.Array, *, backend: str = "auto") -> Fp8Weights:
-    """`moe_jax.ops.fp8.quantize_weights(w_ENK)` (bit for bit) on `backend` (one of
-    `FP8_GEMM_BACKENDS`: the quantizer kernel where `gmm_fp8` would run its kernel)."""
-    return _quantize(w_ENK, backend, transposed=False)[0]
-
-
-def quantize_pair_for_gemm(w_ENK: jax.Array, *, backend: str = "auto") -> Fp8WeightPair:
-    """`quantize_weights(w_ENK)` and its `transpose_weights`, in one pass over `w_ENK` on the
-    quantizer kernel (`backend` as `quantize_for_gemm`'s)."""
-    return Fp8WeightPair(*_quantize(w_ENK, backend, transposed=True))

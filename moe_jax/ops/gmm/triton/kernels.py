@@ -17,10 +17,6 @@ The 16-bit kernels keep the contracts of the `pallas_triton` backend's row-tile 
 - `fp8_gmm_kernel`: `gmm_kernel`'s forward orientation and row contract on the blockwise FP8 recipe
   (`moe_jax.ops.fp8`): e4m3 operands, the K loop one 128-wide scale block per step, each step's
   tensor-core partial sum promoted into the fp32 accumulator times its row and weight-block scales.
-- `fp8_quantize_weights_kernel`: the recipe's 128 x 128 weight quantization (`moe_jax.ops.fp8`)
-  of `w[E, N, K]`, one program per block: the block read once, its scale, its e4m3 values, and with
-  `TRANSPOSED` the same values also stored as `[E, K, N]` (the FP8 kernel's operand for the input
-  gradient, which Hopper's 8-bit MMA reads K-major only).
 Products accumulate in fp32; `PRECISION` is `tl.dot`'s `input_precision` ("ieee" for fp32 inputs
 at `Precision.HIGHEST`, else "tf32"; bf16/fp16 ignore it).
 
@@ -36,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["fp8_gmm_kernel", "fp8_quantize_weights_kernel", "gmm_kernel", "tgmm_kernel"]
+__all__ = ["fp8_gmm_kernel", "gmm_kernel", "tgmm_kernel"]
 
 
 @triton.jit
@@ -273,41 +269,3 @@ def fp8_gmm_kernel(
                 acc += tl.dot(a, b) * a_s[:, None] * tl.load(b_scales + kb, mask=col_ok, other=0.0)[None, :]
     tl.store(c_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], acc.to(c_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
-
-
-@triton.jit
-def _nan_max(a, b):
-    # tl.max drops NaN (maxnum); the recipe's block scale must be NaN when the block holds one.
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def fp8_quantize_weights_kernel(
-    w_ptr, values_ptr, scale_ptr, values_t_ptr,
-    N: tl.constexpr, K: tl.constexpr, N_BLOCKS: tl.constexpr, K_BLOCKS: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-    FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr, TRANSPOSED: tl.constexpr,
-):
-    """One SCALE_BLOCK x SCALE_BLOCK block of `moe_jax.ops.fp8.quantize_weights` on `w` `[E, N, K]`
-    (16- or 32-bit floats): `scale[E, N_BLOCKS, K_BLOCKS]` (fp32) = amax * INV_FP8_MAX (1 for an
-    all-zero block; NaN or inf when the block holds one), `values[E, N, K]` = e4m3 of
-    `clip(w / scale)` (correctly rounded division, as XLA's), and with `TRANSPOSED`
-    `values_t[E, K, N]` the same bytes transposed (without it `values_t_ptr` is not touched). Edge blocks are narrower; nothing outside the
-    operands is read or written."""
-    pid = tl.program_id(0)
-    e = pid // (N_BLOCKS * K_BLOCKS)
-    nb = (pid // K_BLOCKS) % N_BLOCKS
-    kb = pid % K_BLOCKS
-    ns = nb * SCALE_BLOCK + tl.arange(0, SCALE_BLOCK)
-    ks = kb * SCALE_BLOCK + tl.arange(0, SCALE_BLOCK)
-    ok = (ns < N)[:, None] & (ks < K)[None, :]
-    base = e.to(tl.int64) * N * K
-    w = tl.load(w_ptr + base + ns[:, None] * K + ks[None, :], mask=ok, other=0.0).to(tl.float32)
-    amax = tl.reduce(tl.reduce(tl.abs(w), 1, _nan_max), 0, _nan_max)
-    scale = tl.where(amax == 0, 1.0, amax * INV_FP8_MAX)
-    q = tl.clamp(tl.math.div_rn(w, scale), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-    q = q.to(values_ptr.dtype.element_ty)
-    tl.store(values_ptr + base + ns[:, None] * K + ks[None, :], q, mask=ok)
-    if TRANSPOSED:
-        tl.store(values_t_ptr + base + ks[:, None] * N + ns[None, :], tl.trans(q),
-                 mask=(ks < K)[:, None] & (ns < N)[None, :])
-    tl.store(scale_ptr + pid, scale)

@@ -17,14 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_jax.ops.fp8 import BLOCK as FP8_BLOCK
-from moe_jax.ops.fp8 import FP8_DTYPE, FP8_MAX, Fp8Rows, Fp8Weights
+from moe_jax.ops.fp8 import Fp8Rows, Fp8Weights
 from moe_jax.ops.gmm.schedule import lane_sizes, max_tiles
 from moe_jax.ops.gmm.tiles import TileConfig
 from moe_jax.ops.pallas_triton import cdiv, next_pow2
 from moe_jax.ops.sharding import varying_like
 
-__all__ = ["Launch", "fp8_gmm_launch", "fp8_gmm_torch", "fp8_gmm_triton", "fp8_quantize_launch",
-           "fp8_quantize_weights_torch", "fp8_quantize_weights_triton", "gmm_launch", "import_jax_triton",
+__all__ = ["Launch", "fp8_gmm_launch", "fp8_gmm_torch", "fp8_gmm_triton", "gmm_launch", "import_jax_triton",
            "gmm_triton", "gmm_torch", "tgmm_launch", "tgmm_triton", "tgmm_torch"]
 
 
@@ -92,23 +91,6 @@ def fp8_gmm_launch(*, m: int, n: int, k: int, num_groups: int, source_rows: int 
         GATHER=source_rows is not None, INTERPRET=interpret,
     )
     return Launch((num_tiles * cdiv(n, tiles.block_n),), tiles.num_warps, tiles.num_stages, constants)
-
-
-# The quantizer's programs each hold one 128 x 128 block: 8 warps keep it at 64 fp32 registers a
-# thread, and its transposed store goes through shared memory once (no loop to pipeline).
-_QUANTIZE_WARPS = 8
-
-
-def fp8_quantize_launch(*, e: int, n: int, k: int, transposed: bool) -> Launch:
-    """The launch of `fp8_quantize_weights_kernel` on `[E, N, K]` weights: one program per
-    128 x 128 block. Needs `E, N, K > 0`."""
-    n_blocks, k_blocks = cdiv(n, FP8_BLOCK), cdiv(k, FP8_BLOCK)
-    if e * n_blocks * k_blocks >= 2**31:
-        raise ValueError(f"quantize_weights (triton backend): {e * n_blocks * k_blocks} blocks exceed a 2**31 grid.")
-    # The reciprocal as an fp32 value (moe_jax.ops.fp8's `_scale_of` multiplies by the same constant).
-    constants = dict(N=n, K=k, N_BLOCKS=n_blocks, K_BLOCKS=k_blocks, SCALE_BLOCK=FP8_BLOCK, FP8_MAX=FP8_MAX,
-                     INV_FP8_MAX=float(np.float32(1 / FP8_MAX)), TRANSPOSED=transposed)
-    return Launch((e * n_blocks * k_blocks,), _QUANTIZE_WARPS, 1, constants)
 
 
 def import_jax_triton():
@@ -190,49 +172,6 @@ def fp8_gmm_triton(lhs: Fp8Rows, rhs: Fp8Weights, group_sizes: jax.Array, *, til
     rows = sizes if row_ids is None else row_ids.astype(jnp.int32)
     return _triton_call(fp8_gmm_kernel, (sizes, rows, lhs.values_MK, lhs.scale_MKb, rhs.values_ENK, rhs.scale_ENbKb),
                         jax.ShapeDtypeStruct((m, n), out_dtype), launch, "moe_jax_fp8_gmm_triton")
-
-
-def fp8_quantize_weights_triton(w_ENK: jax.Array, *, transposed: bool) -> tuple[Fp8Weights, Fp8Weights | None]:
-    """`moe_jax.ops.fp8.quantize_weights(w_ENK)` by the quantizer kernel, through `jax_triton`
-    (GPU), bit for bit, and with `transposed` the same weights as the `[E, K, N]` operand of the
-    transposed product (values and scales transposed), else None. `E, N, K > 0` expected."""
-    from moe_jax.ops.gmm.triton.kernels import fp8_quantize_weights_kernel  # noqa: PLC0415
-
-    e, n, k = w_ENK.shape
-    launch = fp8_quantize_launch(e=e, n=n, k=k, transposed=transposed)
-    out_shape = (jax.ShapeDtypeStruct((e, n, k), FP8_DTYPE),
-                 jax.ShapeDtypeStruct((e, launch.constants["N_BLOCKS"], launch.constants["K_BLOCKS"]), jnp.float32),
-                 # Without `transposed` the kernel never writes its transposed output: one byte stands in.
-                 jax.ShapeDtypeStruct((e, k, n) if transposed else (1,), FP8_DTYPE))
-    values, scale, values_t = _triton_call(fp8_quantize_weights_kernel, (w_ENK,), out_shape, launch,
-                                           "moe_jax_fp8_quantize_weights")
-    return Fp8Weights(values, scale), (Fp8Weights(values_t, jnp.swapaxes(scale, 1, 2)) if transposed else None)
-
-
-def fp8_quantize_weights_torch(w, *, transposed: bool):
-    """`fp8_quantize_weights_kernel` on a torch tensor `w` `[E, N, K]` (CUDA compiled, CPU
-    interpreted): `(values [E, N, K] e4m3, scale [E, Nb, Kb] fp32, values_t [E, K, N] e4m3 or
-    None)`."""
-    import torch  # noqa: PLC0415
-
-    from moe_jax.ops.gmm.triton.kernels import fp8_quantize_weights_kernel  # noqa: PLC0415
-
-    interpret = w.device.type == "cpu"
-    e, n, k = w.shape
-    launch = fp8_quantize_launch(e=e, n=n, k=k, transposed=transposed)
-    # Interpreted, the clipped quotients are stored in fp32 and rounded to e4m3 by torch (nearest
-    # even): Triton 3.6's interpreter drops the carry when rounding a mantissa up into the next
-    # binade. Compiled, the kernel's own conversion (`cvt.rn`) stores e4m3.
-    values_dtype = torch.float32 if interpret else torch.float8_e4m3fn
-    values = torch.empty((e, n, k), dtype=values_dtype, device=w.device)
-    scale = torch.empty((e, launch.constants["N_BLOCKS"], launch.constants["K_BLOCKS"]), dtype=torch.float32,
-                        device=w.device)
-    values_t = torch.empty((e, k, n) if transposed else (1,), dtype=values_dtype, device=w.device)
-    _torch_kernel(fp8_quantize_weights_kernel, interpret)[launch.grid](
-        w.contiguous(), values, scale, values_t, num_warps=launch.num_warps, num_stages=launch.num_stages,
-        **launch.constants)
-    values, values_t = (t.to(torch.float8_e4m3fn) for t in (values, values_t))
-    return values, scale, values_t if transposed else None
 
 
 def _torch_kernel(kernel, interpret: bool):
