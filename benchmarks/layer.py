@@ -1,6 +1,6 @@
 """The whole MoE layer, forward + backward, against a torch layer on `torch._grouped_mm` (GPU only).
 
-    python -m benchmarks.layer [--shapes 0,1,2] [--variants auto,static,triton] [--json PATH]
+    python -m benchmarks.layer [--shapes 0,1,2] [--variants auto,static,triton,fp8] [--json PATH]
 
 Shapes (routed experts only, top-k softmax routing renormalised, bf16 weights and activations):
 Qwen3-30B-A3B (T=4096, D=2048, F=768, top-8 of 128), Mixtral-8x7B (T=8192, D=4096, F=14336,
@@ -21,12 +21,27 @@ stable sort by expert, the row gather, `torch._grouped_mm` for gate, up and down
 weighted combine (`index_add_`), and autograd for every gradient; memory is
 `torch.cuda.max_memory_allocated` over the step (parameters and inputs included).
 Each variant's output is compared with the torch layer's (relative error in the records).
+
+Torch FP8 (timed once per shape when `fp8` is among the variants, so `fp8` has an FP8 peer): the
+same torch layer with its three expert GEMMs on `torch_fp8_grouped_linear`, the rowwise recipe of
+torchao's FP8 MoE training on Hopper: rows per row and weights per (expert, output channel) in
+e4m3, amax / 448 scales, `torch._scaled_grouped_mm` (fast accumulation, bf16 out); the input
+gradient in FP8 too (dy per row, the transposed weights per (expert, k)); the weight gradient in
+bf16 on `torch._grouped_mm`, as ours is (torchao also quantizes that one, and rounds its scales
+to powers of two). It keeps the bf16 rows and weights for the backward and quantizes the weights
+again, transposed, there. Its quantization is `torch.compile`d (fused amax, scale and cast kernels,
+as torchao's Triton quantizers are; eager torch ops would make fp32 temporaries of every operand and
+take 2-3x the step). Records: `torch_fp8_ms`,
+`torch_fp8_peak_gib`, `torch_fp8_rel_err_vs_torch` (its output against the bf16 torch layer's) in
+the shape's row, or `torch_fp8_error` when it cannot run the shape (`_scaled_grouped_mm` needs dims
+that are multiples of 16); `torch_fp8_over_ours` in the `fp8` variant's record.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -38,11 +53,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from benchmarks.fp8 import torch_fp8_rowwise
 from benchmarks.gmm import to_torch
 from benchmarks.timing import compile_jax, run_meta, time_compiled, time_torch
 from moe_jax.layers import Fp8Blockwise, GemmOptions, MoE
 from moe_jax.ops import H200_BACKENDS
 from moe_jax.routing import SoftmaxTopK
+from moe_jax.testing import rel_err
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,8 +127,72 @@ def _device_bytes() -> int:
     return jax.devices()[0].memory_stats().get("bytes_limit", 0)
 
 
-def torch_layer(params: dict, x, top_k: int):
-    """The torch MoE layer: returns the loss, output and gradients of (x, router, gate, up, down)."""
+def torch_grouped_linear(xs_MK, w_ENK, offs_E):
+    """The bf16 expert GEMM of the torch layer: `y[M, N]`, each group of rows (ending at `offs_E`)
+    times its expert's `w[e].T` on `torch._grouped_mm` (autograd gives dx and dw)."""
+    import torch
+
+    return torch._grouped_mm(xs_MK, w_ENK.transpose(-2, -1), offs=offs_E)
+
+
+@functools.cache
+def _fp8_grouped_linear():
+    """The autograd Function of `torch_fp8_grouped_linear` (built on first use: torch is imported
+    only by the torch side)."""
+    import torch
+
+    class Fp8GroupedLinear(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, xs_MK, w_ENK, offs_E, scaled_mm, quantize):
+            xq_MK, sx_M, wq_ENK, sw_EN = quantize(xs_MK, w_ENK)
+            ctx.save_for_backward(xs_MK, w_ENK, offs_E)
+            ctx.scaled_mm, ctx.quantize = scaled_mm, quantize
+            return scaled_mm(xq_MK, wq_ENK.transpose(-2, -1), sx_M, sw_EN, offs=offs_E, out_dtype=xs_MK.dtype,
+                             use_fast_accum=True)
+
+        @staticmethod
+        def backward(ctx, dy_MN):
+            xs_MK, w_ENK, offs_E = ctx.saved_tensors
+            dy_MN = dy_MN.contiguous()  # `_grouped_mm` takes dy^T as the transposed view of row-major dy
+            # Per (expert, k) scales reduce over N, so the weights are quantized from a [E, K, N] copy.
+            dyq_MN, sdy_M, wtq_EKN, swt_EK = ctx.quantize(dy_MN, w_ENK.transpose(-2, -1).contiguous())
+            dx_MK = ctx.scaled_mm(dyq_MN, wtq_EKN.transpose(-2, -1), sdy_M, swt_EK, offs=offs_E,
+                                  out_dtype=dy_MN.dtype, use_fast_accum=True)
+            dw_ENK = torch._grouped_mm(dy_MN.t(), xs_MK, offs=offs_E)
+            return dx_MK, dw_ENK, None, None, None
+
+    return Fp8GroupedLinear
+
+
+def torch_fp8_grouped_linear(xs_MK, w_ENK, offs_E, scaled_mm=None, quantize=torch_fp8_rowwise):
+    """`torch_grouped_linear` with the rowwise-FP8 recipe of torchao's MoE training on Hopper, but
+    for its bf16 weight gradient and scales not rounded to powers of two.
+
+    Forward: `xs [M, K]` quantized per row and `w [E, N, K]` per (expert, output channel), both
+    over K, to e4m3 (scale amax / 448, clamped so an all-zero row or channel does not divide by
+    zero: `benchmarks.fp8.torch_fp8_rowwise`); `y [M, N] = scaled_mm(xq, wq^T, sx, sw, offs)` in
+    the rows' dtype. Backward: `dx [M, K]` in FP8 too, `dy` quantized per row over N and the
+    weights, transposed to `[E, K, N]`, per (expert, k) over N; `dw [E, N, K]` unquantized in the
+    rows' dtype (bf16 in the benchmark, like our FP8 layer's weight gradient),
+    `torch._grouped_mm(dy^T, xs, offs)`. Kept for the backward: the unquantized rows and weights
+    (the forward's FP8 operands are freed; the weights are quantized again, transposed).
+
+    `offs_E`: int32 end row of each expert's group (equal ends are empty experts). `scaled_mm`: the
+    scaled grouped product, called as `torch._scaled_grouped_mm` is (the default; CUDA only, its
+    dims multiples of 16), so a test can pass an emulation on CPU. `quantize`: `torch_fp8_rowwise`
+    or a compiled form of it (the benchmark's).
+    """
+    import torch
+
+    return _fp8_grouped_linear().apply(xs_MK, w_ENK, offs_E, scaled_mm or torch._scaled_grouped_mm, quantize)
+
+
+def torch_layer(params: dict, x, top_k: int, linear=torch_grouped_linear):
+    """The torch MoE layer: returns its output, the gradients of `sum(y**2)` with respect to (x, router,
+    gate, up, down) and the top-k expert ids.
+
+    `linear(xs_MK, w_ENK, offs_E) -> y_MN` is each of the three expert GEMMs
+    (`torch_grouped_linear` or `torch_fp8_grouped_linear`)."""
     import torch
 
     wr, wg, wu, wd = (params[k] for k in ("w_router", "w_gate", "w_up", "w_down"))
@@ -124,10 +205,10 @@ def torch_layer(params: dict, x, top_k: int):
     token = order // top_k
     offs = torch.cumsum(torch.bincount(flat, minlength=num_experts), 0).to(torch.int32)
     xs = x[token]
-    gate = torch._grouped_mm(xs, wg.transpose(-2, -1), offs=offs)
-    up = torch._grouped_mm(xs, wu.transpose(-2, -1), offs=offs)
+    gate = linear(xs, wg, offs)
+    up = linear(xs, wu, offs)
     h = torch.nn.functional.silu(gate) * up
-    ys = torch._grouped_mm(h, wd.transpose(-2, -1), offs=offs)
+    ys = linear(h, wd, offs)
     ys = ys * weights.flatten()[order, None].to(ys.dtype)
     y = torch.zeros_like(x).index_add_(0, token, ys)
     loss = (y.float() ** 2).sum()
@@ -135,20 +216,25 @@ def torch_layer(params: dict, x, top_k: int):
     return y, grads, idx
 
 
-def _torch_side(layer: MoE, x, top_k: int, reps: int):
+def _torch_side(layer: MoE, x, top_k: int, reps: int, linear=torch_grouped_linear):
+    """Time `torch_layer` with `linear` on `layer`'s weights and `x`: (seconds, peak bytes, output, top-k ids)."""
     import torch
 
     params = {k: to_torch(getattr(layer, k)[...]).detach().clone().requires_grad_(True)
               for k in ("w_router", "w_gate", "w_up", "w_down")}
     tx = to_torch(x).detach().clone().requires_grad_(True)
-    y, _, idx = torch_layer(params, tx, top_k)
+    y, _, idx = torch_layer(params, tx, top_k, linear)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    torch_layer(params, tx, top_k)
+    torch_layer(params, tx, top_k, linear)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
-    t = time_torch(lambda: torch_layer(params, tx, top_k), [()], reps=reps, trials=5, graph=False)
+    t = time_torch(lambda: torch_layer(params, tx, top_k, linear), [()], reps=reps, trials=5, graph=False)
     return t, peak, y.detach(), idx
+
+
+def _error(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
 
 
 def main(argv=None) -> int:
@@ -160,43 +246,65 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import torch
 
+    variants = args.variants.split(",")
+    # Each distinct operand shape compiles once: six per layer shape (rows, dy, three weight layouts).
+    torch._dynamo.config.recompile_limit = 64
+    fp8_linear = functools.partial(torch_fp8_grouped_linear,
+                                   quantize=torch.compile(torch_fp8_rowwise, dynamic=False))
     rows = []
     for i in (int(s) for s in args.shapes.split(",")):
         shape = SHAPES[i]
         base = _layer(shape)
         x = jax.random.normal(jax.random.PRNGKey(1), (shape.tokens, shape.d_model), jnp.bfloat16)
         t_torch, peak_torch, y_torch, idx_torch = _torch_side(base, x, shape.top_k, args.reps)
+        y_ref = y_torch.float().cpu().numpy()
         torch.cuda.empty_cache()
         row = dict(shape=shape.name, **dataclasses.asdict(shape), flops=shape.flops, torch_ms=t_torch * 1e3,
                    torch_peak_gib=peak_torch / 2**30, variants={})
-        for v in args.variants.split(","):
+        if "fp8" in variants:
+            try:
+                t8, peak8, y8, _ = _torch_side(base, x, shape.top_k, args.reps, fp8_linear)
+            except Exception as e:  # e.g. `_scaled_grouped_mm`'s alignment: reported, not fatal
+                row["torch_fp8_error"] = _error(e)
+                print(f"  {shape.name} torch fp8: {row['torch_fp8_error']}", flush=True)
+            else:
+                row.update(torch_fp8_ms=t8 * 1e3, torch_fp8_peak_gib=peak8 / 2**30,
+                           torch_fp8_rel_err_vs_torch=rel_err(y8.float().cpu().numpy(), y_ref))
+                print(f"  {shape.name:<14} torch fp8 {t8 * 1e3:8.3f} ms | torch {t_torch * 1e3:8.3f} ms | memory "
+                      f"{peak8 / 2**30:6.2f} GiB | rel err to torch {row['torch_fp8_rel_err_vs_torch']:.1e}",
+                      flush=True)
+            torch.cuda.empty_cache()
+        for v in variants:
             layer = _layer(shape, **VARIANTS[v])
             nnx.update(layer, nnx.state(base))
             try:
                 t, footprint, y = _ours(layer, x, args.reps)
             except Exception as e:  # a variant that cannot run here is reported, not fatal
-                row["variants"][v] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                row["variants"][v] = dict(error=_error(e))
                 print(f"  {shape.name} {v}: {row['variants'][v]['error']}", flush=True)
                 continue
-            yf = np.asarray(y, np.float32)
-            tf = y_torch.float().cpu().numpy()
-            err = float(np.linalg.norm(yf - tf) / max(np.linalg.norm(tf), 1e-30))
-            row["variants"][v] = dict(ms=t * 1e3, footprint_gib=footprint / 2**30, torch_over_ours=t_torch / t,
-                                      tflops=shape.flops / t / 1e12, rel_err_vs_torch=err)
+            err = rel_err(np.asarray(y, np.float32), y_ref)
+            rec = row["variants"][v] = dict(ms=t * 1e3, footprint_gib=footprint / 2**30, torch_over_ours=t_torch / t,
+                                            tflops=shape.flops / t / 1e12, rel_err_vs_torch=err)
+            versus_fp8 = ""
+            if v == "fp8" and "torch_fp8_ms" in row:
+                rec["torch_fp8_over_ours"] = row["torch_fp8_ms"] / rec["ms"]
+                versus_fp8 = f" | torch fp8/ours x{rec['torch_fp8_over_ours']:4.2f}"
             print(f"  {shape.name:<14} {v:<7} {t * 1e3:8.3f} ms ({shape.flops / t / 1e12:5.0f} TF/s) | torch "
-                  f"{t_torch * 1e3:8.3f} ms | torch/ours x{t_torch / t:4.2f} | memory ours {footprint / 2**30:6.2f} "
-                  f"GiB torch {peak_torch / 2**30:6.2f} GiB | rel err {err:.1e}", flush=True)
+                  f"{t_torch * 1e3:8.3f} ms | torch/ours x{t_torch / t:4.2f}{versus_fp8} | memory ours "
+                  f"{footprint / 2**30:6.2f} GiB torch {peak_torch / 2**30:6.2f} GiB | rel err {err:.1e}", flush=True)
         rows.append(row)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(meta=run_meta("python -m benchmarks.layer " + " ".join(sys.argv[1:])), rows=rows), f,
                       indent=1)
-    print("\nshape | variant | ms | torch ms | torch/ours | GiB ours | GiB torch")
+    print("\nshape | variant | ms | torch ms | torch/ours | torch fp8/ours | GiB ours | GiB torch")
     for r in rows:
         for v, rec in r["variants"].items():
             if "ms" in rec:
+                versus_fp8 = f"{rec['torch_fp8_over_ours']:.2f}" if "torch_fp8_over_ours" in rec else "-"
                 print(f"{r['shape']} | {v} | {rec['ms']:.3f} | {r['torch_ms']:.3f} | {rec['torch_over_ours']:.2f} | "
-                      f"{rec['footprint_gib']:.2f} | {r['torch_peak_gib']:.2f}")
+                      f"{versus_fp8} | {rec['footprint_gib']:.2f} | {r['torch_peak_gib']:.2f}")
     return 0
 
 

@@ -1,16 +1,21 @@
-"""The layer benchmark's torch peer computes the same layer as `MoE`: on CPU in fp32, its output
-and every gradient equal ours (so the GPU timings compare like with like)."""
+"""The layer benchmark's torch peers: the bf16 one computes the same layer as `MoE` (on CPU in fp32,
+its output and every gradient equal ours, so the GPU timings compare like with like); the FP8 one
+is that layer with its expert GEMMs in the rowwise-FP8 recipe, checked on CPU through an emulation
+of `torch._scaled_grouped_mm` (which CUDA alone runs) and, on a GPU, that emulation against it."""
+
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import torch
 from flax import nnx
 
-from benchmarks.layer import torch_layer
+from benchmarks.layer import torch_fp8_grouped_linear, torch_layer
 from moe_jax.layers import GemmOptions, MoE
 from moe_jax.routing import SoftmaxTopK
-from moe_jax.testing import assert_close
+from moe_jax.testing import assert_close, rel_err
 
 
 def test_torch_peer_matches_moe_forward_and_gradients():
@@ -32,3 +37,86 @@ def test_torch_peer_matches_moe_forward_and_gradients():
     assert_close(grads[0].numpy(), g_x, jnp.float32, "d x")
     for n, g in zip(names, grads[1:]):
         assert_close(g.numpy(), g_state[n][...], jnp.float32, f"d {n}")
+
+
+def _emulated_scaled_grouped_mm(xq_MK, wq_EKN, sx_M, sw_EN, *, offs, out_dtype, use_fast_accum=False):
+    """`torch._scaled_grouped_mm`'s rowwise product where it does not run (CPU): both operands
+    dequantized to fp32 and multiplied group by group (fast accumulation has no counterpart here)."""
+    x_MK, w_EKN = xq_MK.float() * sx_M[:, None], wq_EKN.float() * sw_EN[:, None, :]
+    ends = offs.tolist()
+    return torch.cat([x_MK[a:b] @ w_EKN[e] for e, (a, b) in enumerate(zip([0, *ends[:-1]], ends))]).to(out_dtype)
+
+
+def _dequantized(a, dim):
+    """`a` rounded to e4m3 with amax / 448 scales along `dim` and scaled back, in fp32 (an all-zero
+    slice stays zero): the recipe written out independently of `benchmarks.fp8.torch_fp8_rowwise`."""
+    scale = a.abs().amax(dim, keepdim=True) / 448
+    return torch.where(scale > 0, (a / scale).to(torch.float8_e4m3fn).float() * scale, 0.0)
+
+
+def _fp8_layer_params(seed=0, d=32, f=48, e=8, t=40):
+    """fp32 params and tokens whose router never picks expert 3 (its logit is ~-15 below the rest)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, d, generator=g)
+    x[:, 0] = 3.0
+    w_router = torch.randn(e, d, generator=g) * 0.3
+    w_router[3, 0] = -5.0
+    params = dict(w_router=w_router, w_gate=torch.randn(e, f, d, generator=g) / d**0.5,
+                  w_up=torch.randn(e, f, d, generator=g) / d**0.5, w_down=torch.randn(e, d, f, generator=g) / f**0.5)
+    return {n: p.requires_grad_(True) for n, p in params.items()}, x.requires_grad_(True)
+
+
+def test_torch_fp8_peer_is_the_layer_within_fp8_error():
+    """Output and every gradient of the torch FP8 layer are within e4m3's error of the unquantized
+    layer's (measured 4-7e-2 over seeds), and not equal to them."""
+    params, x = _fp8_layer_params()
+    y, grads, idx = torch_layer(params, x, 2)
+    fp8_linear = partial(torch_fp8_grouped_linear, scaled_mm=_emulated_scaled_grouped_mm)
+    y8, grads8, idx8 = torch_layer(params, x, 2, fp8_linear)
+    assert torch.equal(idx, idx8) and not (idx == 3).any()  # an empty expert is in the groups
+    names = ("output", "d x", "d w_router", "d w_gate", "d w_up", "d w_down")
+    for name, out, ref in zip(names, (y8, *grads8), (y, *grads)):
+        err = rel_err(out.detach().numpy(), ref.detach().numpy())
+        assert 1e-2 < err < 1e-1, f"{name}: rel error {err:.2e} to the unquantized layer"
+    assert not any(g[3].any() for g in grads8[2:])  # nothing flows to the empty expert's weights
+
+
+def test_torch_fp8_grouped_linear_is_the_recipe():
+    """y and dx are the dequantized-e4m3 products (x and dy per row, w per (e, n) and per (e, k)), dw
+    the unquantized dy^T xs per group; with an empty group and all-zero rows of xs and dy."""
+    g = torch.Generator().manual_seed(0)
+    m, k, n = 40, 32, 48
+    offs = torch.tensor([10, 10, 25, 40], dtype=torch.int32)
+    xs = torch.randn(m, k, generator=g)
+    xs[0] = 0.0
+    xs.requires_grad_(True)
+    w = torch.randn(len(offs), n, k, generator=g).requires_grad_(True)
+    dy = torch.randn(m, n, generator=g)
+    dy[5] = 0.0
+    y = torch_fp8_grouped_linear(xs, w, offs, scaled_mm=_emulated_scaled_grouped_mm)
+    dx, dw = torch.autograd.grad(y, (xs, w), dy)
+    xs, w = xs.detach(), w.detach()
+    rows = [slice(a, b) for a, b in zip([0, *offs[:-1].tolist()], offs.tolist())]
+    y_ref = torch.cat([_dequantized(xs[r], 1) @ _dequantized(w[e], 1).T for e, r in enumerate(rows)])
+    dx_ref = torch.cat([_dequantized(dy[r], 1) @ _dequantized(w[e].T, 1).T for e, r in enumerate(rows)])
+    dw_ref = torch.stack([dy[r].T @ xs[r] for r in rows])
+    for name, out, ref in (("y", y, y_ref), ("dx", dx, dx_ref), ("dw", dw, dw_ref)):
+        assert_close(out.detach().numpy(), ref.numpy(), "float32", name)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch._scaled_grouped_mm runs on CUDA only")
+def test_emulated_scaled_grouped_mm_is_torchs():
+    """On a GPU, the CPU tests' emulation is `torch._scaled_grouped_mm` (to bf16 output rounding and
+    fast accumulation): the FP8 linear's output and both gradients, an empty group included."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    m, k, n = 256, 128, 64
+    offs = torch.tensor([64, 64, 160, 256], dtype=torch.int32, device="cuda")
+    xs = torch.randn(m, k, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+    w = torch.randn(len(offs), n, k, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_(True)
+    dy = torch.randn(m, n, generator=g, device="cuda", dtype=torch.bfloat16)
+    out = {}
+    for name, scaled_mm in (("torch", None), ("emulated", _emulated_scaled_grouped_mm)):
+        y = torch_fp8_grouped_linear(xs, w, offs, scaled_mm=scaled_mm)
+        out[name] = (y, *torch.autograd.grad(y, (xs, w), dy))
+    for what, a, b in zip(("y", "dx", "dw"), out["torch"], out["emulated"]):
+        assert_close(a.detach().float().cpu().numpy(), b.detach().float().cpu().numpy(), "bfloat16", what)
