@@ -1,7 +1,8 @@
 """FP8 grouped GEMMs on one GPU: our blockwise-FP8 kernel (`moe_jax.ops.gmm.fp8_api.gmm_fp8`)
 against our bf16 `gmm`, `torch._grouped_mm` (bf16) and `torch._scaled_grouped_mm` (FP8, rowwise
 scales: torch's own FP8 grouped GEMM), in one process on the same inputs; then the differentiable
-linear layer forward+backward (`fp8_grouped_linear` vs `grouped_linear`), the weights'
+linear layer forward+backward (`fp8_grouped_linear` vs `grouped_linear`, one pass per step and
+four micro-batches accumulated in one `lax.scan`), the weights'
 quantization (`quantize_weights`, alone and with the input gradient's `[E, K, N]` copy as a second
 output), decode with FP8 weights against copy bandwidth, and the dense ceilings (`torch._scaled_mm`
 FP8 and bf16 `mm`, 8192^3).
@@ -41,6 +42,9 @@ VARIANTS = (  # tile candidates timed beside the rule's choice with --variants
     TileConfig(block_m=128, block_n=64, block_k=128, num_warps=4, num_stages=4, group_m=8),
     TileConfig(block_m=128, block_n=256, block_k=128, num_warps=8, num_stages=3, group_m=8),
 )
+
+
+MICRO_BATCHES = 4  # the f+b section's gradient-accumulation rows
 
 
 def _tflops(m, n, k, t):
@@ -134,13 +138,32 @@ def fb_rows(shape: S.GemmShape) -> dict:
             return y, *vjp(dy)
         return jax.jit(f)
 
-    fp8 = step(lambda a, b, g: fp8_grouped_linear(a, b, g, backend="auto"))
-    bf = step(lambda a, b, g: grouped_linear(a, b, g))
+    def accumulated(lin):
+        """MICRO_BATCHES forward+backward passes in one `lax.scan`, the weight gradient summed in
+        fp32 (gradient accumulation): the weights are loop-invariant, so XLA quantizes them once per
+        step rather than once per micro-batch. Timed per micro-batch."""
+        def f(xs, w, gs, dys):
+            def body(acc, operands):
+                y, vjp = jax.vjp(lambda a, b: lin(a, b, gs), operands[0], w)
+                dx, dw = vjp(operands[1])
+                return acc + dw.astype(jnp.float32), (y, dx)
+            return jax.lax.scan(body, jnp.zeros(w.shape, jnp.float32), (xs, dys))
+        return jax.jit(f)
+
+    fp8_linear = lambda a, b, g: fp8_grouped_linear(a, b, g, backend="auto")  # noqa: E731
+    fp8, bf = step(fp8_linear), step(lambda a, b, g: grouped_linear(a, b, g))
     y8, dx8, dw8 = fp8(x, w, gs, dy)
     yb, dxb, dwb = bf(x, w, gs, dy)
     rec = dict(shape=shape.name, errors=dict(y=_rel(y8, yb), dx=_rel(dx8, dxb), dw=_rel(dw8, dwb)))
     rec["times"] = {"fp8 f+b": _time_jax(fp8, (x, w, gs, dy), reps), "bf16 f+b": _time_jax(bf, (x, w, gs, dy), reps)}
-    rec["tflops"] = {k: _tflops(shape.m, shape.n, shape.k, t) * 3 for k, t in rec["times"].items()}
+    del y8, dx8, dw8, yb, dxb, dwb
+    # Micro-batches: the same rows, scaled, so no two passes are the same computation.
+    xs = jnp.stack([x * (1 + i / 8) for i in range(MICRO_BATCHES)]).astype(x.dtype)
+    dys = jnp.stack([dy * (1 - i / 8) for i in range(MICRO_BATCHES)]).astype(dy.dtype)
+    for name, lin in (("fp8 f+b, micro-batch", fp8_linear), ("bf16 f+b, micro-batch", grouped_linear)):
+        t = attempt(_time_jax, accumulated(lin), (xs, w, gs, dys), 1)
+        rec["times"][name] = t / MICRO_BATCHES if t else None
+    rec["tflops"] = {k: _tflops(shape.m, shape.n, shape.k, t) * 3 for k, t in rec["times"].items() if t}
     return rec
 
 
