@@ -43,6 +43,12 @@ VARIANTS = (  # tile candidates timed beside the rule's choice with --variants
     TileConfig(block_m=128, block_n=256, block_k=128, num_warps=8, num_stages=3, group_m=8),
 )
 
+DECODE_VARIANTS = (  # decode tile candidates timed beside the rule's choice with --variants
+    TileConfig(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=6, group_m=1),
+    TileConfig(block_m=16, block_n=32, block_k=128, num_warps=4, num_stages=4, group_m=1),
+    TileConfig(block_m=16, block_n=32, block_k=128, num_warps=2, num_stages=8, group_m=1),
+    TileConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=4, group_m=1),
+)
 
 MICRO_BATCHES = 4  # the f+b section's gradient-accumulation rows
 
@@ -190,7 +196,7 @@ def quantize_records(shape: S.GemmShape, copy_tbps: float) -> dict:
     return rec
 
 
-def decode_rows(copy_tbps: float) -> list[dict]:
+def decode_rows(copy_tbps: float, variants: bool = False) -> list[dict]:
     out = []
     for tokens in (1, 8, 32, 128):
         shape = S.decode_shape(tokens)
@@ -209,6 +215,15 @@ def decode_rows(copy_tbps: float) -> list[dict]:
         rec["bf16 s"] = _time_jax(bf, (x, w, gs), 50)
         rec["fp8 of copy"] = fp8_bytes / rec["fp8 s"] / 1e12 / (copy_tbps / 2)
         rec["bf16 of copy"] = bf_bytes / rec["bf16 s"] / 1e12 / (copy_tbps / 2)
+        for cfg in DECODE_VARIANTS if variants else ():
+            fn = jax.jit(lambda r, w_, g, cfg=cfg: gmm_fp8(r, w_, g, backend="triton", config=cfg,
+                                                           out_dtype=jnp.bfloat16))
+            label = f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
+            got = attempt(fn, rows, wq, gs)
+            if got is not None:
+                t = _time_jax(fn, (rows, wq, gs), 50)
+                rec.setdefault("variants", {})[label] = dict(s=t, of_copy=fp8_bytes / t / 1e12 / (copy_tbps / 2),
+                                                             error=_rel(got, ref))
         out.append(rec)
     return out
 
@@ -240,7 +255,8 @@ def main(argv=None):
     p.add_argument("--json", help="write the records here")
     p.add_argument("--sections", default="dense,gemm,fb,quantize,decode")
     p.add_argument("--shapes", default=None, help="indices into benchmarks.shapes.PREFILL (default all)")
-    p.add_argument("--variants", action="store_true", help="also time the tile candidates of VARIANTS")
+    p.add_argument("--variants", action="store_true",
+                   help="also time the tile candidates of VARIANTS (gemm) and DECODE_VARIANTS (decode)")
     args = p.parse_args(argv)
     sections = args.sections.split(",")
     shapes = [S.PREFILL[int(i)] for i in args.shapes.split(",")] if args.shapes else list(S.PREFILL)
@@ -274,10 +290,13 @@ def main(argv=None):
             print(shape.name, "quantize", {k: f"{v:.3f} ms ({rec['of_copy'][k]:.2f} of copy)" for k, v in rec["ms"].items()},
                   flush=True)
     if "decode" in sections:
-        result["decode"] = decode_rows(copy)
+        result["decode"] = decode_rows(copy, args.variants)
         for rec in result["decode"]:
             print(f"decode T={rec['tokens']:4d} fp8 {rec['fp8 s'] * 1e6:7.1f} us ({rec['fp8 of copy']:.2f} of copy) "
                   f"bf16 {rec['bf16 s'] * 1e6:7.1f} us ({rec['bf16 of copy']:.2f})  err {rec['error']:.1e}", flush=True)
+            for label, v in rec.get("variants", {}).items():
+                print(f"    {label:18s} {v['s'] * 1e6:7.1f} us ({v['of_copy']:.2f} of copy)  err {v['error']:.1e}",
+                      flush=True)
     if "gemm" in sections:
         print("\n| shape | ours FP8 | ours bf16 | torch bf16 | torch FP8 rowwise | FP8/bf16 ours | FP8/torch FP8 |")
         print("|---|---|---|---|---|---|---|")

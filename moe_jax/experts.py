@@ -220,6 +220,7 @@ def swiglu_experts_fp8(
     w_down_EDF: jax.Array | Fp8Weights,
     *,
     backend: BackendName = "xla",
+    rows: RowGather | None = None,
 ) -> jax.Array:
     """`swiglu_experts` with its three projections in DeepSeek-V3's blockwise FP8
     (`moe_jax.ops.fp8_grouped_linear`: rows per 1 x 128 tile), on packed rows `x_MD`; `y_MD` in
@@ -228,15 +229,17 @@ def swiglu_experts_fp8(
     The weights are all master weights (bf16/fp16/fp32, quantized per 128 x 128 block in each call,
     straight-through weight gradients) or all `moe_jax.ops.fp8.Fp8Weights` (e4m3 values with fp32
     block scales, used as they are, no weight gradient); shapes as `swiglu_experts`' (the values'
-    for `Fp8Weights`)."""
+    for `Fp8Weights`). With `rows` (a `RowGather`), `x_MD` is the `[T, D]` token rows: each token
+    is quantized once and the gate and up products read its FP8 row through `rows.ids_M`
+    (`fp8_grouped_linear(rows=)`), no packed copy is written."""
     weights = (w_gate_EFD, w_up_EFD, w_down_EDF)
     stored = [isinstance(w, Fp8Weights) for w in weights]
     if any(stored) and not all(stored):
         raise TypeError("swiglu_experts_fp8: w_gate_EFD, w_up_EFD and w_down_EDF must be all master weights or all "
                         f"Fp8Weights; got {', '.join(type(w).__name__ for w in weights)}.")
     _check_separate(x_MD, *(w.values_ENK if s else w for w, s in zip(weights, stored)))
-    gate_MF = fp8_grouped_linear(x_MD, w_gate_EFD, group_sizes_E, backend=backend)
-    up_MF = fp8_grouped_linear(x_MD, w_up_EFD, group_sizes_E, backend=backend)
+    # Gate and up in one call: the rows are quantized and kept once for both.
+    gate_MF, up_MF = fp8_grouped_linear(x_MD, (w_gate_EFD, w_up_EFD), group_sizes_E, backend=backend, rows=rows)
     return fp8_grouped_linear(_swiglu(gate_MF, up_MF), w_down_EDF, group_sizes_E, backend=backend)
 
 

@@ -2,7 +2,8 @@
 layer (the routed experts on dequantized 128 x 128 weight blocks, their inputs quantized per
 1 x 128 tile of each row), is close to the fp32 layer (the relative error is in the assertion
 message and docs/fp8.md), its gradients reach the master weights, and it runs with shared experts,
-LatentMoE, a mask and expert parallelism on a CPU mesh; argument errors.
+LatentMoE, a mask and expert parallelism on a CPU mesh, with the token rows quantized once and read
+through ids as with packed rows; argument errors.
 
 Legend: T tokens, D model width, F expert hidden width, E experts, K experts per token."""
 
@@ -13,6 +14,7 @@ import pytest
 from flax import nnx
 
 from moe_jax.layers import Fp8Blockwise, GemmOptions, MoE, SharedExperts
+from moe_jax.ops import AUTO_FP8_GATHER
 from moe_jax.ops.fp8 import dequantize_rows, dequantize_weights, quantize_rows, quantize_weights
 from moe_jax.parallel import make_mesh
 
@@ -25,8 +27,9 @@ def _rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def _layer(quantization=Fp8Blockwise(), **kwargs):
-    return MoE(D, F, E, K, gemm=GemmOptions(backend="xla", quantization=quantization), rngs=nnx.Rngs(0), **kwargs)
+def _layer(quantization=Fp8Blockwise(), row_gather="auto", **kwargs):
+    return MoE(D, F, E, K, gemm=GemmOptions(backend="xla", quantization=quantization, row_gather=row_gather),
+               rngs=nnx.Rngs(0), **kwargs)
 
 
 def _x(t=24, seed=1):
@@ -103,12 +106,40 @@ def test_shared_latent_mask():
     assert rel < 0.08, f"FP8 vs fp32 with shared experts, latent and mask: {rel:.4f}"
 
 
+def _value_and_grads(m, x, mask=None):
+    def loss(m, x):
+        y, _ = m(x, mask=mask)
+        return jnp.sum(y.astype(jnp.float32) ** 2), y
+
+    (_, y), (g_m, g_x) = nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)(m, x)
+    return y, g_x, g_m
+
+
+@pytest.mark.parametrize("weights", ["master", "stored"])
+def test_quantize_on_gather_equals_packed_rows(weights):
+    """Each token row quantized once and read through the packing's ids (`row_gather="fused"`)
+    gives the packed path's output and gradients (a 1 x 128 tile lies within one row); `auto`
+    is the one `AUTO_FP8_GATHER` names."""
+    x = _x()
+    mask = jnp.arange(x.shape[1])[None, :] < jnp.array([[9], [12]])  # masked tokens: ids -1, no readers
+    out = {g: _value_and_grads(_layer(Fp8Blockwise(weights=weights), row_gather=g), x, mask)
+           for g in ("fused", "separate", "auto")}
+    for got, want in zip(out["fused"][:2], out["separate"][:2]):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-6, atol=2e-6)
+    g_fused, g_sep = (jax.tree.leaves(nnx.state(out[g][2], nnx.Param)) for g in ("fused", "separate"))
+    for got, want in zip(g_fused, g_sep):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-6, atol=2e-6)
+    pick = "fused" if AUTO_FP8_GATHER else "separate"
+    np.testing.assert_array_equal(np.asarray(out["auto"][0]), np.asarray(out[pick][0]))
+
+
 @pytest.mark.slow
-def test_expert_parallel_equals_one_device():
+@pytest.mark.parametrize("row_gather", ["fused", "separate"])
+def test_expert_parallel_equals_one_device(row_gather):
     x = _x(t=32)
     y_one, _ = _layer()(x)
     mesh = make_mesh(ep=2, data=1, devices=jax.devices("cpu")[:2])
-    y_ep, _ = _layer(mesh=mesh)(x)
+    y_ep, _ = _layer(mesh=mesh, row_gather=row_gather)(x)
     assert _rel(y_ep, y_one) < 1e-5, _rel(y_ep, y_one)
 
 

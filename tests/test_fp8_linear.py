@@ -2,16 +2,18 @@
 `gmm_fp8_reference` (the recipe in fp32), the straight-through weight gradient against
 `tgmm_reference` on the dequantized FP8 rows, stored `Fp8Weights`, group-size edges (empty
 experts, one hot expert, zero rows, rows past the sum), K and N not multiples of 128, bf16 and fp32
-x, argument errors, and one small case on `pallas_triton` (interpret mode on CPU).
+x, several weights in one call against one call each, rows read through ids (`rows=RowGather`)
+against the same op on the gathered rows, argument
+errors, and one small case on `pallas_triton` (interpret mode on CPU).
 
-Legend: M rows, K contraction, N outputs, E experts."""
+Legend: M rows, T source rows, K contraction, N outputs, E experts."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe_jax.ops import fp8_grouped_linear, gmm_fp8_reference, tgmm_reference
+from moe_jax.ops import RowGather, fp8_grouped_linear, gather_rows, gmm_fp8_reference, tgmm_reference
 from moe_jax.ops.fp8 import FP8_DTYPE, dequantize_rows, quantize_rows, quantize_weights
 
 # The op scales each product term, the reference each 128-wide partial sum: fp32 rounding only.
@@ -103,6 +105,86 @@ def test_stored_weights_equal_master_and_are_frozen():
     assert not np.any(np.asarray(dwq.values_ENK, np.float32)) and not np.any(np.asarray(dwq.scale_ENbKb))
 
 
+def _route(num_tokens, top_k, num_experts, seed=0):
+    """Token rows routed top-k: the packed rows' source ids (grouped by expert, -1 in the slack past
+    the sum), each token's readers and the group sizes."""
+    rng = np.random.default_rng(seed)
+    idx_TK = np.stack([rng.choice(num_experts, top_k, replace=False) for _ in range(num_tokens)])
+    order = np.argsort(idx_TK.ravel(), kind="stable")
+    slack = 3
+    ids_M = np.concatenate([order // top_k, np.full(slack, -1)]).astype(np.int32)
+    readers_TK = np.empty((num_tokens, top_k), np.int32)
+    readers_TK.reshape(-1)[order] = np.arange(order.size)
+    sizes = np.bincount(idx_TK.ravel(), minlength=num_experts).astype(np.int32)
+    return RowGather(jnp.asarray(ids_M), jnp.asarray(readers_TK)), jnp.asarray(sizes)
+
+
+@pytest.mark.parametrize("dtype, stored", [(jnp.float32, False), (jnp.bfloat16, False), (jnp.float32, True)])
+def test_rows_read_through_ids_equal_the_gathered_rows(dtype, stored):
+    num_tokens, top_k, e, k, n = 7, 2, 4, 200, 130
+    x_TK, w_ENK = _case(num_tokens, k, n, e, dtype=dtype, seed=3)
+    w_ENK = w_ENK.astype(dtype)
+    rows, gs = _route(num_tokens, top_k, e)
+    gs = gs.at[1].set(0).at[0].add(int(gs[1]))  # an empty expert (regroup its rows into expert 0)
+    w = quantize_weights(w_ENK) if stored else w_ENK
+    dy = jax.random.normal(jax.random.key(5), (rows.ids_M.shape[0], n), jnp.float32).astype(dtype)
+
+    def through_ids(x, w):
+        return fp8_grouped_linear(x, w, gs, backend="auto", rows=rows)
+
+    def gathered(x, w):
+        x_MK = gather_rows(x, rows.ids_M, inverse_N=rows.readers_TK, backend="xla")
+        return fp8_grouped_linear(x_MK, w, gs, backend="auto")
+
+    (y, vjp), (want_y, want_vjp) = jax.vjp(through_ids, x_TK, w), jax.vjp(gathered, x_TK, w)
+    (dx, dw), (want_dx, want_dw) = vjp(dy), want_vjp(dy)
+    assert y.shape == (rows.ids_M.shape[0], n) and dx.shape == x_TK.shape
+    tol = FP32_TOL if dtype == jnp.float32 else dict(rtol=1e-2, atol=1e-2)
+    for got, want in ((y, want_y), (dx, want_dx)) + (() if stored else ((dw, want_dw),)):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), **tol)
+    assert not np.any(np.asarray(y, np.float32)[int(gs.sum()):])  # the slack rows past the sum
+    if stored:
+        assert not np.any(np.asarray(dw.values_ENK, np.float32)) and not np.any(np.asarray(dw.scale_ENbKb))
+    else:
+        assert not np.any(np.asarray(dw[1], np.float32))  # the empty expert
+
+
+@pytest.mark.parametrize("stored", [False, True])
+def test_several_weights_equal_separate_calls(stored):
+    """A tuple of weights (gate and up): the rows quantized once, the outputs and every gradient
+    those of one call per weight, the input gradients added as autodiff adds them."""
+    x, w1 = _case(10, 200, 130, 3, dtype=jnp.bfloat16, seed=1)
+    _, w2 = _case(10, 200, 130, 3, seed=2)
+    ws = tuple(quantize_weights(w) if stored else w.astype(jnp.bfloat16) for w in (w1, w2))
+    gs = jnp.array([4, 0, 5], jnp.int32)
+
+    def together(x, ws):
+        a, b = fp8_grouped_linear(x, ws, gs, backend="auto")
+        return jnp.sum(a.astype(jnp.float32) * b.astype(jnp.float32))
+
+    def apart(x, ws):
+        a, b = (fp8_grouped_linear(x, w, gs, backend="auto") for w in ws)
+        return jnp.sum(a.astype(jnp.float32) * b.astype(jnp.float32))
+
+    ys = fp8_grouped_linear(x, ws, gs, backend="auto")
+    assert isinstance(ys, tuple) and len(ys) == 2
+    for y, w in zip(ys, ws):
+        np.testing.assert_array_equal(np.asarray(y, np.float32),
+                                      np.asarray(fp8_grouped_linear(x, w, gs, backend="auto"), np.float32))
+    got, want = jax.grad(together, argnums=(0, 1))(x, ws), jax.grad(apart, argnums=(0, 1))(x, ws)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-2, atol=1e-2)
+
+
+def test_rows_errors():
+    x, w = _case(4, 128, 64, 2)
+    rows, gs = _route(4, 1, 2)
+    with pytest.raises(TypeError, match="RowGather"):
+        fp8_grouped_linear(x, w, gs, rows=(rows.ids_M, rows.readers_TK))
+    with pytest.raises(ValueError, match="readers_TK"):
+        fp8_grouped_linear(x[:3], w, gs, rows=rows)
+
+
 @pytest.mark.slow
 def test_pallas_triton_interpret():
     x, w = _case(8, 128, 64, 2)
@@ -122,3 +204,7 @@ def test_errors():
         fp8_grouped_linear(x, quantize_weights(w)._replace(scale_ENbKb=jnp.ones((2, 2, 1))), gs)
     with pytest.raises(TypeError, match="x:"):
         fp8_grouped_linear(x.astype(FP8_DTYPE), w, gs)
+    with pytest.raises(TypeError, match="all master weights or all Fp8Weights"):
+        fp8_grouped_linear(x, (w, quantize_weights(w)), gs)
+    with pytest.raises(ValueError, match="empty tuple"):
+        fp8_grouped_linear(x, (), gs)

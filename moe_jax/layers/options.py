@@ -45,7 +45,8 @@ class GemmOptions:
       buffer under it (`ep_moe(fuse_regroup=True)`; the pairwise transport's two sources are
       still regrouped first); `"separate"`, a row gather writes the packed rows first; `"auto"`
       (default), fused on the backends where that measured faster (`moe_jax.ops.AUTO_FUSED_GATHER`,
-      none on the H200 yet). Equal results.
+      none on the H200 yet), and for FP8 experts as `moe_jax.ops.AUTO_FP8_GATHER` says (fused, they
+      quantize each token row once and read it through the ids). Equal results.
     precision: a `jax.lax.Precision` for the expert, shared-expert and latent GEMMs (default None:
       HIGHEST for fp32 operands).
     fused_gate_up: run gate and up as one grouped GEMM of 2F columns. This is also the parameter
@@ -155,7 +156,8 @@ class Fp8Blockwise:
       own. `moe_jax.layers.stored_fp8(moe)` quantizes a layer's master weights once into them.
 
     Needs `GemmOptions(backend=...)` of `moe_jax.ops.FP8_LINEAR_BACKENDS` and separate gate and up
-    weights (`fused_gate_up=False`); the routed rows are packed first (`row_gather` is not used).
+    weights (`fused_gate_up=False`). With the row gather fused (`GemmOptions.row_gather`), each
+    token row is quantized once and the FP8 kernel reads it through the packing's ids.
     """
 
     weights: str = "master"

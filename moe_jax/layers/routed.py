@@ -46,7 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax.experts import ExpertPlans, expert_plans, swiglu_experts, swiglu_experts_fp8, swiglu_experts_fused
 from moe_jax.layers.options import Fp8Blockwise
-from moe_jax.ops import AUTO_FUSED_GATHER, CANDIDATES, executed
+from moe_jax.ops import AUTO_FP8_GATHER, AUTO_FUSED_GATHER, CANDIDATES, executed
 from moe_jax.ops.fp8 import Fp8Weights
 from moe_jax.ops.platform import BackendTable
 from moe_jax.ops.sharding import vary_to_union
@@ -104,7 +104,7 @@ class ExpertStage:
 
     kernel: str  # "auto" (the tuned on-device selector) or "static" (the shape table)
     row_gather: str = "auto"  # "fused", "separate" or "auto" (`fuses_gather`)
-    quantization: Fp8Blockwise | None = None  # FP8 experts (on packed rows, unfused gate/up)
+    quantization: Fp8Blockwise | None = None  # FP8 experts (unfused gate/up)
 
     def plans(self, num_rows: int, dtype, num_experts: int | None = None, *, gather: bool | None = None) -> ExpertPlans:
         """The grouped GEMMs' plans on `num_rows` packed `dtype` rows of `num_experts` experts (the
@@ -112,14 +112,15 @@ class ExpertStage:
         the experts run them and the telemetry reads the gate/up forward plan. The gate/up GEMMs
         read the token rows through the packing's ids (no packed copy) with `row_gather="fused"`,
         never with `"separate"`, and with `"auto"` where the gate/up GEMM's backend is one of
-        `AUTO_FUSED_GATHER` (measured faster fused). `gather` (a bool) overrides that choice: the
-        chunks of one exchange share the largest chunk's."""
+        `AUTO_FUSED_GATHER` (measured faster fused), or with FP8 experts as `AUTO_FP8_GATHER`
+        says. `gather` (a bool) overrides that choice: the chunks of one exchange share the
+        largest chunk's. With `quantization` the plans only serve the telemetry (the FP8 op plans
+        its own products)."""
         make = functools.partial(expert_plans, num_rows, self.d_in, self.d_ff, num_experts or self.num_experts, dtype,
                                  fused_gate_up=self.fused_gate_up, backend=self.backend, precision=self.precision,
                                  kernel="auto" if self.kernel == "auto" else None)
-        if self.quantization is not None:
-            # The FP8 op reads packed rows (quantize-on-gather is the kernels' job, not built).
-            return make(gather=False)
+        if gather is None and self.quantization is not None and self.row_gather == "auto":
+            gather = AUTO_FP8_GATHER
         if gather is not None:
             return make(gather=gather)
         if self.row_gather == "auto":
@@ -130,12 +131,12 @@ class ExpertStage:
     def experts(self, x_MD, group_sizes, weights, plans: ExpertPlans, rows=None):
         """The SwiGLU experts on packed rows `x_MD`, or with `rows` (a `RowGather`) on the
         token rows `x_MD` `[T, D]` read through `rows.ids_M`, running `plans`. With `quantization`
-        the FP8 experts run on the packed rows (`swiglu_experts_fp8`; `plans` then only serve the
-        telemetry)."""
+        the FP8 experts run (`swiglu_experts_fp8`, which quantizes each token row once when given
+        `rows`; `plans` then only serve the telemetry)."""
         if self.quantization is not None:
             if self.quantization.stored:
                 weights = [Fp8Weights(*weights[i:i + 2]) for i in range(0, len(weights), 2)]
-            return swiglu_experts_fp8(x_MD, group_sizes, *weights, backend=self.backend)
+            return swiglu_experts_fp8(x_MD, group_sizes, *weights, backend=self.backend, rows=rows)
         fn = swiglu_experts_fused if self.fused_gate_up else swiglu_experts
         return fn(x_MD, group_sizes, *weights, rows=rows, plans=plans)
 

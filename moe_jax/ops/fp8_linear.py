@@ -2,7 +2,8 @@
 `moe_jax.ops.gmm.fp8_api.gmm_fp8` (the FP8 kernel on a GPU that has one, the reference path
 elsewhere).
 
-Legend: M packed rows, K input width, N output width, E groups (experts).
+Legend: M packed rows, T source rows (read through row ids), K input width, N output width, E groups
+(experts).
 
 The recipe is DeepSeek-V3's blockwise FP8 (DeepSeek-AI, "DeepSeek-V3 Technical Report",
 arXiv:2412.19437, section 3.3; the quantization itself is `moe_jax.ops.fp8`):
@@ -18,6 +19,10 @@ arXiv:2412.19437, section 3.3; the quantization itself is `moe_jax.ops.fp8`):
 - Weight gradient: `dw = dy^T @ rows` in x's dtype from the dequantized FP8 rows (the recipe keeps
   the FP8 rows, not `x`, for the backward: that is its activation-memory saving) and the
   unquantized `dy`: bf16 when `x` is (an FP8 weight gradient is for the kernels to measure).
+- Read through row ids (`rows=RowGather(...)`, as `grouped_linear`'s): the source rows `[T, K]`
+  are quantized once each and the FP8 kernel reads them through the ids (`gmm_fp8(row_ids=)`):
+  the packed bf16 rows are never written, a token routed to k experts is quantized once, not k
+  times, and the backward keeps `T` FP8 rows instead of `M`.
 - The weight quantization is passed through by a straight-through estimator: `dw` is the gradient
   of the master weights as if `quantize_weights` were the identity (as is the rows' quantization
   for `dx`).
@@ -42,93 +47,94 @@ import jax.numpy as jnp
 
 from moe_jax.ops.fp8 import (BLOCK, FP8_DTYPE, Fp8Weights, dequantize_rows, quantize_rows, quantize_weights,
                              transpose_weights)
-from moe_jax.ops.gmm import SUPPORTED_DTYPES, tgmm
+from moe_jax.ops.gather import sum_of_readers
+from moe_jax.ops.gmm import SUPPORTED_DTYPES, RowGather, tgmm
+from moe_jax.ops.gmm.api import check_rows
 from moe_jax.ops.gmm.fp8_api import FP8_GEMM_BACKENDS, fp8_backend, gmm_fp8
 
-__all__ = ["FP8_LINEAR_BACKENDS", "fp8_grouped_linear"]
+__all__ = ["AUTO_FP8_GATHER", "FP8_LINEAR_BACKENDS", "fp8_grouped_linear"]
 
 FP8_LINEAR_BACKENDS = FP8_GEMM_BACKENDS
+# Whether the layer's `row_gather="auto"` gives FP8 experts the token rows to read through ids
+# (`rows=`): each token quantized once, no packed copy (docs/fp8.md, "Quantize on gather").
+AUTO_FP8_GATHER = True
 
 _HI = jax.lax.Precision.HIGHEST
 
 
-def _forward(backend, x, wq, group_sizes):
-    rows = quantize_rows(x)
-    return gmm_fp8(rows, wq, group_sizes, backend=backend, out_dtype=x.dtype), rows
+def _forward(backend, x, wqs, group_sizes, rows):
+    """The outputs of every weight in `wqs` (quantized) and the FP8 rows they all read."""
+    fp8_rows = quantize_rows(x)  # with `rows`, x's source rows: each quantized once, read by all its readers
+    ids = None if rows is None else rows.ids_M
+    ys = tuple(gmm_fp8(fp8_rows, wq, group_sizes, backend=backend, out_dtype=x.dtype, row_ids=ids) for wq in wqs)
+    return ys, fp8_rows
 
 
-def _dgrad(backend, dy, wq_t, group_sizes, x_dtype):
-    """`dx[M, K]` by the recipe: `dy` quantized per 1 x 128 tile of N, the weight blocks as
-    `[E, K, N]` (`transpose_weights`)."""
-    return gmm_fp8(quantize_rows(dy.astype(x_dtype)), wq_t, group_sizes, backend=backend, out_dtype=x_dtype)
+def _dgrad(backend, dys, wq_ts, group_sizes, rows, x_dtype):
+    """`dx` by the recipe: each `dy` quantized per 1 x 128 tile of N against its weight blocks as
+    `[E, K, N]` (`transpose_weights`), the products added in x's dtype on the packed rows (as
+    autodiff adds a reused input's cotangents), then with `rows` each source row's readers
+    summed: `[T, K]`, else `[M, K]`."""
+    dx = None
+    for dy, wq_t in zip(dys, wq_ts):
+        part = gmm_fp8(quantize_rows(dy.astype(x_dtype)), wq_t, group_sizes, backend=backend, out_dtype=x_dtype)
+        dx = part if dx is None else dx + part
+    return dx if rows is None else sum_of_readers(dx, rows.readers_TK)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _master_linear(backend, x, w, group_sizes):
-    return _forward(backend, x, quantize_weights(w), group_sizes)[0]
+def _master_linear(backend, x, ws, group_sizes, rows):
+    return _forward(backend, x, tuple(quantize_weights(w) for w in ws), group_sizes, rows)[0]
 
 
-def _master_linear_fwd(backend, x, w, group_sizes):
-    wq = quantize_weights(w)
-    wq_t = transpose_weights(wq)
-    y, rows = _forward(backend, x, wq, group_sizes)
-    # The master weights are not kept: only a zero-size witness of their dtype for the cotangent.
-    return y, (rows, wq_t, group_sizes, jnp.zeros((0,), w.dtype), jnp.zeros((0,), x.dtype))
+def _master_linear_fwd(backend, x, ws, group_sizes, rows):
+    wqs = tuple(quantize_weights(w) for w in ws)
+    ys, fp8_rows = _forward(backend, x, wqs, group_sizes, rows)
+    wq_ts = tuple(transpose_weights(wq) for wq in wqs)
+    # The master weights are not kept: only zero-size witnesses of the dtypes for the cotangents.
+    witnesses = tuple(jnp.zeros((0,), w.dtype) for w in ws)
+    return ys, (fp8_rows, wq_ts, group_sizes, rows, witnesses, jnp.zeros((0,), x.dtype))
 
 
-def _master_linear_bwd(backend, res, dy):
-    rows, wq_t, group_sizes, w_dtype, x_dtype = res
-    dx = _dgrad(backend, dy, wq_t, group_sizes, x_dtype.dtype)
-    dw = tgmm(dequantize_rows(rows).astype(x_dtype.dtype), dy.astype(x_dtype.dtype), group_sizes,
-              backend=backend, precision=_HI)
-    return dx, dw.astype(w_dtype.dtype), None
+def _master_linear_bwd(backend, res, dys):
+    fp8_rows, wq_ts, group_sizes, rows, witnesses, x_dtype = res
+    x_dtype = x_dtype.dtype
+    dx = _dgrad(backend, dys, wq_ts, group_sizes, rows, x_dtype)
+    # dw from the dequantized FP8 rows (the source rows through the ids with `rows`).
+    rows_x = dequantize_rows(fp8_rows).astype(x_dtype)
+    ids = None if rows is None else rows.ids_M
+    dws = tuple(tgmm(rows_x, dy.astype(x_dtype), group_sizes, backend=backend, precision=_HI,
+                     row_ids=ids).astype(w.dtype) for dy, w in zip(dys, witnesses))
+    return dx, dws, None, None
 
 
 _master_linear.defvjp(_master_linear_fwd, _master_linear_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _stored_linear(backend, x, values, scale, group_sizes):
-    return _forward(backend, x, Fp8Weights(values, scale), group_sizes)[0]
+def _stored_linear(backend, x, wqs, group_sizes, rows):
+    return _forward(backend, x, wqs, group_sizes, rows)[0]
 
 
-def _stored_linear_fwd(backend, x, values, scale, group_sizes):
-    y, rows = _forward(backend, x, Fp8Weights(values, scale), group_sizes)
-    return y, (rows, values, scale, group_sizes, jnp.zeros((0,), x.dtype))
+def _stored_linear_fwd(backend, x, wqs, group_sizes, rows):
+    # No weight gradient, so the FP8 rows are not kept.
+    ys, _ = _forward(backend, x, wqs, group_sizes, rows)
+    return ys, (wqs, group_sizes, rows, jnp.zeros((0,), x.dtype))
 
 
-def _stored_linear_bwd(backend, res, dy):
-    rows, values, scale, group_sizes, x_dtype = res
-    dx = _dgrad(backend, dy, transpose_weights(Fp8Weights(values, scale)), group_sizes, x_dtype.dtype)
+def _stored_linear_bwd(backend, res, dys):
+    wqs, group_sizes, rows, x_dtype = res
+    dx = _dgrad(backend, dys, tuple(transpose_weights(wq) for wq in wqs), group_sizes, rows, x_dtype.dtype)
     # Stored FP8 weights are frozen (inference): their cotangents are zero, never an update.
-    return dx, jnp.zeros_like(values), jnp.zeros_like(scale), None
+    zeros = tuple(Fp8Weights(jnp.zeros_like(wq.values_ENK), jnp.zeros_like(wq.scale_ENbKb)) for wq in wqs)
+    return dx, zeros, None, None
 
 
 _stored_linear.defvjp(_stored_linear_fwd, _stored_linear_bwd)
 
 
-def fp8_grouped_linear(
-    x: jax.Array,
-    w: jax.Array | Fp8Weights,
-    group_sizes: jax.Array,
-    *,
-    backend: str = "xla",
-) -> jax.Array:
-    """Differentiable grouped linear layer of the FP8 recipe: `y[M, N]`, rows of group e are
-    `x_e @ w[e]^T` with both operands blockwise FP8 (module docstring).
-
-    Args:
-      x: `[M, K]` bf16/fp16/fp32 rows grouped contiguously by group; the output has its dtype.
-      w: either master weights `[E, N, K]` (bf16/fp16/fp32; quantized per 128 x 128 block in each
-        call, gradient by the straight-through estimator, in w's dtype), or an `Fp8Weights`
-        (`values_ENK` e4m3, `scale_ENbKb` fp32) used as they are, with zero gradient.
-      group_sizes: `[E]` integer rows per group (not differentiated), as for `grouped_linear`.
-      backend: where the recipe's products run (`gmm_fp8`'s `backend`): one of `FP8_LINEAR_BACKENDS`.
-    """
-    fp8_backend(backend)  # ValueError naming the choices, or why the kernel cannot run here
-    x = jnp.asarray(x)
-    if x.ndim != 2 or jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
-        raise TypeError(f"x: expected [M, K] rows of bfloat16/float16/float32, got shape {x.shape} dtype {x.dtype}.")
+def _check_weights(w, x) -> bool:
+    """Validates one weight operand for `x`; True for stored `Fp8Weights`, False for master weights."""
     if isinstance(w, Fp8Weights):
         values, scale = w
         if values.ndim != 3 or values.shape[2] != x.shape[1]:
@@ -142,10 +148,62 @@ def fp8_grouped_linear(
         if tuple(scale.shape) != want:
             raise ValueError(f"w.scale_ENbKb: expected {want} (one scale per {BLOCK} x {BLOCK} block), got "
                              f"{tuple(scale.shape)}.")
-        return _stored_linear(backend, x, values, scale, group_sizes)
+        return True
     w = jnp.asarray(w)
     if w.ndim != 3 or w.shape[2] != x.shape[1]:
         raise ValueError(f"w: expected [E, N, K] master weights with K = x.shape[1] = {x.shape[1]}, got {w.shape}.")
     if jnp.dtype(w.dtype) not in SUPPORTED_DTYPES:
         raise TypeError(f"w: expected bfloat16/float16/float32 master weights or an Fp8Weights, got {w.dtype}.")
-    return _master_linear(backend, x, w, group_sizes)
+    return False
+
+
+def fp8_grouped_linear(
+    x: jax.Array,
+    w: jax.Array | Fp8Weights | tuple,
+    group_sizes: jax.Array,
+    *,
+    backend: str = "xla",
+    rows: RowGather | None = None,
+):
+    """Differentiable grouped linear layer of the FP8 recipe: `y[M, N]`, rows of group e are
+    `x_e @ w[e]^T` with both operands blockwise FP8 (module docstring).
+
+    Args:
+      x: `[M, K]` bf16/fp16/fp32 rows grouped contiguously by group, or with `rows` the `[T, K]`
+        source rows; the output has its dtype.
+      w: either master weights `[E, N, K]` (bf16/fp16/fp32; quantized per 128 x 128 block in each
+        call, gradient by the straight-through estimator, in w's dtype), or an `Fp8Weights`
+        (`values_ENK` e4m3, `scale_ENbKb` fp32) used as they are, with zero gradient; or a tuple
+        of several such weights of one kind (e.g. gate and up), all multiplying the same rows:
+        then the result is the tuple of their outputs, `x` is quantized and kept once, and the
+        input gradient adds theirs on the packed rows (as autodiff would for separate calls).
+      group_sizes: `[E]` integer rows per group (not differentiated), as for `grouped_linear`.
+      backend: where the recipe's products run (`gmm_fp8`'s `backend`): one of `FP8_LINEAR_BACKENDS`.
+      rows: a `RowGather`: the grouped rows are `x[rows.ids_M]` (zeros for ids outside `[0, T)`),
+        as in `grouped_linear`. Each source row is quantized once (a 1 x 128 tile lies within one
+        row, so this equals quantizing the gathered rows) and the product reads the FP8 rows
+        through the ids; the backward keeps the `[T, K]` FP8 source rows, its weight gradient reads
+        them through the ids and the input gradient sums each source row's readers in fp32
+        (`moe_jax.ops.gather.sum_of_readers`). Equal to `fp8_grouped_linear` on
+        `gather_rows(x, rows.ids_M, inverse_N=rows.readers_TK)`.
+    """
+    fp8_backend(backend)  # ValueError naming the choices, or why the kernel cannot run here
+    x = jnp.asarray(x)
+    if x.ndim != 2 or jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
+        layout = "[M, K]" if rows is None else "[T, K]"
+        raise TypeError(f"x: expected {layout} rows of bfloat16/float16/float32, got shape {x.shape} dtype {x.dtype}.")
+    if rows is not None:
+        check_rows(rows, x.shape[0])
+    several = isinstance(w, (tuple, list)) and not isinstance(w, Fp8Weights)
+    ws = tuple(w) if several else (w,)
+    if not ws:
+        raise ValueError("w: an empty tuple of weights; pass one weight or a tuple of them.")
+    stored = [_check_weights(one, x) for one in ws]
+    if any(stored) and not all(stored):
+        raise TypeError("w: a tuple of weights must be all master weights or all Fp8Weights; got "
+                        f"{', '.join(type(one).__name__ for one in ws)}.")
+    if stored[0]:
+        ys = _stored_linear(backend, x, tuple(Fp8Weights(*one) for one in ws), group_sizes, rows)
+    else:
+        ys = _master_linear(backend, x, tuple(jnp.asarray(one) for one in ws), group_sizes, rows)
+    return ys if several else ys[0]

@@ -39,8 +39,8 @@ from moe_jax.ops.gmm.registry import GEMM_BACKENDS
 from moe_jax.ops.platform import BackendName, BackendTable
 from moe_jax.ops.sharding import replicate_explicit
 
-__all__ = ["RowGather", "SUPPORTED_DTYPES", "as_primitive", "check_group_sizes", "check_row_ids", "gmm", "grouped_linear",
-           "tgmm"]
+__all__ = ["RowGather", "SUPPORTED_DTYPES", "as_primitive", "check_group_sizes", "check_row_ids", "check_rows", "gmm",
+           "grouped_linear", "tgmm"]
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -289,6 +289,18 @@ class RowGather(NamedTuple):
     readers_TK: jax.Array  # int [T, K]
 
 
+def check_rows(rows, num_source_rows: int) -> None:
+    """TypeError unless `rows` is a `RowGather`; ValueError for ids that are not an int vector or
+    readers that are not `[T, K]` over the `num_source_rows` rows of `x` (the ids' values and the
+    readers' agreement with them are not checked)."""
+    if not isinstance(rows, RowGather):
+        raise TypeError(f"rows must be a moe_jax.ops.RowGather(ids_M, readers_TK) or None; got {type(rows).__name__}.")
+    check_row_ids("rows.ids_M", rows.ids_M)
+    if rows.readers_TK.ndim != 2 or rows.readers_TK.shape[0] != num_source_rows:
+        raise ValueError(f"rows.readers_TK must be [T, K] with T = x.shape[0] = {num_source_rows}; got shape "
+                         f"{tuple(rows.readers_TK.shape)}.")
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _gathered_linear(plans: LinearPlan, x, w, group_sizes, rows):
     return gmm(x, w, group_sizes, row_ids=rows.ids_M, plan=plans.fwd)
@@ -342,13 +354,7 @@ def grouped_linear(
     _check_array("x", x, 2, "[T, K]" if rows is not None else "[M, K]")
     _check_array("w", w, 3, "[E, N, K]")
     if rows is not None:
-        if not isinstance(rows, RowGather):
-            raise TypeError(f"rows must be a moe_jax.ops.RowGather(ids_M, readers_TK) or None; got "
-                            f"{type(rows).__name__}.")
-        check_row_ids("rows.ids_M", rows.ids_M)
-        if rows.readers_TK.ndim != 2 or rows.readers_TK.shape[0] != x.shape[0]:
-            raise ValueError(f"rows.readers_TK must be [T, K] with T = x.shape[0] = {x.shape[0]}; got shape "
-                             f"{tuple(rows.readers_TK.shape)}.")
+        check_rows(rows, x.shape[0])
     num_rows = x.shape[0] if rows is None else rows.ids_M.shape[0]
     if plans is None:
         _check_float("x", x)
