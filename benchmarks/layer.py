@@ -59,7 +59,7 @@ from flax import nnx
 from benchmarks.fp8 import torch_fp8_rowwise
 from benchmarks.gmm import to_torch
 from benchmarks.timing import compile_jax, run_meta, time_compiled, time_torch
-from moe_jax.layers import Fp8Blockwise, GemmOptions, MoE
+from moe_jax.layers import Fp8Blockwise, GemmOptions, MoE, stored_fp8
 from moe_jax.ops import H200_BACKENDS
 from moe_jax.routing import SoftmaxTopK
 from moe_jax.testing import rel_err
@@ -280,8 +280,12 @@ def main(argv=None) -> int:
                       flush=True)
             torch.cuda.empty_cache()
         for v in variants:
-            layer = _layer(shape, **VARIANTS[v])
-            nnx.update(layer, nnx.state(base))
+            gemm = VARIANTS[v]
+            if gemm.get("quantization") is not None and gemm["quantization"].stored:
+                layer = stored_fp8(base)  # base's experts quantized once, every other variable base's
+            else:
+                layer = _layer(shape, **gemm)
+                nnx.update(layer, nnx.state(base))
             try:
                 t, footprint, y = _ours(layer, x, args.reps)
             except Exception as e:  # a variant that cannot run here is reported, not fatal

@@ -14,7 +14,6 @@ import pytest
 from flax import nnx
 
 from moe_jax.layers import Fp8Blockwise, GemmOptions, MoE, SharedExperts
-from moe_jax.ops import AUTO_FP8_GATHER
 from moe_jax.ops.fp8 import dequantize_rows, dequantize_weights, quantize_rows, quantize_weights
 from moe_jax.parallel import make_mesh
 
@@ -119,7 +118,7 @@ def _value_and_grads(m, x, mask=None):
 def test_quantize_on_gather_equals_packed_rows(weights):
     """Each token row quantized once and read through the packing's ids (`row_gather="fused"`)
     gives the packed path's output and gradients (a 1 x 128 tile lies within one row); `auto`
-    is the one `AUTO_FP8_GATHER` names."""
+    packs first."""
     x = _x()
     mask = jnp.arange(x.shape[1])[None, :] < jnp.array([[9], [12]])  # masked tokens: ids -1, no readers
     out = {g: _value_and_grads(_layer(Fp8Blockwise(weights=weights), row_gather=g), x, mask)
@@ -129,8 +128,7 @@ def test_quantize_on_gather_equals_packed_rows(weights):
     g_fused, g_sep = (jax.tree.leaves(nnx.state(out[g][2], nnx.Param)) for g in ("fused", "separate"))
     for got, want in zip(g_fused, g_sep):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-6, atol=2e-6)
-    pick = "fused" if AUTO_FP8_GATHER else "separate"
-    np.testing.assert_array_equal(np.asarray(out["auto"][0]), np.asarray(out[pick][0]))
+    np.testing.assert_array_equal(np.asarray(out["auto"][0]), np.asarray(out["separate"][0]))
 
 
 @pytest.mark.slow

@@ -46,7 +46,7 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax.experts import ExpertPlans, expert_plans, swiglu_experts, swiglu_experts_fp8, swiglu_experts_fused
 from moe_jax.layers.options import Fp8Blockwise
-from moe_jax.ops import AUTO_FP8_GATHER, AUTO_FUSED_GATHER, CANDIDATES, executed
+from moe_jax.ops import AUTO_FUSED_GATHER, CANDIDATES, executed
 from moe_jax.ops.fp8 import Fp8Weights
 from moe_jax.ops.platform import BackendTable
 from moe_jax.ops.sharding import vary_to_union
@@ -112,15 +112,16 @@ class ExpertStage:
         the experts run them and the telemetry reads the gate/up forward plan. The gate/up GEMMs
         read the token rows through the packing's ids (no packed copy) with `row_gather="fused"`,
         never with `"separate"`, and with `"auto"` where the gate/up GEMM's backend is one of
-        `AUTO_FUSED_GATHER` (measured faster fused), or with FP8 experts as `AUTO_FP8_GATHER`
-        says. `gather` (a bool) overrides that choice: the chunks of one exchange share the
+        `AUTO_FUSED_GATHER` (measured faster fused; never for FP8 experts). `gather` (a bool) overrides that choice: the chunks of one exchange share the
         largest chunk's. With `quantization` the plans only serve the telemetry (the FP8 op plans
         its own products)."""
         make = functools.partial(expert_plans, num_rows, self.d_in, self.d_ff, num_experts or self.num_experts, dtype,
                                  fused_gate_up=self.fused_gate_up, backend=self.backend, precision=self.precision,
                                  kernel="auto" if self.kernel == "auto" else None)
         if gather is None and self.quantization is not None and self.row_gather == "auto":
-            gather = AUTO_FP8_GATHER
+            # FP8 experts pack first: reading the FP8 token rows through ids measured slower at
+            # Mixtral's shape, a little faster at Qwen3-30B-A3B's (docs/fp8.md, "Quantize on gather").
+            gather = False
         if gather is not None:
             return make(gather=gather)
         if self.row_gather == "auto":

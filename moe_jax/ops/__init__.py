@@ -5,7 +5,7 @@ the FP8 recipe's blockwise quantization and `ops.fp8_linear` its differentiable 
 layer (`fp8_grouped_linear`, whose products are `gmm_fp8`: the FP8 kernel on a GPU with e4m3 tensor
 cores, the reference path elsewhere)."""
 
-from moe_jax.ops.fp8_linear import AUTO_FP8_GATHER, FP8_LINEAR_BACKENDS, fp8_grouped_linear
+from moe_jax.ops.fp8_linear import FP8_LINEAR_BACKENDS, fp8_grouped_linear
 from moe_jax.ops.gather import gather_rows, gather_rows_reference
 from moe_jax.ops.gmm import (
     AUTO_FUSED_GATHER,
@@ -48,7 +48,6 @@ from moe_jax.ops.gmm import (
 from moe_jax.ops.platform import BACKENDS, BackendName, BackendTable, DeviceFacts, device_facts, resolve_backend
 
 __all__ = [
-    "AUTO_FP8_GATHER",
     "AUTO_FUSED_GATHER",
     "BACKENDS",
     "BackendName",

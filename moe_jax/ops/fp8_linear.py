@@ -52,12 +52,9 @@ from moe_jax.ops.gmm import SUPPORTED_DTYPES, RowGather, tgmm
 from moe_jax.ops.gmm.api import check_rows
 from moe_jax.ops.gmm.fp8_api import FP8_GEMM_BACKENDS, fp8_backend, gmm_fp8
 
-__all__ = ["AUTO_FP8_GATHER", "FP8_LINEAR_BACKENDS", "fp8_grouped_linear"]
+__all__ = ["FP8_LINEAR_BACKENDS", "fp8_grouped_linear"]
 
 FP8_LINEAR_BACKENDS = FP8_GEMM_BACKENDS
-# Whether the layer's `row_gather="auto"` gives FP8 experts the token rows to read through ids
-# (`rows=`): each token quantized once, no packed copy (docs/fp8.md, "Quantize on gather").
-AUTO_FP8_GATHER = True
 
 _HI = jax.lax.Precision.HIGHEST
 
