@@ -27,6 +27,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from moe_jax.ops import grouped_linear
+from moe_jax.ops.fp8 import dequantize_rows, quantize_rows
 from moe_jax.parallel import (
     DATA_AXIS,
     EP_AXIS,
@@ -164,7 +165,8 @@ def _reference(x, w, W, idx, keep):
     return y
 
 
-def _ep_linear(mesh, *, strategy="padded", transport="auto", capacity=None, poison=False, masked=False):
+def _ep_linear(mesh, *, strategy="padded", transport="auto", capacity=None, poison=False, masked=False,
+               fp8_dispatch=False):
     """Jitted (loss, stats), grads of sum(y * cot) through ep_moe with one linear per expert."""
 
     def body(x, idx, w, W, cot, mask):
@@ -176,7 +178,7 @@ def _ep_linear(mesh, *, strategy="padded", transport="auto", capacity=None, pois
 
         y, stats = ep_moe(
             x, idx, w, expert_fn, num_experts=E, strategy=strategy, capacity=capacity, mask_T=mask if masked else None,
-            transport=transport,
+            transport=transport, fp8_dispatch=fp8_dispatch,
         )
         loss = lax.psum(jnp.sum(y * cot), (DATA_AXIS, EP_AXIS))
         return loss, y, stats.dropped[None], stats.recv_rows[None], stats.send_counts_P[None]
@@ -307,6 +309,54 @@ def _check_layout_and_round_trip(ep, data, strategy, transport):
 
 
 # ----------------------------------------------------------------------------- numerics vs single device
+
+
+@pytest.mark.parametrize("ep,data,pair", [(2, 1, False), (4, 2, False), (2, 1, True)])
+def test_fp8_dispatch_sends_quantized_rows_with_straight_through_gradients(ep, data, pair):
+    """`fp8_dispatch=True`: a route's row arrives as its 1 x 128-tile FP8 quantization, dequantized
+    (a pairwise transport's own routes never leave the rank and arrive as they are), the outputs
+    are the single-device math on the arrived rows, and the gradients pass straight through the
+    quantization (those of that math with the quantization's rounding held fixed)."""
+    mesh = _mesh(ep, data)
+    k, n = 2, ep * data * T
+    x, w, W, cot = _float_inputs(n, k, seed=3)
+    x = x * jnp.linspace(0.5, 40.0, D)  # channels of very different sizes share a tile's scale
+    idx = _routes("skewed", n, k, ep, seed=1)
+    keep, _, _ = _np_dispatch(idx, ep, data, T * k)
+    fn = _ep_linear(mesh, transport="pair_swap" if pair else "all_to_all", fp8_dispatch=True)
+    (_, (y, *_)), grads = fn(x, w, W, jnp.asarray(idx), cot, jnp.ones(n, bool))
+
+    stays = (np.arange(n)[:, None] // T % ep == idx // (E // ep)) & pair  # own routes of the pairwise path
+
+    def reference(x, w, W):
+        arrived = x + lax.stop_gradient(dequantize_rows(quantize_rows(x)) - x)
+        y = 0.0
+        for s in range(k):
+            rows = jnp.where(stays[:, s, None], x, arrived)
+            h = jnp.einsum("td,tod->to", rows, W[idx[:, s]], precision=HIGHEST)
+            y = y + jnp.where(keep[:, s, None], w[:, s, None] * h, 0.0)
+        return y
+
+    _, want_grads = jax.value_and_grad(lambda *a: jnp.sum(reference(*a) * cot), argnums=(0, 1, 2))(x, w, W)
+    assert_close(y, reference(x, w, W), jnp.float32, "y")
+    assert float(jnp.max(jnp.abs(y - _reference(x, w, W, idx, keep)))) > 1e-3  # the rows were quantized
+    for name, g, r in zip(("dx", "dweights", "dW"), grads, want_grads):
+        assert_close(g, r, jnp.float32, name)
+    with pytest.raises(TypeError, match="fp8_dispatch"):
+        _ep_linear(mesh, fp8_dispatch="yes")(x, w, W, jnp.asarray(idx), cot, jnp.ones(n, bool))
+
+
+def test_fp8_dispatch_moves_bytes_and_lowers_for_gpu():
+    """The dispatch's exchange moves one uint8 row of D + 4 ceil(D/128) bytes per route (ragged and
+    padded, lowered for an H200 from this host); the combine and every reverse exchange move the
+    compute dtype."""
+    for strategy, op in (("ragged", "stablehlo.custom_call @ragged_all_to_all"), ("padded", "stablehlo.all_to_all")):
+        text = _lower_ep_grad((2, 4), strategy=strategy, capacity=3, dtype=jnp.bfloat16, fp8_dispatch=True)
+        calls = [line for line in text.splitlines() if op in line]
+        assert len(calls) == 4, calls
+        assert sum("xui8>" in line for line in calls) == 1, calls
+        assert sum("xbf16>" in line for line in calls) == 3, calls
+
 
 
 @pytest.mark.parametrize("ep,data,pair", [(4, 2, False), (2, 1, False), (2, 1, True)])
@@ -511,7 +561,7 @@ def test_ragged_strategy_on_gpus(pattern, capacity):
     _check_linear(_mesh(2, 1), pattern, capacity=capacity, strategy="ragged", seed=4)
 
 
-def _lower_ep_grad(mesh_shape, *, strategy, capacity, dtype, k=2, transport="auto") -> str:
+def _lower_ep_grad(mesh_shape, *, strategy, capacity, dtype, k=2, transport="auto", fp8_dispatch=False) -> str:
     """StableHLO of the gradient (w.r.t. x, the routing weights and the expert weights) of a linear
     EP layer on an H200 mesh of `mesh_shape` = (data, ep), under shard_map's check_vma as the
     MoE layer runs it."""
@@ -522,7 +572,7 @@ def _lower_ep_grad(mesh_shape, *, strategy, capacity, dtype, k=2, transport="aut
         W = lax.pcast(W, (DATA_AXIS,), to="varying")  # per-device weight gradients, psum'd over data
         expert_fn = lambda px, gs: grouped_linear(px, W, gs, backend="xla")
         y, stats = ep_moe(x, idx, w, expert_fn, num_experts=E, strategy=strategy, capacity=capacity,
-                          transport=transport)
+                          transport=transport, fp8_dispatch=fp8_dispatch)
         # stats.dropped is an ep-group total: sum the data replicas' groups for a replicated result.
         return lax.psum(jnp.sum(y), (DATA_AXIS, EP_AXIS)) + 0.0 * lax.psum(stats.dropped, DATA_AXIS)
 

@@ -250,6 +250,8 @@ def routed_on_mesh(stage: ExpertStage, mesh, rules: AxisRules, options: EPOption
             x_TD, idx_TK, w_TK, experts, num_experts=stage.num_experts, axis_name=rules.experts,
             strategy=options.strategy, capacity=capacity, mask_T=mask_T, backend=stage.backend,
             transport=options.transport, fuse_regroup=gather, chunks=options.chunks,
+            # FP8 experts quantize the rows per 1 x 128 tile anyway: they cross the exchange so.
+            fp8_dispatch=stage.quantization is not None,
         )
         gemm = local_stage.chunked_telemetry([local_stage.telemetry(plans[rows], sizes_El)
                                               for rows, sizes_El in zip(chunk_rows, stats.chunk_group_sizes_NEl)])

@@ -53,6 +53,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from moe_jax.ops import RowGather, gather_rows
+from moe_jax.ops.fp8 import BLOCK
 from moe_jax.ops.platform import BackendName
 from moe_jax.parallel.capacity import resolve_capacity
 from moe_jax.parallel.chunks import check_chunks, token_chunks
@@ -68,7 +69,7 @@ from moe_jax.parallel.mesh import EP_AXIS
 from moe_jax.parallel.send_plan import plan_sends
 from moe_jax.parallel.transports import Transport, check_strategy, check_transport, select_transport
 from moe_jax.permute import check_mask
-from moe_jax.validation import check_int
+from moe_jax.validation import check_bool, check_int
 
 __all__ = ["EPPlan", "EPStats", "ep_combine", "ep_dispatch", "ep_moe"]
 
@@ -200,6 +201,7 @@ def ep_dispatch(
     mask_T: jax.Array | None = None,
     backend: BackendName = "auto",
     transport: str | Transport = "auto",
+    fp8_dispatch: bool = False,
 ) -> tuple[jax.Array, jax.Array, EPPlan]:
     """Send each token's rows to the owners of its K experts; return them grouped by local expert.
 
@@ -219,6 +221,10 @@ def ep_dispatch(
         XLA elsewhere).
       transport: `"auto"` (the strategy's default), a name in `transports.TRANSPORTS` or a
         `Transport` fitting the strategy's layout.
+      fp8_dispatch: the rows cross the exchange as e4m3 values with fp32 scales per 1 x 128 tile
+        (`Transport.exchange(fp8=True)`: about half of bf16's bytes) and arrive dequantized, for
+        experts that quantize them the same way (`Fp8Blockwise`); the gradient returns in x's
+        dtype. Rows this rank keeps (a pairwise transport's own block) are not quantized here.
 
     Returns:
       packed_x_MD: `[M, D]`, M = P*C, rows of local expert 0, then 1, ... (within an expert by
@@ -227,7 +233,7 @@ def ep_dispatch(
       plan: `EPPlan` for `ep_combine`.
     """
     got = _receive(x_TD, expert_idx_TK, num_experts=num_experts, axis_name=axis_name, strategy=strategy,
-                   capacity=capacity, mask_T=mask_T, backend=backend, transport=transport)
+                   capacity=capacity, mask_T=mask_T, backend=backend, transport=transport, fp8_dispatch=fp8_dispatch)
     return _regroup(got, backend), got.plan.group_sizes_El, got.plan
 
 
@@ -252,10 +258,11 @@ class Received(NamedTuple):
 
 
 def _receive(x_TD, expert_idx_TK, *, num_experts, axis_name, strategy, capacity, mask_T, backend,
-             transport) -> Received:
+             transport, fp8_dispatch) -> Received:
     """`ep_dispatch` up to the regroup: the plan, the exchange, and where each packed row is."""
     check_strategy(strategy)
     check_transport(transport)
+    fp8_dispatch = check_bool("fp8_dispatch", fp8_dispatch)
     tokens, top_k = _check_routes(x_TD, expert_idx_TK)
     mask_T = check_mask(mask_T, tokens, "ep_dispatch")
     ep = _axis_size(axis_name)
@@ -265,7 +272,9 @@ def _receive(x_TD, expert_idx_TK, *, num_experts, axis_name, strategy, capacity,
     if routes == 0:
         empty_MD, plan = _empty_dispatch(x_TD, tokens, top_k, strategy, transport, ep, local)
         return Received(empty_MD, jnp.zeros((0,), jnp.int32), None, plan)
-    moved = select_transport(strategy, transport, ep=ep, block_bytes=cap * x_TD.shape[1] * x_TD.dtype.itemsize)
+    width = x_TD.shape[1]
+    row_bytes = width + 4 * -(-width // BLOCK) if fp8_dispatch else width * x_TD.dtype.itemsize
+    moved = select_transport(strategy, transport, ep=ep, block_bytes=cap * row_bytes)
     layout = moved.layout
     send_rows, recv_rows = buffer_rows(layout, routes, ep, cap)
 
@@ -287,13 +296,13 @@ def _receive(x_TD, expert_idx_TK, *, num_experts, axis_name, strategy, capacity,
         pair = pair_maps(regroup.recv_to_packed_M, regroup.packed_to_recv_M, route_row_R, me, cap)
         own_ids, peer_ids = own_and_peer(send_ids_S, me, cap)
         peer_send = gather_rows(x_TD, peer_ids, inverse_N=pair.peer_slot_R.reshape(tokens, top_k), backend=backend)
-        regroup_src = (x_TD, moved.exchange(peer_send, ex, out_rows=cap, axis_name=axis_name))
+        regroup_src = (x_TD, moved.exchange(peer_send, ex, out_rows=cap, axis_name=axis_name, fp8=fp8_dispatch))
         regroup_ids = jnp.where(pair.own_slot_M >= 0, own_ids[jnp.maximum(pair.own_slot_M, 0)],
                                 jnp.where(pair.peer_slot_M >= 0, tokens + pair.peer_slot_M, -1))
         regroup_inverse = (pair.own_packed_R.reshape(tokens, top_k), pair.peer_to_packed_C)  # peer rows: read once
     else:
         send_x_SD = gather_rows(x_TD, send_ids_S, inverse_N=route_row_TK, backend=backend)
-        regroup_src = moved.exchange(send_x_SD, ex, out_rows=recv_rows, axis_name=axis_name)
+        regroup_src = moved.exchange(send_x_SD, ex, out_rows=recv_rows, axis_name=axis_name, fp8=fp8_dispatch)
         regroup_ids, regroup_inverse = regroup.packed_to_recv_M, regroup.recv_to_packed_M
 
     # Every route of a real token that is not sent counts: over capacity or an invalid expert id.
@@ -408,6 +417,7 @@ def ep_moe(
     transport: str | Transport = "auto",
     fuse_regroup: bool = False,
     chunks: int = 1,
+    fp8_dispatch: bool = False,
 ) -> tuple[jax.Array, EPStats]:
     """Dispatch, `packed_y_MD = expert_fn(packed_x_MD, group_sizes_El)`, combine.
 
@@ -415,8 +425,9 @@ def ep_moe(
     the packed rows group by group (grouped-GEMM layout, e.g. `moe_jax.ops.grouped_linear`),
     returning `[M, D_out]`; its rows past `sum(group_sizes_El)` are ignored.
     `mask_T` (bool `[T]`) excludes padding tokens: they are not sent and their output is zero.
-    `backend` picks the row-gather and send-plan backend, `transport` the row exchange (see
-    `ep_dispatch`). Returns `(y_TD, EPStats)`.
+    `backend` picks the row-gather and send-plan backend, `transport` the row exchange and
+    `fp8_dispatch` its payload (see `ep_dispatch`; the combine always moves `expert_fn`'s dtype).
+    Returns `(y_TD, EPStats)`.
 
     `fuse_regroup=True`: no packed copy of the received rows is made where the transport delivers
     one buffer (all_to_all, ragged_all_to_all); `expert_fn(recv_RD, group_sizes_El, rows)` gets
@@ -441,7 +452,7 @@ def ep_moe(
     mask_T = check_mask(mask_T, tokens, "ep_moe")
     bounds = token_chunks(tokens, check_chunks(chunks))
     options = dict(num_experts=num_experts, axis_name=axis_name, strategy=strategy, capacity=capacity,
-                   backend=backend, transport=transport, fuse_regroup=fuse_regroup)
+                   backend=backend, transport=transport, fuse_regroup=fuse_regroup, fp8_dispatch=fp8_dispatch)
     if len(bounds) == 1:
         return _moe_chunk(x_TD, expert_idx_TK, weights_TK, mask_T, expert_fn, **options)
     parts = [
@@ -453,10 +464,10 @@ def ep_moe(
 
 
 def _moe_chunk(x_TD, expert_idx_TK, weights_TK, mask_T, expert_fn, *, num_experts, axis_name, strategy, capacity,
-               backend, transport, fuse_regroup) -> tuple[jax.Array, EPStats]:
+               backend, transport, fuse_regroup, fp8_dispatch) -> tuple[jax.Array, EPStats]:
     """`ep_moe` of one chunk of tokens: dispatch, experts, combine."""
     got = _receive(x_TD, expert_idx_TK, num_experts=num_experts, axis_name=axis_name, strategy=strategy,
-                   capacity=capacity, mask_T=mask_T, backend=backend, transport=transport)
+                   capacity=capacity, mask_T=mask_T, backend=backend, transport=transport, fp8_dispatch=fp8_dispatch)
     sizes_El = got.plan.group_sizes_El
     if fuse_regroup and got.inverse is not None and not isinstance(got.src, tuple):
         # Each received row is read by exactly one packed row (or none): a one-column inverse.

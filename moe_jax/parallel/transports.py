@@ -14,7 +14,9 @@ routes local. Three are provided:
 
 Each exchange is differentiable through its own `jax.custom_vjp` whose backward is the reverse
 exchange (sizes and offsets swapped; the row permutation's transpose is its inverse), not JAX's
-built-in transpose of the collective. A `Transport` is a frozen value: tests and benchmarks pass
+built-in transpose of the collective. `Transport.exchange(fp8=True)` moves the rows as e4m3
+values with fp32 scales per 1 x 128 tile, one byte row each, and dequantizes them on arrival (the
+FP8 dispatch; docs/expert-parallelism.md). A `Transport` is a frozen value: tests and benchmarks pass
 one (or a variant made with `dataclasses.replace`, e.g. with an identity `move` to time what
 surrounds the collective) wherever a transport name is accepted.
 
@@ -33,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from moe_jax.ops.fp8 import dequantize_rows, quantize_rows, rows_from_bytes, rows_to_bytes
 from moe_jax.parallel.layout import LAYOUTS, BlockExchange
 
 __all__ = [
@@ -76,14 +79,24 @@ class Transport:
         if self.layout not in LAYOUTS:
             raise ValueError(f"Transport.layout={self.layout!r}: use one of {LAYOUTS}.")
 
-    def exchange(self, rows_ND: jax.Array, ex: BlockExchange, *, out_rows: int, axis_name) -> jax.Array:
+    def exchange(self, rows_ND: jax.Array, ex: BlockExchange, *, out_rows: int, axis_name,
+                 fp8: bool = False) -> jax.Array:
         """Differentiable `move`: the cotangent of a received block goes back to its sender through
-        the reverse exchange (`ex.reversed()`)."""
-        in_rows = rows_ND.shape[0]
+        the reverse exchange (`ex.reversed()`).
+
+        `fp8=True`: the rows travel as DeepSeek-V3 dispatches them (arXiv:2412.19437, section
+        3.3): e4m3 values with one fp32 scale per 1 x 128 tile of each row (`moe_jax.ops.fp8`),
+        one byte row each (`rows_to_bytes`: D + 4 ceil(D/128) bytes, about half of bf16's 2D),
+        dequantized to the rows' dtype on arrival. The cotangent returns in the rows' dtype, straight
+        through the quantization."""
+        in_rows, width, dtype = rows_ND.shape[0], rows_ND.shape[1], rows_ND.dtype
 
         @jax.custom_vjp
         def exchange(rows, ex):
-            return self.move(rows, ex, out_rows, axis_name)
+            if not fp8:
+                return self.move(rows, ex, out_rows, axis_name)
+            moved = self.move(rows_to_bytes(quantize_rows(rows)), ex, out_rows, axis_name)
+            return dequantize_rows(rows_from_bytes(moved, width)).astype(dtype)
 
         def forward(rows, ex):
             return exchange(rows, ex), ex
