@@ -14,8 +14,7 @@ with the prefill input gradient / forward and input gradient on `mosaic_gpu` whe
 shapes; `fused` / `separate` the default with `row_gather` forced either way; `fp8` the routed
 experts in blockwise FP8 with trainable master weights, `GemmOptions(quantization=Fp8Blockwise())`,
 its error to the bf16 torch layer the recipe's quantization; `fp8-packed` that with
-`row_gather="separate"` (packed bf16 rows quantized, not each token once); `fp8-fused` with
-fused gate/up master weights (`fused_gate_up=True`: one FP8 product of 2F columns); `fp8-stored` with
+`row_gather="separate"` (packed bf16 rows quantized, not each token once); `fp8-stored` with
 stored e4m3 weights, `Fp8Blockwise(weights="stored")`: no weight quantization and no weight
 gradient, the rest of the step as `fp8`), the gradient of
 `sum(y**2)` with respect to the input and every parameter, jitted; device memory is the compiled
@@ -60,7 +59,6 @@ from flax import nnx
 from benchmarks.fp8 import torch_fp8_rowwise
 from benchmarks.gmm import to_torch
 from benchmarks.timing import compile_jax, run_meta, time_compiled, time_torch
-from moe_jax.experts import fuse_gate_up
 from moe_jax.layers import Fp8Blockwise, GemmOptions, MoE, stored_fp8
 from moe_jax.ops import H200_BACKENDS
 from moe_jax.routing import SoftmaxTopK
@@ -94,7 +92,6 @@ VARIANTS = {"auto": dict(), "pallas": dict(backend="pallas_triton"), "static": d
             "fp8": dict(quantization=Fp8Blockwise()),
             "fp8-packed": dict(quantization=Fp8Blockwise(), row_gather="separate"),
             "fp8-stored": dict(quantization=Fp8Blockwise(weights="stored")),
-            "fp8-fused": dict(quantization=Fp8Blockwise(), fused_gate_up=True),
             "mosaic-dgrad": dict(backend=H200_BACKENDS.replace({("gmm_nn", "prefill"): MOSAIC_FIRST})),
             "mosaic-fwd-dgrad": dict(backend=H200_BACKENDS.replace({("gmm_nt", "prefill"): MOSAIC_FIRST,
                                                                     ("gmm_nn", "prefill"): MOSAIC_FIRST}))}
@@ -286,11 +283,6 @@ def main(argv=None) -> int:
             gemm = VARIANTS[v]
             if gemm.get("quantization") is not None and gemm["quantization"].stored:
                 layer = stored_fp8(base)  # base's experts quantized once, every other variable base's
-            elif gemm.get("fused_gate_up"):
-                layer = _layer(shape, **gemm)
-                layer.w_gate_up.value = fuse_gate_up(base.w_gate[...], base.w_up[...])
-                for name in ("w_router", "w_down"):
-                    getattr(layer, name).value = getattr(base, name)[...]
             else:
                 layer = _layer(shape, **gemm)
                 nnx.update(layer, nnx.state(base))

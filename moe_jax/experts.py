@@ -34,7 +34,6 @@ __all__ = [
     "split_gate_up",
     "swiglu_experts",
     "swiglu_experts_fp8",
-    "swiglu_experts_fp8_fused",
     "swiglu_experts_fused",
     "swiglu_experts_reference",
 ]
@@ -242,29 +241,6 @@ def swiglu_experts_fp8(
     # Gate and up in one call: the rows are quantized and kept once for both.
     gate_MF, up_MF = fp8_grouped_linear(x_MD, (w_gate_EFD, w_up_EFD), group_sizes_E, backend=backend, rows=rows)
     return fp8_grouped_linear(_swiglu(gate_MF, up_MF), w_down_EDF, group_sizes_E, backend=backend)
-
-
-def swiglu_experts_fp8_fused(
-    x_MD: jax.Array,
-    group_sizes_E: jax.Array,
-    w_gate_up_E2FD: jax.Array,
-    w_down_EDF: jax.Array,
-    *,
-    backend: BackendName = "xla",
-    rows: RowGather | None = None,
-) -> jax.Array:
-    """`swiglu_experts_fp8` with fused gate/up master weights `[E, 2F, D]` (`[:F]` gate, `[F:]` up),
-    quantized as one weight per 128 x 128 block: one FP8 product of 2F columns for gate and up, one
-    input gradient and one weight gradient. Where F is a multiple of 128 no block holds both gate
-    and up rows, so the values equal `swiglu_experts_fp8` on `split_gate_up(w_gate_up_E2FD)`
-    (otherwise the blocks across the seam are quantized together). `rows` as for
-    `swiglu_experts_fp8`."""
-    _check_gate_up(x_MD, w_gate_up_E2FD, "w_gate_up_E2FD")
-    hidden = _fused_hidden(w_gate_up_E2FD)
-    _check_down(x_MD, w_down_EDF, w_gate_up_E2FD.shape[0], hidden)
-    gate_up_M2F = fp8_grouped_linear(x_MD, w_gate_up_E2FD, group_sizes_E, backend=backend, rows=rows)
-    h_MF = _swiglu(gate_up_M2F[:, :hidden], gate_up_M2F[:, hidden:])
-    return fp8_grouped_linear(h_MF, w_down_EDF, group_sizes_E, backend=backend)
 
 
 def swiglu_experts_reference(

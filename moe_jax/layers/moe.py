@@ -100,17 +100,6 @@ def _check_stored_split(stored: bool, d_ff: int, etp: int) -> None:
         )
 
 
-def _check_fused_fp8(quantization, fused: bool, d_ff: int, etp: int) -> None:
-    """Fused FP8 master weights are quantized as one `[E, 2F, D]` weight: only where no 128-row
-    block straddles a shard's gate and up rows is that the separate weights' quantization."""
-    if quantization is not None and fused and (d_ff // etp) % BLOCK:
-        raise ValueError(
-            f"GemmOptions(fused_gate_up=True, quantization=Fp8Blockwise()) needs d_ff={d_ff} "
-            f"{f'/ {etp} expert-tensor shards ' if etp > 1 else ''}to be a multiple of {BLOCK}, so that no "
-            f"{BLOCK} x {BLOCK} block holds both gate and up rows; use fused_gate_up=False."
-        )
-
-
 def _option(name: str, value, cls, example: str):
     """`value` if it is a `cls` (None: `cls()`), else TypeError naming the argument."""
     if value is None:
@@ -222,7 +211,6 @@ class MoE(nnx.Module):
         slots = check_placement(placement, mesh, self.rules, e)
         self.ep, self.etp = check_layer_mesh(mesh, self.rules, slots, f, self.gemm.backend)
         _check_stored_split(self.fp8_stored, f, self.etp)
-        _check_fused_fp8(self.quantization, self.fused_gate_up, f, self.etp)
         self.mesh = mesh
         if self.ep > 1 and self.expert_parallel.strategy == "ragged" and mesh.devices.flat[0].platform != "gpu":
             raise ValueError(

@@ -56,8 +56,7 @@ class GemmOptions:
     quantization: `Fp8Blockwise()`: the routed experts' projections in DeepSeek-V3's blockwise FP8
       (master weights stay in `param_dtype`, quantized in each call; `Fp8Blockwise(weights="stored")`:
       e4m3 weights and block scales held as they are, for inference; docs/fp8.md); needs a backend
-      of `moe_jax.ops.FP8_LINEAR_BACKENDS`; with `fused_gate_up=True` (master weights only) the
-      layer's `d_ff` per expert-tensor shard must be a multiple of 128. None (default): the compute
+      of `moe_jax.ops.FP8_LINEAR_BACKENDS` and `fused_gate_up=False`. None (default): the compute
       dtype.
     """
 
@@ -101,9 +100,9 @@ class GemmOptions:
             raise ValueError(f"GemmOptions(quantization=Fp8Blockwise()) runs the FP8 recipe's grouped GEMMs, which "
                              f"backend={self.backend!r} does not run; use one of {FP8_LINEAR_BACKENDS} ('auto': the FP8 "
                              "kernel where it runs, else the dequantized reference path).")
-        if self.fused_gate_up and self.quantization.stored:
-            raise ValueError(f"GemmOptions(quantization={self.quantization!r}) holds separate gate and up weights (the "
-                             "FP8 checkpoint layout, each with its own block scales); use fused_gate_up=False.")
+        if self.fused_gate_up:
+            raise ValueError(f"GemmOptions(quantization={self.quantization!r}) needs separate gate and up weights "
+                             "(each is quantized in its own 128 x 128 blocks); use fused_gate_up=False.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,10 +155,8 @@ class Fp8Blockwise:
       Input gradients flow through them (`dx`, e.g. for adapters); they have no gradient of their
       own. `moe_jax.layers.stored_fp8(moe)` quantizes a layer's master weights once into them.
 
-    Needs `GemmOptions(backend=...)` of `moe_jax.ops.FP8_LINEAR_BACKENDS`. Master weights may be
-    fused (`fused_gate_up=True`: one FP8 product of 2F columns for gate and up) where `d_ff` (per
-    expert-tensor shard) is a multiple of 128, so that no 128 x 128 block holds both gate and up
-    rows and the values equal the separate weights'; stored weights are separate. With the row gather fused (`GemmOptions.row_gather`), each
+    Needs `GemmOptions(backend=...)` of `moe_jax.ops.FP8_LINEAR_BACKENDS` and separate gate and up
+    weights (`fused_gate_up=False`). With the row gather fused (`GemmOptions.row_gather`), each
     token row is quantized once and the FP8 kernel reads it through the packing's ids.
     """
 

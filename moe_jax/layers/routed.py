@@ -44,8 +44,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from moe_jax.experts import (ExpertPlans, expert_plans, swiglu_experts, swiglu_experts_fp8, swiglu_experts_fp8_fused,
-                             swiglu_experts_fused)
+from moe_jax.experts import ExpertPlans, expert_plans, swiglu_experts, swiglu_experts_fp8, swiglu_experts_fused
 from moe_jax.layers.options import Fp8Blockwise
 from moe_jax.ops import AUTO_FUSED_GATHER, CANDIDATES, executed
 from moe_jax.ops.fp8 import Fp8Weights
@@ -105,7 +104,7 @@ class ExpertStage:
 
     kernel: str  # "auto" (the tuned on-device selector) or "static" (the shape table)
     row_gather: str = "auto"  # "fused", "separate" or "auto" (`fuses_gather`)
-    quantization: Fp8Blockwise | None = None  # FP8 experts
+    quantization: Fp8Blockwise | None = None  # FP8 experts (unfused gate/up)
 
     def plans(self, num_rows: int, dtype, num_experts: int | None = None, *, gather: bool | None = None) -> ExpertPlans:
         """The grouped GEMMs' plans on `num_rows` packed `dtype` rows of `num_experts` experts (the
@@ -138,8 +137,7 @@ class ExpertStage:
         if self.quantization is not None:
             if self.quantization.stored:
                 weights = [Fp8Weights(*weights[i:i + 2]) for i in range(0, len(weights), 2)]
-            fn = swiglu_experts_fp8_fused if self.fused_gate_up else swiglu_experts_fp8
-            return fn(x_MD, group_sizes, *weights, backend=self.backend, rows=rows)
+            return swiglu_experts_fp8(x_MD, group_sizes, *weights, backend=self.backend, rows=rows)
         fn = swiglu_experts_fused if self.fused_gate_up else swiglu_experts
         return fn(x_MD, group_sizes, *weights, rows=rows, plans=plans)
 
