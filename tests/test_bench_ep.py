@@ -35,6 +35,7 @@ def test_cpu_smoke(tmp_path, ranks):
     # two-rank exchange.
     assert variants == {("nccl", "nccl"), ("ours", "padded"), ("ours", "padded cf=1.25"),
                         ("ours", "padded cf=1.25 no-a2a"), ("ours", "padded cf=1.25 xla-ops"),
+                        ("ours", "padded cf=1.25 fp8-dispatch"),
                         ("torch-ref", "torch-ref"), ("xla", "all_to_all"),
                         ("xla", "all_to_all cf=1.25"), ("ours", "padded gemm chunks=1"),
                         ("ours", "padded gemm chunks=2")} | ({("xla", "ppermute cf=1.25")} if ranks == 2 else set())

@@ -14,7 +14,10 @@ it times one dispatch + combine (identity experts) of:
   reported), `padded cf=1.25 no-a2a` (the same with the row collective replaced by the identity,
   a `dataclasses.replace`d `Transport`: what our planning, gathers and combine cost around the
   collective), `padded cf=1.25 xla-ops` (the row gathers and the send plan through XLA instead of
-  our Pallas kernels), `ragged` (`ragged_all_to_all`), and `ragged+decomp` (the same with
+  our Pallas kernels), `padded cf=1.25 fp8-dispatch` and `ragged fp8-dispatch` (the dispatch's rows
+  as e4m3 values with fp32 tile scales, `fp8_dispatch=True`: about half the bytes, plus the
+  quantization and dequantization around the collective; the combine stays bf16), `ragged`
+  (`ragged_all_to_all`), and `ragged+decomp` (the same with
   `--xla_gpu_unsupported_enable_ragged_all_to_all_decomposer=true`, in its own process since XLA
   reads flags once);
 * xla, the bare collectives there and back and nothing else: `all_to_all` of the dropless padded

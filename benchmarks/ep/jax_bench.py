@@ -50,6 +50,8 @@ class Variant(NamedTuple):
     gemm_chunks: ours: 0 for identity experts (dispatch + combine only); n >= 1 for `ep_moe(chunks=n)`
       with one grouped GEMM `[El, D, D]` as the experts: compute the exchange may overlap with
       (`chunks=1` is the unchunked baseline of the same work).
+    fp8: ours: the dispatch moves FP8 rows (`fp8_dispatch=True`: e4m3 values and fp32 tile scales,
+      about half of bf16's bytes, dequantized on arrival); the combine moves bf16.
     """
 
     side: str
@@ -59,13 +61,14 @@ class Variant(NamedTuple):
     xla_ops: bool = False
     decomposer: bool = False
     gemm_chunks: int = 0
+    fp8: bool = False
 
     @property
     def label(self) -> str:
         return (self.exchange + ("+decomp" if self.decomposer else "")
                 + (f" cf={CAPACITY_FACTOR}" if self.capacity else "")
                 + (" no-a2a" if self.no_a2a else "") + (" xla-ops" if self.xla_ops else "")
-                + (f" gemm chunks={self.gemm_chunks}" if self.gemm_chunks else ""))
+                + (f" gemm chunks={self.gemm_chunks}" if self.gemm_chunks else "") + (" fp8-dispatch" if self.fp8 else ""))
 
 
 # The padded rows (every backend; the ppermute row at P = 2 only) and the ragged ones (GPU only).
@@ -74,11 +77,12 @@ PADDED_VARIANTS = (
     Variant("ours", "padded", capacity=True),
     Variant("ours", "padded", capacity=True, no_a2a=True),
     Variant("ours", "padded", capacity=True, xla_ops=True),
+    Variant("ours", "padded", capacity=True, fp8=True),
     Variant("xla", "all_to_all"),
     Variant("xla", "all_to_all", capacity=True),
     Variant("xla", "ppermute", capacity=True),
 )
-RAGGED_VARIANTS = (Variant("ours", "ragged"), Variant("xla", "ragged_all_to_all"))
+RAGGED_VARIANTS = (Variant("ours", "ragged"), Variant("ours", "ragged", fp8=True), Variant("xla", "ragged_all_to_all"))
 DECOMPOSER_VARIANTS = tuple(v._replace(decomposer=True) for v in RAGGED_VARIANTS)
 
 
@@ -164,10 +168,10 @@ def _ours_loop(mesh, shape: Shape, variant: Variant, smoke: bool):
             if variant.gemm_chunks:
                 y, _ = ep_moe(x, idx, w, lambda rows, sizes: grouped_linear(rows, local_w, sizes, backend=backend),
                               num_experts=shape.experts, strategy=strategy, capacity=capacity, backend=backend,
-                              transport=transport, chunks=variant.gemm_chunks)
+                              transport=transport, chunks=variant.gemm_chunks, fp8_dispatch=variant.fp8)
                 return y, idx, w
             packed, _, plan = ep_dispatch(x, idx, num_experts=shape.experts, strategy=strategy, capacity=capacity,
-                                          backend=backend, transport=transport)
+                                          backend=backend, transport=transport, fp8_dispatch=variant.fp8)
             # The identity experts sit behind a barrier, as a real expert stage would: otherwise
             # XLA fuses the regroup gather into combine's un-regroup and one row pass disappears.
             return ep_combine(lax.optimization_barrier(packed), w, plan, backend=backend), idx, w
