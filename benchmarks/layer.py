@@ -4,7 +4,8 @@
 
 Shapes (routed experts only, top-k softmax routing renormalised, bf16 weights and activations):
 Qwen3-30B-A3B (T=4096, D=2048, F=768, top-8 of 128), Mixtral-8x7B (T=8192, D=4096, F=14336,
-top-2 of 8), DeepSeek-V3 (T=4096, D=7168, F=2048, top-8 of 256).
+top-2 of 8), DeepSeek-V3 (T=4096, D=7168, F=2048, top-8 of 256; its torch peer needs more than an
+H100's 80 GB beside ours: on an H100 pass `--shapes 0,1`).
 
 Ours: `moe_jax.layers.MoE` (one variant per `--variants` entry: `auto` the default layer, whose
 `backend="auto"` picks per kernel (`moe_jax.ops.gmm.plan`); `pallas` all on
