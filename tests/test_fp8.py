@@ -1,7 +1,8 @@
 """The FP8 recipe (`moe_jax.ops.fp8`, DeepSeek-V3's blockwise scaling) and its fp32 grouped-GEMM
 reference (`gmm_fp8_reference`): the quantization's error bound, scales, edges (zero tiles, K and
 N not multiples of 128, values that would overflow e4m3, non-finite inputs), the reference against
-a dequantize-then-multiply computation, and FP8's error against fp32 beside bf16's.
+a dequantize-then-multiply computation, FP8's error against fp32 beside bf16's, and the rows'
+byte layout for a collective.
 
 Legend: M rows, K contraction, N outputs, E groups; Kb, Nb the 128-wide blocks."""
 
@@ -21,6 +22,9 @@ from moe_jax.ops.fp8 import (
     dequantize_weights,
     quantize_rows,
     quantize_weights,
+    row_bytes,
+    rows_from_bytes,
+    rows_to_bytes,
 )
 
 
@@ -76,6 +80,27 @@ def test_zero_tiles_overflow_and_non_finite_inputs():
     assert np.all(np.isfinite(rows.scale_MKb[0])) and np.all(deq[0] == 0.0)  # all-zero tiles
     np.testing.assert_allclose(deq[1], 1e30, rtol=2.0 ** -4)
     assert np.all(np.isnan(deq[2, :128])) and deq[2, 200] == 5.0 and np.all(deq[2, 128:200] == 0)
+
+
+@pytest.mark.parametrize("k", [128, 200, 7])
+def test_rows_cross_a_byte_buffer_bit_for_bit(k):
+    """`rows_to_bytes` packs each row's e4m3 values and fp32 scales into row_bytes(k) bytes (the
+    FP8 dispatch's payload) and `rows_from_bytes` gives back the same bits, non-finite tiles and
+    zero tiles included, under jit."""
+    x = np.random.default_rng(k).standard_normal((5, k)).astype(np.float32) * 3
+    x[1] = 0.0
+    x[2, 0] = np.nan
+    x[3, -1] = np.inf
+    rows = quantize_rows(jnp.asarray(x))
+    wire = jax.jit(rows_to_bytes)(rows)
+    assert wire.dtype == jnp.uint8 and wire.shape == (5, row_bytes(k)) == (5, k + 4 * -(-k // BLOCK))
+    back = jax.jit(rows_from_bytes, static_argnums=1)(wire, k)
+    for got, want in zip(back, rows):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(got, jnp.uint8)),
+                                      np.asarray(jax.lax.bitcast_convert_type(want, jnp.uint8)))
+    with pytest.raises(ValueError, match=r"bytes_MB: expected uint8 \[M, 132\]"):
+        rows_from_bytes(jnp.zeros((2, 135), jnp.uint8), 128)
 
 
 def test_bad_input_is_refused_naming_the_argument():

@@ -39,10 +39,11 @@ __all__ = [
     "Fp8Weights",
     "dequantize_rows",
     "dequantize_weights",
-    "rows_from_bytes",
-    "rows_to_bytes",
     "quantize_rows",
     "quantize_weights",
+    "row_bytes",
+    "rows_from_bytes",
+    "rows_to_bytes",
     "transpose_weights",
 ]
 
@@ -148,10 +149,15 @@ def dequantize_weights(weights: Fp8Weights) -> jax.Array:
     return weights.values_ENK.astype(jnp.float32) * scale_ENK
 
 
+def row_bytes(k: int) -> int:
+    """Bytes of one row of width `k` as `rows_to_bytes` writes it: K values and 4 bytes per scale."""
+    return k + 4 * _blocks(k)
+
+
 def rows_to_bytes(rows: Fp8Rows) -> jax.Array:
-    """`rows` as one byte row each, for a collective to move: uint8 `[M, K + 4 Kb]`, the e4m3
-    values' bytes followed by the fp32 scales' (little-endian per the platform's bitcast). A bf16
-    row of K values is 2K bytes; this is K + 4 ceil(K/128), about half."""
+    """`rows` as one byte row each, for a collective to move: uint8 `[M, row_bytes(K)]`, the e4m3
+    values' bytes followed by the fp32 scales' (in the platform's byte order). A bf16 row of K
+    values is 2K bytes; this is K + 4 ceil(K/128), about half."""
     m = rows.values_MK.shape[0]
     values = jax.lax.bitcast_convert_type(rows.values_MK, jnp.uint8)
     scales = jax.lax.bitcast_convert_type(rows.scale_MKb, jnp.uint8).reshape(m, -1)
@@ -162,8 +168,8 @@ def rows_from_bytes(bytes_MB: jax.Array, k: int) -> Fp8Rows:
     """The `Fp8Rows` of width `k` that `rows_to_bytes` wrote into `bytes_MB`."""
     m, width = bytes_MB.shape
     kb = _blocks(k)
-    if bytes_MB.dtype != jnp.uint8 or width != k + 4 * kb:
-        raise ValueError(f"bytes_MB: expected uint8 [M, {k + 4 * kb}] (rows_to_bytes of width {k}), got "
+    if bytes_MB.dtype != jnp.uint8 or width != row_bytes(k):
+        raise ValueError(f"bytes_MB: expected uint8 [M, {row_bytes(k)}] (rows_to_bytes of width {k}), got "
                          f"{bytes_MB.dtype} {tuple(bytes_MB.shape)}.")
     values = jax.lax.bitcast_convert_type(bytes_MB[:, :k], FP8_DTYPE)
     scales = jax.lax.bitcast_convert_type(bytes_MB[:, k:].reshape(m, kb, 4), jnp.float32)

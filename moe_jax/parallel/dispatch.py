@@ -53,7 +53,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from moe_jax.ops import RowGather, gather_rows
-from moe_jax.ops.fp8 import BLOCK
+from moe_jax.ops.fp8 import row_bytes
 from moe_jax.ops.platform import BackendName
 from moe_jax.parallel.capacity import resolve_capacity
 from moe_jax.parallel.chunks import check_chunks, token_chunks
@@ -273,8 +273,8 @@ def _receive(x_TD, expert_idx_TK, *, num_experts, axis_name, strategy, capacity,
         empty_MD, plan = _empty_dispatch(x_TD, tokens, top_k, strategy, transport, ep, local)
         return Received(empty_MD, jnp.zeros((0,), jnp.int32), None, plan)
     width = x_TD.shape[1]
-    row_bytes = width + 4 * -(-width // BLOCK) if fp8_dispatch else width * x_TD.dtype.itemsize
-    moved = select_transport(strategy, transport, ep=ep, block_bytes=cap * row_bytes)
+    moved_row_bytes = row_bytes(width) if fp8_dispatch else width * x_TD.dtype.itemsize
+    moved = select_transport(strategy, transport, ep=ep, block_bytes=cap * moved_row_bytes)
     layout = moved.layout
     send_rows, recv_rows = buffer_rows(layout, routes, ep, cap)
 
