@@ -91,7 +91,8 @@ def emulated_ragged_all_to_all(
     """`jax.lax.ragged_all_to_all`'s documented semantics from all_gather, for XLA:CPU. A broken
     contract (sizes that disagree with the senders', overlapping or out-of-range blocks) poisons
     the whole result with NaN instead of raising, since nothing can raise under jit. With `fill`,
-    rows no sender writes hold `fill` instead of keeping `output`'s values."""
+    rows no sender writes hold `fill` instead of keeping `output`'s values. Integer rows (the FP8
+    dispatch's bytes) are poisoned and filled with all-ones bytes, which decode to NaN."""
     assert axis_index_groups is None
     me = lax.axis_index(axis_name)
     operand_all = lax.all_gather(operand, axis_name)  # [P, N, ...]
@@ -100,6 +101,8 @@ def emulated_ragged_all_to_all(
     hit_PM = (rows >= out_off[:, None]) & (rows < (out_off + sizes)[:, None])
     src = jnp.argmax(hit_PM, axis=0)
     read = in_off[src] + rows - out_off[src]
+    if fill is not None and not jnp.issubdtype(output.dtype, jnp.floating):
+        fill = jnp.iinfo(output.dtype).max  # byte rows (the FP8 dispatch): all-ones bytes decode to NaN
     result = jnp.where(
         jnp.any(hit_PM, axis=0).reshape((-1,) + (1,) * (operand.ndim - 1)),
         operand_all[src, jnp.clip(read, 0, operand.shape[0] - 1)],
@@ -112,7 +115,8 @@ def emulated_ragged_all_to_all(
         & jnp.all(out_off + sizes <= output.shape[0])
         & jnp.all((in_off >= 0) & (out_off >= 0) & (sizes >= 0))
     )
-    return jnp.where(ok, result, jnp.nan)
+    poison = jnp.nan if jnp.issubdtype(output.dtype, jnp.floating) else jnp.iinfo(output.dtype).max
+    return jnp.where(ok, result, jnp.array(poison, output.dtype))
 
 
 def poisoned_ragged():

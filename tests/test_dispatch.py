@@ -311,19 +311,28 @@ def _check_layout_and_round_trip(ep, data, strategy, transport):
 # ----------------------------------------------------------------------------- numerics vs single device
 
 
-@pytest.mark.parametrize("ep,data,pair", [(2, 1, False), (4, 2, False), (2, 1, True)])
-def test_fp8_dispatch_sends_quantized_rows_with_straight_through_gradients(ep, data, pair):
+@pytest.mark.parametrize("ep,data,strategy,pair", [(2, 1, "padded", False), (4, 2, "padded", False),
+                                                  (2, 1, "padded", True), (2, 2, "ragged", False)])
+def test_fp8_dispatch_sends_quantized_rows_with_straight_through_gradients(ep, data, strategy, pair):
     """`fp8_dispatch=True`: a route's row arrives as its 1 x 128-tile FP8 quantization, dequantized
     (a pairwise transport's own routes never leave the rank and arrive as they are), the outputs
     are the single-device math on the arrived rows, and the gradients pass straight through the
-    quantization (those of that math with the quantization's rounding held fixed)."""
+    quantization (those of that math with the quantization's rounding held fixed). Ragged: the
+    emulated collective, bytes no sender writes all-ones (NaN once decoded)."""
+    if strategy == "ragged":
+        with poisoned_ragged():
+            return _check_fp8_dispatch(ep, data, strategy, pair)
+    _check_fp8_dispatch(ep, data, strategy, pair)
+
+
+def _check_fp8_dispatch(ep, data, strategy, pair):
     mesh = _mesh(ep, data)
     k, n = 2, ep * data * T
     x, w, W, cot = _float_inputs(n, k, seed=3)
     x = x * jnp.linspace(0.5, 40.0, D)  # channels of very different sizes share a tile's scale
     idx = _routes("skewed", n, k, ep, seed=1)
     keep, _, _ = _np_dispatch(idx, ep, data, T * k)
-    fn = _ep_linear(mesh, transport="pair_swap" if pair else "all_to_all", fp8_dispatch=True)
+    fn = _ep_linear(mesh, strategy=strategy, transport=_transport(strategy, pair), fp8_dispatch=True)
     (_, (y, *_)), grads = fn(x, w, W, jnp.asarray(idx), cot, jnp.ones(n, bool))
 
     stays = (np.arange(n)[:, None] // T % ep == idx // (E // ep)) & pair  # own routes of the pairwise path
