@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moe_jax.layers import Fp8Blockwise, GemmOptions, MoE, SharedExperts
+from moe_jax.layers import EPOptions, Fp8Blockwise, GemmOptions, MoE, SharedExperts
 from moe_jax.ops.fp8 import dequantize_rows, dequantize_weights, quantize_rows, quantize_weights
 from moe_jax.parallel import make_mesh
 
@@ -132,21 +132,22 @@ def test_quantize_on_gather_equals_packed_rows(weights):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("row_gather", ["fused", "separate"])
-def test_expert_parallel_equals_one_device(row_gather):
+@pytest.mark.parametrize("row_gather, chunks", [("fused", 1), ("separate", 1), ("separate", 2)])
+def test_expert_parallel_equals_one_device(row_gather, chunks):
     """The FP8 layer at ep = 2 equals one device: its rows cross the exchange as e4m3 values and
     fp32 tile scales (one uint8 row each, about half of the compute dtype's bytes) and the experts
     quantize the dequantized rows to the same values."""
     x = _x(t=32)
     y_one, _ = _layer()(x)
     mesh = make_mesh(ep=2, data=1, devices=jax.devices("cpu")[:2])
-    m = _layer(mesh=mesh, row_gather=row_gather)
+    m = _layer(mesh=mesh, row_gather=row_gather, expert_parallel=EPOptions(chunks=chunks))
     y_ep, _ = m(x)
     assert _rel(y_ep, y_one) < 1e-5, _rel(y_ep, y_one)
     graph, state = nnx.split(m)
     text = jax.jit(lambda state, x: nnx.merge(graph, state)(x)[0]).lower(state, x).as_text()
     moves = [line for line in text.splitlines() if "stablehlo.all_to_all" in line]
-    assert sum("xui8>" in line for line in moves) == 1 and len(moves) == 2, moves  # dispatch FP8, combine not
+    # Per chunk: the dispatch in FP8 bytes, the combine in the compute dtype.
+    assert sum("xui8>" in line for line in moves) == chunks and len(moves) == 2 * chunks, moves
 
 
 def test_errors():
