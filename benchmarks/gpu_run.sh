@@ -9,10 +9,10 @@
 # Phases: env | tests | parity | tune | run | run-quick | layer-time | drop-in | example | ep-check |
 #         ep-bench | parity-ep | example-ep | routed | jax-triton | backends | layer |
 #         decode | decode-ncu | wgrad-ncu | accept-tests | accept-example | accept-layers |
-#         accept-compiled | accept-ncu | accept-summary   (each optionally :SECONDS)
+#         accept-rerun | accept-compiled | accept-ncu | accept-summary   (each optionally :SECONDS)
 # The GPU acceptance run (docs/acceptance.md) is `accept`: every accept-* phase in order, after
-# env and jax-triton; `accept-summary` writes $OUT/accept_summary.md (COMMIT names the commit).
-# Env: NPROC (xdist workers), TESTS / PARITY (paths), STEPS (example), TUNE_ONLY (all|prefill|decode),
+# env and jax-triton; `accept-summary` writes $OUT/accept_summary.md (COMMIT names the commit, DEVICE the card).
+# Env: NPROC (xdist workers; NPROC_RERUN those of accept-rerun), TESTS / PARITY (paths), STEPS (example), TUNE_ONLY (all|prefill|decode),
 #      ROUTED_SHAPES (routed: indices into benchmarks.routed_gmm's shapes; default all),
 #      WHEELS (jax-triton: the folder holding the jax_triton wheel, default .whl; the image has no registry),
 #      LAYER_SHAPES / LAYER_VARIANTS (layer: benchmarks.layer's --shapes / --variants),
@@ -32,7 +32,7 @@ L=${LANE:+$LANE-}
 phases=()
 for phase in "$@"; do
   if [ "$phase" = accept ]; then
-    phases+=(env jax-triton accept-tests:540 accept-example:360 accept-layers:540 accept-compiled:300 accept-ncu:420 accept-summary)
+    phases+=(env jax-triton accept-tests:540 accept-rerun:300 accept-example:360 accept-layers:540 accept-compiled:300 accept-ncu:420 accept-summary)
   else
     phases+=("$phase")
   fi
@@ -72,6 +72,12 @@ for phase in "${phases[@]}"; do
                  -k 'regex:tgmm|device_kernel' python3 -m benchmarks.wgrad_profile 2>&1 | tail -5
                python3 -m benchmarks.wgrad_profile table "$OUT/${L}wgrad_ncu.csv" 2>&1 | tail -30 ;;
     accept-tests) timeout "$limit" python3 -m pytest tests parity -q -n ${NPROC:-14} -p no:cacheprovider 2>&1 | tee "$OUT/${L}tests.log" | tail -25 ;;
+    accept-rerun) python3 -m benchmarks.accept failed-ids "$OUT/${L}tests.log" > "$OUT/${L}tests_rerun_ids.txt"
+                  # tests that ran out of device memory beside the other workers (and the example) on a smaller card
+                  if [ -s "$OUT/${L}tests_rerun_ids.txt" ]; then
+                    timeout "$limit" python3 -m pytest $(cat "$OUT/${L}tests_rerun_ids.txt") -q -n ${NPROC_RERUN:-4} -p no:cacheprovider --tb=line 2>&1 \
+                      | tee "$OUT/${L}tests_rerun.log" | tail -8
+                  else rm -f "$OUT/${L}tests_rerun_ids.txt"; echo "nothing to rerun"; fi ;;
     accept-example) for run in float32 bfloat16 fp8; do  # the README's command with its defaults (fp32), bf16, bf16 in FP8
                       case $run in float32) args= ;; bfloat16) args="--dtype bfloat16" ;; fp8) args="--dtype bfloat16 --fp8" ;; esac
                       # the run's folder (checkpoints, metrics, plot) stays on the host: its log comes back
@@ -88,7 +94,7 @@ for phase in "${phases[@]}"; do
                   python3 -m benchmarks.accept launch --labels "$OUT/${L}accept_labels.json" 2>&1 | tail -5
                 python3 -m benchmarks.accept ncu-table "$OUT/${L}accept_ncu.csv" --labels "$OUT/${L}accept_labels.json" \
                   --out "$OUT/${L}accept_resources.json" 2>&1 | tee "$OUT/${L}accept_resources.log" | tail -30 ;;
-    accept-summary) python3 -m benchmarks.accept summary "$OUT" --commit "${COMMIT:-unknown}" | tail -60 ;;
+    accept-summary) python3 -m benchmarks.accept summary "$OUT" --commit "${COMMIT:-unknown}" --device "${DEVICE:-one H200}" | tail -60 ;;
     layer) timeout "$limit" python3 -m benchmarks.layer ${LAYER_SHAPES:+--shapes $LAYER_SHAPES} ${LAYER_VARIANTS:+--variants $LAYER_VARIANTS} --json "$OUT/${L}layer.json" 2>&1 | tee "$OUT/${L}layer.log" | tail -20 ;;
     *) echo "unknown phase $name" ;;
   esac

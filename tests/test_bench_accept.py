@@ -87,7 +87,7 @@ def test_summary_sets_the_fp8_example_beside_bf16(tmp_path, capsys):
                  for s in range(25, 130, 25)]
         lines += [f"step {s:>6} | val loss {4.0 - s / 1000 + offset:.4f}" for s in (100, 125)]
         (tmp_path / f"example_{run}.log").write_text("\n".join(lines + ["done: loss 5.0 -> 3.8", "exit 0"]))
-    accept.summary(argparse.Namespace(out=str(tmp_path), commit="abc1234"))
+    accept.summary(argparse.Namespace(out=str(tmp_path), commit="abc1234", device="one H200"))
     text = (tmp_path / "accept_summary.md").read_text()
     assert "FP8 against bf16, same seed" in text
     assert "| train | 50 | 4.5000 | 4.5100 | +0.0100 |" in text
@@ -95,6 +95,27 @@ def test_summary_sets_the_fp8_example_beside_bf16(tmp_path, capsys):
     assert "| val | 100 | 3.9000 | 3.9100 | +0.0100 |" in text
     assert "| train | 75 |" not in text
     (tmp_path / "example_fp8.log").write_text("Traceback ...\nexit 1\n")
-    accept.summary(argparse.Namespace(out=str(tmp_path), commit="abc1234"))
+    accept.summary(argparse.Namespace(out=str(tmp_path), commit="abc1234", device="one H200"))
     assert "FP8 against bf16" not in (tmp_path / "accept_summary.md").read_text()
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("rerun, green", [
+    ("2 passed in 30s\n", True),
+    ("1 failed, 1 passed in 30s\n", False),
+    ("1 passed in 30s\n", False),  # one of the two never ran again
+    ("", False),
+])
+def test_failed_tests_count_only_when_all_pass_rerun_alone(tmp_path, rerun, green):
+    """A smaller card runs tests out of memory beside the other workers: `accept-rerun` runs exactly
+    the ids the log reports failed again, and the tests count as passed only if all of them pass."""
+    _write_green(tmp_path)
+    log = ("FAILED tests/test_a.py::test_x[bf16] - RESOURCE_EXHAUSTED: out of memory\n"
+           "ERROR parity/tests/test_b.py::test_y - torch.OutOfMemoryError\n"
+           "1 failed, 941 passed, 1 error in 300s\n")
+    (tmp_path / "tests.log").write_text(log)
+    assert accept.failed_ids(log) == ["tests/test_a.py::test_x[bf16]", "parity/tests/test_b.py::test_y"]
+    assert _failed(tmp_path) == ["tests and parity compiled"]  # no rerun: red
+    (tmp_path / "tests_rerun_ids.txt").write_text("\n".join(accept.failed_ids(log)) + "\n")
+    (tmp_path / "tests_rerun.log").write_text(rerun)
+    assert _failed(tmp_path) == ([] if green else ["tests and parity compiled"])
