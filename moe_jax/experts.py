@@ -221,7 +221,6 @@ def swiglu_experts_fp8(
     *,
     backend: BackendName = "xla",
     rows: RowGather | None = None,
-    remat_weights: bool = False,
 ) -> jax.Array:
     """`swiglu_experts` with its three projections in DeepSeek-V3's blockwise FP8
     (`moe_jax.ops.fp8_grouped_linear`: rows per 1 x 128 tile), on packed rows `x_MD`; `y_MD` in
@@ -232,10 +231,7 @@ def swiglu_experts_fp8(
     block scales, used as they are, no weight gradient); shapes as `swiglu_experts`' (the values'
     for `Fp8Weights`). With `rows` (a `RowGather`), `x_MD` is the `[T, D]` token rows: each token
     is quantized once and the gate and up products read its FP8 row through `rows.ids_M`
-    (`fp8_grouped_linear(rows=)`), no packed copy is written. `remat_weights` (master weights):
-    the backward quantizes the weights again instead of keeping their e4m3 copies
-    (`fp8_grouped_linear(remat_weights=)`). Master weights may be in any float dtype: they are
-    quantized from their cast to `x_MD.dtype`."""
+    (`fp8_grouped_linear(rows=)`), no packed copy is written."""
     weights = (w_gate_EFD, w_up_EFD, w_down_EDF)
     stored = [isinstance(w, Fp8Weights) for w in weights]
     if any(stored) and not all(stored):
@@ -243,10 +239,8 @@ def swiglu_experts_fp8(
                         f"Fp8Weights; got {', '.join(type(w).__name__ for w in weights)}.")
     _check_separate(x_MD, *(w.values_ENK if s else w for w, s in zip(weights, stored)))
     # Gate and up in one call: the rows are quantized and kept once for both.
-    gate_MF, up_MF = fp8_grouped_linear(x_MD, (w_gate_EFD, w_up_EFD), group_sizes_E, backend=backend, rows=rows,
-                                        remat_weights=remat_weights)
-    return fp8_grouped_linear(_swiglu(gate_MF, up_MF), w_down_EDF, group_sizes_E, backend=backend,
-                              remat_weights=remat_weights)
+    gate_MF, up_MF = fp8_grouped_linear(x_MD, (w_gate_EFD, w_up_EFD), group_sizes_E, backend=backend, rows=rows)
+    return fp8_grouped_linear(_swiglu(gate_MF, up_MF), w_down_EDF, group_sizes_E, backend=backend)
 
 
 def swiglu_experts_reference(

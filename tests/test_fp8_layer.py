@@ -131,30 +131,6 @@ def test_quantize_on_gather_equals_packed_rows(weights):
     np.testing.assert_array_equal(np.asarray(out["auto"][0]), np.asarray(out["separate"][0]))
 
 
-def test_remat_weights_keeps_no_weight_copy_and_gives_the_same_bits():
-    """`Fp8Blockwise(remat_weights=True)` in a bf16 layer of fp32 master weights: the backward
-    keeps neither an e4m3 nor a bf16 copy of the expert weights (the op quantizes the fp32 masters'
-    bf16 cast in its own pass), and the output and every gradient are the default's, bit for bit."""
-    x = _x().astype(jnp.bfloat16)
-    layers = {r: _layer(Fp8Blockwise(remat_weights=r), dtype=jnp.bfloat16) for r in (False, True)}
-    weight_shapes = {tuple(getattr(layers[True], n)[...].shape) for n in ("w_gate", "w_up", "w_down")}
-    weight_shapes |= {(s[0], s[2], s[1]) for s in weight_shapes}  # the input gradient's layout
-
-    def copies(m):
-        graph, state = nnx.split(m)
-        _, vjp = jax.vjp(lambda state, x: nnx.merge(graph, state)(x)[0], state, x)
-        return sorted(str(leaf.dtype) for leaf in jax.tree.leaves(vjp)
-                      if getattr(leaf, "shape", None) is not None and tuple(leaf.shape) in weight_shapes)
-
-    assert copies(layers[False]).count("float8_e4m3fn") == 3 and "bfloat16" not in copies(layers[False])
-    assert "float8_e4m3fn" not in copies(layers[True]) and "bfloat16" not in copies(layers[True])
-    y0, gx0, gm0 = _value_and_grads(layers[False], x)
-    y1, gx1, gm1 = _value_and_grads(layers[True], x)
-    for a, b in zip(jax.tree.leaves((y0, gx0, nnx.state(gm0, nnx.Param))),
-                    jax.tree.leaves((y1, gx1, nnx.state(gm1, nnx.Param)))):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("row_gather, chunks", [("fused", 1), ("separate", 1), ("separate", 2)])
 def test_expert_parallel_equals_one_device(row_gather, chunks):
@@ -181,7 +157,3 @@ def test_errors():
         GemmOptions(backend="xla", fused_gate_up=True, quantization=Fp8Blockwise())
     with pytest.raises(TypeError, match="Fp8Blockwise"):
         GemmOptions(backend="xla", quantization="fp8")
-    with pytest.raises(ValueError, match="remat_weights applies to weights='master'"):
-        Fp8Blockwise(weights="stored", remat_weights=True)
-    with pytest.raises(TypeError, match="remat_weights must be a bool"):
-        Fp8Blockwise(remat_weights=1)

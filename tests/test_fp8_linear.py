@@ -3,8 +3,8 @@
 `tgmm_reference` on the dequantized FP8 rows, stored `Fp8Weights`, group-size edges (empty
 experts, one hot expert, zero rows, rows past the sum), K and N not multiples of 128, bf16 and fp32
 x, several weights in one call against one call each, rows read through ids (`rows=RowGather`)
-against the same op on the gathered rows, `remat_weights` (no e4m3 weights kept, the same bits),
-master weights quantized from their cast to x's dtype, argument errors, and one small case on `pallas_triton` (interpret mode on CPU).
+against the same op on the gathered rows, argument
+errors, and one small case on `pallas_triton` (interpret mode on CPU).
 
 Legend: M rows, T source rows, K contraction, N outputs, E experts."""
 
@@ -176,54 +176,6 @@ def test_several_weights_equal_separate_calls(stored):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-2, atol=1e-2)
 
 
-def _residual_fp8_elements(fn, *args):
-    """How many e4m3 elements `jax.vjp(fn, *args)` keeps for its backward."""
-    _, vjp = jax.vjp(fn, *args)
-    return sum(leaf.size for leaf in jax.tree.leaves(vjp) if getattr(leaf, "dtype", None) == FP8_DTYPE)
-
-
-@pytest.mark.parametrize("through_ids", [False, True])
-def test_remat_weights_keeps_no_fp8_weights_and_gives_the_same_bits(through_ids):
-    """`remat_weights=True`: the backward keeps no e4m3 copy of the master weights (only the FP8
-    rows) and its output and every gradient are those of keeping them, bit for bit, also for a
-    tuple of weights and rows read through ids."""
-    num_tokens, e, k, n = 9, 3, 200, 130
-    x, w1 = _case(num_tokens, k, n, e, dtype=jnp.bfloat16, seed=4)
-    _, w2 = _case(num_tokens, k, n, e, seed=6)
-    ws = (w1.astype(jnp.bfloat16), w2.astype(jnp.bfloat16))
-    if through_ids:
-        rows, gs = _route(num_tokens, 2, e, seed=2)
-    else:
-        rows, gs = None, jnp.array([4, 0, 5], jnp.int32)
-
-    def loss(x, ws, remat):
-        a, b = fp8_grouped_linear(x, ws, gs, backend="auto", rows=rows, remat_weights=remat)
-        return jnp.sum(a.astype(jnp.float32) * b.astype(jnp.float32)), a
-
-    kept = _residual_fp8_elements(lambda x, ws: loss(x, ws, False), x, ws)
-    remat = _residual_fp8_elements(lambda x, ws: loss(x, ws, True), x, ws)
-    assert remat == x.size  # the FP8 rows (each source row once when read through ids)
-    assert kept == remat + sum(w.size for w in ws)
-    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True), static_argnums=2)
-    ((_, y0), g0), ((_, y1), g1) = step(x, ws, False), step(x, ws, True)
-    for a, b in zip(jax.tree.leaves((y0, g0)), jax.tree.leaves((y1, g1))):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-
-
-def test_master_weights_are_quantized_from_their_cast_to_x_dtype():
-    """fp32 master weights with bf16 rows: the products of the weights' bf16 cast, the weight
-    gradient in fp32 (the master's dtype) with the values of the bf16 cast's gradient."""
-    x, w = _case(10, 200, 130, 2, dtype=jnp.bfloat16, seed=8)
-    gs = jnp.array([6, 4], jnp.int32)
-    dy = jax.random.normal(jax.random.key(9), (10, 130), jnp.float32).astype(jnp.bfloat16)
-    y, vjp = jax.vjp(lambda x, w: fp8_grouped_linear(x, w, gs, remat_weights=True), x, w)
-    want_y, want_vjp = jax.vjp(lambda x, w: fp8_grouped_linear(x, w.astype(jnp.bfloat16), gs), x, w)
-    (dx, dw), (want_dx, want_dw) = vjp(dy), want_vjp(dy)
-    assert dw.dtype == jnp.float32
-    for a, b in ((y, want_y), (dx, want_dx), (dw, want_dw)):
-        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-
-
 def test_rows_errors():
     x, w = _case(4, 128, 64, 2)
     rows, gs = _route(4, 1, 2)
@@ -256,7 +208,3 @@ def test_errors():
         fp8_grouped_linear(x, (w, quantize_weights(w)), gs)
     with pytest.raises(ValueError, match="empty tuple"):
         fp8_grouped_linear(x, (), gs)
-    with pytest.raises(TypeError, match="remat_weights must be a bool"):
-        fp8_grouped_linear(x, w, gs, remat_weights="yes")
-    with pytest.raises(ValueError, match="remat_weights=False"):
-        fp8_grouped_linear(x, quantize_weights(w), gs, remat_weights=True)

@@ -462,13 +462,9 @@ class MoE(nnx.Module):
 
     def _expert_weights(self, dtype) -> tuple[jax.Array, ...]:
         """Expert weights in the compute dtype: `(w_gate_up, w_down)` or `(w_gate, w_up, w_down)`;
-        stored FP8 weights as they are, each values array followed by its block scales; FP8 master
-        weights in `param_dtype` (the FP8 op quantizes their compute-dtype cast in the same pass, so
-        no cast is kept for the backward)."""
+        stored FP8 weights as they are, each values array followed by its block scales."""
         if self.fp8_stored:
             return tuple(getattr(self, n + suffix)[...] for n in _SEPARATE for suffix in ("", "_scale"))
-        if self.quantization is not None:
-            return tuple(getattr(self, n)[...] for n in _SEPARATE)
         names = ("w_gate_up", "w_down") if self.fused_gate_up else _SEPARATE
         return tuple(getattr(self, n)[...].astype(dtype) for n in names)
 

@@ -155,28 +155,18 @@ class Fp8Blockwise:
       Input gradients flow through them (`dx`, e.g. for adapters); they have no gradient of their
       own. `moe_jax.layers.stored_fp8(moe)` quantizes a layer's master weights once into them.
 
-    remat_weights: master weights only. False: the backward keeps the e4m3 copies of the master
-      weights the forward quantized (about one byte a weight). True: it keeps none and quantizes
-      the master weights again for the input gradient (the same bits): one more read of the
-      weights per step for that memory (`moe_jax.ops.fp8_grouped_linear(remat_weights=)`).
-
     Needs `GemmOptions(backend=...)` of `moe_jax.ops.FP8_LINEAR_BACKENDS` and separate gate and up
     weights (`fused_gate_up=False`). With the row gather fused (`GemmOptions.row_gather`), each
     token row is quantized once and the FP8 kernel reads it through the packing's ids.
     """
 
     weights: str = "master"
-    remat_weights: bool = False
 
     def __post_init__(self):
         if self.weights not in FP8_WEIGHTS:
             raise ValueError(f"Fp8Blockwise.weights={self.weights!r}: use one of {FP8_WEIGHTS} ('master': trainable "
                              "weights in param_dtype quantized in each call; 'stored': e4m3 weights with fp32 block "
                              "scales, frozen, e.g. from an FP8 checkpoint).")
-        object.__setattr__(self, "remat_weights", check_bool("Fp8Blockwise.remat_weights", self.remat_weights))
-        if self.remat_weights and self.stored:
-            raise ValueError("Fp8Blockwise(weights='stored', remat_weights=True): stored e4m3 weights are kept as they "
-                             "are, there is no copy to drop; remat_weights applies to weights='master'.")
 
     @property
     def stored(self) -> bool:

@@ -23,10 +23,6 @@ arXiv:2412.19437, section 3.3; the quantization itself is `moe_jax.ops.fp8`):
   are quantized once each and the FP8 kernel reads them through the ids (`gmm_fp8(row_ids=)`):
   the packed bf16 rows are never written, a token routed to k experts is quantized once, not k
   times, and the backward keeps `T` FP8 rows instead of `M`.
-- Master weights are quantized from their cast to x's dtype (the cast fuses into the
-  quantization's pass; an fp32 master weight leaves no bf16 copy). With `remat_weights=True` the
-  backward keeps no e4m3 copy of them and quantizes them again for the input gradient (the same
-  bits; one more read of the weights for about one byte per weight of memory).
 - The weight quantization is passed through by a straight-through estimator: `dw` is the gradient
   of the master weights as if `quantize_weights` were the identity (as is the rows' quantization
   for `dx`).
@@ -55,7 +51,6 @@ from moe_jax.ops.gather import sum_of_readers
 from moe_jax.ops.gmm import SUPPORTED_DTYPES, RowGather, tgmm
 from moe_jax.ops.gmm.api import check_rows
 from moe_jax.ops.gmm.fp8_api import FP8_GEMM_BACKENDS, fp8_backend, gmm_fp8
-from moe_jax.validation import check_bool
 
 __all__ = ["FP8_LINEAR_BACKENDS", "fp8_grouped_linear"]
 
@@ -84,40 +79,23 @@ def _dgrad(backend, dys, wq_ts, group_sizes, rows, x_dtype):
     return dx if rows is None else sum_of_readers(dx, rows.readers_TK)
 
 
-def _quantize_master(w, dtype):
-    """A master weight's FP8 blocks, quantized from its cast to the compute dtype."""
-    return quantize_weights(w.astype(dtype))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _master_linear(backend, x, ws, group_sizes, rows):
+    return _forward(backend, x, tuple(quantize_weights(w) for w in ws), group_sizes, rows)[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _master_linear(backend, remat_weights, x, ws, group_sizes, rows):
-    return _forward(backend, x, tuple(_quantize_master(w, x.dtype) for w in ws), group_sizes, rows)[0]
-
-
-def _master_linear_fwd(backend, remat_weights, x, ws, group_sizes, rows):
-    wqs = tuple(_quantize_master(w, x.dtype) for w in ws)
+def _master_linear_fwd(backend, x, ws, group_sizes, rows):
+    wqs = tuple(quantize_weights(w) for w in ws)
     ys, fp8_rows = _forward(backend, x, wqs, group_sizes, rows)
-    if remat_weights:
-        # The master weights are the caller's (live through its step anyway): the backward
-        # quantizes them again, straight into the input gradient's layout.
-        kept = ws
-    else:
-        kept = tuple(transpose_weights(wq) for wq in wqs)
-    # Zero-size witnesses of the master weights' dtypes for the cotangents.
+    wq_ts = tuple(transpose_weights(wq) for wq in wqs)
+    # The master weights are not kept: only zero-size witnesses of the dtypes for the cotangents.
     witnesses = tuple(jnp.zeros((0,), w.dtype) for w in ws)
-    return ys, (fp8_rows, kept, group_sizes, rows, witnesses, jnp.zeros((0,), x.dtype))
+    return ys, (fp8_rows, wq_ts, group_sizes, rows, witnesses, jnp.zeros((0,), x.dtype))
 
 
-def _master_linear_bwd(backend, remat_weights, res, dys):
-    fp8_rows, kept, group_sizes, rows, witnesses, x_dtype = res
+def _master_linear_bwd(backend, res, dys):
+    fp8_rows, wq_ts, group_sizes, rows, witnesses, x_dtype = res
     x_dtype = x_dtype.dtype
-    if remat_weights:
-        # The barrier keeps XLA from merging this quantization with the forward's (common
-        # subexpressions in one program), which would keep the forward's e4m3 copies alive again.
-        kept = jax.lax.optimization_barrier(kept)
-        wq_ts = tuple(transpose_weights(_quantize_master(w, x_dtype)) for w in kept)
-    else:
-        wq_ts = kept
     dx = _dgrad(backend, dys, wq_ts, group_sizes, rows, x_dtype)
     # dw from the dequantized FP8 rows (the source rows through the ids with `rows`).
     rows_x = dequantize_rows(fp8_rows).astype(x_dtype)
@@ -183,7 +161,6 @@ def fp8_grouped_linear(
     *,
     backend: str = "xla",
     rows: RowGather | None = None,
-    remat_weights: bool = False,
 ):
     """Differentiable grouped linear layer of the FP8 recipe: `y[M, N]`, rows of group e are
     `x_e @ w[e]^T` with both operands blockwise FP8 (module docstring).
@@ -206,10 +183,6 @@ def fp8_grouped_linear(
         them through the ids and the input gradient sums each source row's readers in fp32
         (`moe_jax.ops.gather.sum_of_readers`). Equal to `fp8_grouped_linear` on
         `gather_rows(x, rows.ids_M, inverse_N=rows.readers_TK)`.
-      remat_weights: master weights only. False: the backward keeps the e4m3 weights the forward
-        quantized (in the input gradient's `[E, K, N]` layout, 1 byte a weight plus scales). True:
-        it keeps nothing of the weights and quantizes the master weights again (the same bits) for
-        the input gradient: one more read of the weights per step for their e4m3 copy's memory.
     """
     fp8_backend(backend)  # ValueError naming the choices, or why the kernel cannot run here
     x = jnp.asarray(x)
@@ -226,12 +199,8 @@ def fp8_grouped_linear(
     if any(stored) and not all(stored):
         raise TypeError("w: a tuple of weights must be all master weights or all Fp8Weights; got "
                         f"{', '.join(type(one).__name__ for one in ws)}.")
-    remat_weights = check_bool("remat_weights", remat_weights)
     if stored[0]:
-        if remat_weights:
-            raise ValueError("remat_weights=True requantizes master weights in the backward; stored Fp8Weights are "
-                             "kept as they are (no copy to drop): pass remat_weights=False.")
         ys = _stored_linear(backend, x, tuple(Fp8Weights(*one) for one in ws), group_sizes, rows)
     else:
-        ys = _master_linear(backend, remat_weights, x, tuple(jnp.asarray(one) for one in ws), group_sizes, rows)
+        ys = _master_linear(backend, x, tuple(jnp.asarray(one) for one in ws), group_sizes, rows)
     return ys if several else ys[0]
