@@ -6,6 +6,7 @@ Legend: N global tokens, T tokens per rank, D width, F expert hidden, E experts,
 (ep x data), El = E/ep local experts.
 """
 
+import dataclasses
 import json
 
 import jax
@@ -257,6 +258,37 @@ def test_plan_step_names_a_winner_with_its_reason():
     assert layouts["EP+replication"][0].groups == 1
 
 
+@pytest.mark.parametrize("train", [False, True])
+def test_fp8_experts_move_fp8_rows_in_the_forward_dispatch_and_run_fp8_rates(train):
+    """`LayerShape(fp8=True)`: the forward's dispatch all-to-all at `row_bytes(D)` a row (e4m3
+    values and fp32 scales per 128 channels), its backward and the combine in the dtype's rows;
+    the expert GEMMs at the `*_fp8` rates on one-byte operands; rows and tiles unchanged."""
+    from moe_jax.ops.fp8 import row_bytes
+
+    shape = LayerShape(1024, 256, 32, 4, 256)
+    fp8 = dataclasses.replace(shape, fp8=True)
+    assert fp8.dispatch_row_bytes == row_bytes(1024) == 1024 + 4 * 8 and shape.dispatch_row_bytes == 2048
+    counts = step_counts(shape, Load.zipf(1.2), 8)
+    costs, cluster = KernelCosts(), Cluster(8)
+    for work in (ep_work(shape, counts, 8), epxetp_work(shape, counts, 4, 2)):
+        base = evaluate(work, shape, cluster, costs, train=train)
+        got = evaluate(work, fp8, cluster, costs, train=train)
+        # Bytes leaving a rank: the all-to-alls' off-diagonal (own rows stay local).
+        a2a = sum(np.asarray(c.data).sum() - np.trace(c.data) for c in work.dispatch if c.kind == "all_to_all")
+        saved = a2a * (1 - fp8.dispatch_row_bytes / shape.row_bytes)  # once: only the forward's dispatch
+        assert got.send_bytes_R.sum() == pytest.approx(base.send_bytes_R.sum() - saved)
+        np.testing.assert_allclose(got.phase_seconds["combine"], base.phase_seconds["combine"])
+        assert np.all(got.phase_seconds["dispatch"] <= base.phase_seconds["dispatch"])
+        np.testing.assert_array_equal(got.executed_R, base.executed_R)
+        sizes = work.group_sizes_RG
+        (n_gu, k_gu), (n_dn, k_dn) = work.gate_up_nk, work.down_nk
+        want = (2 * costs.gemm_seconds("gate_up_fp8", sizes, n_gu, k_gu, got.tiles_gate_up, 1, train)
+                + costs.gemm_seconds("down_fp8", sizes, n_dn, k_dn, got.tiles_down, 1, train))
+        np.testing.assert_allclose(got.phase_seconds["experts"], want)
+    with pytest.raises(TypeError, match="fp8 must be a bool"):
+        LayerShape(8, 8, 4, 2, 16, fp8=1)
+
+
 def test_errors_name_the_argument():
     with pytest.raises(ValueError, match="top_k"):
         LayerShape(8, 8, 4, 5, 16)
@@ -294,6 +326,8 @@ def test_cli_prints_the_table_and_json(capsys):
     assert [p["ranks"] for p in data["plans"]] == [8, 16]
     ep = data["plans"][1]["layouts"]["EP"]
     assert len(ep["per_rank"]["rows"]) == 16 and sum(ep["per_rank"]["rows"]) == 16 * 128 * 8
+    assert cli_main(args + ["--fp8"]) == 0
+    assert "FP8 experts" in capsys.readouterr().out
 
 
 def test_exchange_model_against_the_committed_2_gpu_measurement():

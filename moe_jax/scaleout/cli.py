@@ -58,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=8, help="K (default 8)")
     g.add_argument("--tokens", type=int, default=4096, help="T, tokens per rank (default 4096)")
     g.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    g.add_argument("--fp8", action="store_true",
+                   help="the routed experts in blockwise FP8 (Fp8Blockwise): FP8 GEMM rates, FP8 rows in the forward's "
+                        "dispatch all-to-all")
     g = p.add_argument_group("routing loads (default: --trace-layer 0 --trace-layer 1 --zipf 1.2)")
     g.add_argument("--zipf", type=float, action="append", default=None, metavar="S", help="a Zipf(S) load (repeatable)")
     g.add_argument("--trace-layer", type=int, action="append", default=None, metavar="L",
@@ -116,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--layouts: unknown {bad}; choose from {','.join(KINDS)}")
     try:
         shape = LayerShape(args.d_model, args.d_ff, args.experts, args.top_k, args.tokens,
-                           2 if args.dtype == "bfloat16" else 4)
+                           2 if args.dtype == "bfloat16" else 4, fp8=args.fp8)
         cluster = Cluster(max(args.ranks), args.ranks_per_node, args.nvlink_GBps, args.internode_GBps,
                           args.intra_latency_us, args.inter_latency_us)
         for r in args.ranks:

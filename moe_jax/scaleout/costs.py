@@ -25,6 +25,12 @@ the rate on executed rows):
 - launch 10 us per GEMM: the decode T=1 row took 22.0 us to read 50.3 MB of weights that take
   11.7 us at the copy bandwidth.
 
+FP8 experts (`gate_up_fp8`, `down_fp8`; one byte per operand element, the scales' 3% left out),
+our FP8 kernel on one H200 at the same rows: forward 667 / 425 TFLOP/s
+(`benchmarks/results/2026-12-04-h200-fp8-kernel-2.md`, through jax_triton), forward + backward of
+`fp8_grouped_linear` 259 / 224 (`2026-12-04-h200-fp8-layer-peers.md`; it quantizes the master
+weights in each call, whose cost these rates carry at that row count only).
+
 `KernelCosts.from_gmm_json` reads the same figures from any `python -m benchmarks.gmm run --json`
 output. Assumed, not measured: that one rate per class holds at every shape (narrow N or K, as
 ETP makes, runs slower than the measured wide shapes; only its tile padding is charged), and that
@@ -45,13 +51,15 @@ from moe_jax.validation import check_number
 __all__ = ["KernelCosts", "DEFAULT_GMM_RESULTS"]
 
 DEFAULT_GMM_RESULTS = "benchmarks/results/2026-12-01-h200-gmm.json"
-_CLASSES = ("gate_up", "down")
+_CLASSES = ("gate_up", "down", "gate_up_fp8", "down_fp8")
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelCosts:
     """Achieved TFLOP/s per kernel class (forward, and forward + backward per forward-FLOP x3),
-    the copy bandwidth in TB/s and the fixed launch cost per GEMM in microseconds."""
+    the copy bandwidth in TB/s and the fixed launch cost per GEMM in microseconds. The `*_fp8`
+    classes are the FP8 recipe's (module docstring); `from_gmm_json` reads the 16-bit ones and
+    keeps the FP8 defaults."""
 
     gate_up_tflops: float = 471.0
     down_tflops: float = 362.0
@@ -60,6 +68,10 @@ class KernelCosts:
     copy_TBps: float = 4.28
     launch_us: float = 10.0
     source: str = "H200 defaults from benchmarks/results/2026-12-01-h200-gmm.md"
+    gate_up_fp8_tflops: float = 667.0
+    down_fp8_tflops: float = 425.0
+    gate_up_fp8_train_tflops: float = 259.0
+    down_fp8_train_tflops: float = 224.0
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

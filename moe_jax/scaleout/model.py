@@ -19,6 +19,9 @@ overlaps, which is what the layer does today):
 - Layer time = the sum over phases of the slowest rank's time in that phase; beside it the mean
   over ranks of each rank's own total. With `train`, the backward pass repeats every collective
   (reverse direction, same bytes) and the row moves, and the GEMMs count 3x the FLOPs.
+- FP8 experts (`LayerShape.fp8`): the GEMMs at the FP8 rates on one-byte operands, and the
+  forward's dispatch all-to-all at `dispatch_row_bytes` a row; the backward's reverse dispatch,
+  the combine and the all-gathers move the dtype's rows, as the layer does.
 
 `plan_step` evaluates every layout family at one R (EPxETP at every tp that fits, keeping the
 fastest) and names the winner with the reason: the phase where it gains most over the runner-up,
@@ -97,11 +100,12 @@ class LayoutResult:
         return self.phase_max("dispatch") + self.phase_max("combine")
 
 
-def _traffic(collectives, cluster: Cluster) -> comm.Traffic:
+def _traffic(collectives, cluster: Cluster, all_to_all_scale: float = 1.0) -> comm.Traffic:
+    """The collectives' traffic, the all-to-alls' bytes times `all_to_all_scale` (FP8 rows)."""
     total = comm.Traffic.none(cluster.ranks)
     for c in collectives:
         if c.kind == "all_to_all":
-            total = total + comm.all_to_all(c.data, c.group_R, cluster)
+            total = total + comm.all_to_all(np.asarray(c.data) * all_to_all_scale, c.group_R, cluster)
         elif c.kind == "ring":
             total = total + comm.ring(c.data, c.group_R, cluster)
         else:
@@ -123,25 +127,30 @@ def evaluate(work: Work, shape: LayerShape, cluster: Cluster, costs: KernelCosts
     rows_R = sizes.sum(axis=1)
     executed_R = padded(sizes, tiles_gu.block_m).sum(axis=1)
     padding_R = np.where(executed_R > 0, (executed_R - rows_R) / np.maximum(executed_R, 1), 0.0)
-    b = shape.dtype_bytes
-    experts_s = (2 * costs.gemm_seconds("gate_up", sizes, n_gu, k_gu, tiles_gu, b, train)
-                 + costs.gemm_seconds("down", sizes, n_dn, k_dn, tiles_dn, b, train))
+    b, suffix = (1, "_fp8") if shape.fp8 else (shape.dtype_bytes, "")
+    experts_s = (2 * costs.gemm_seconds("gate_up" + suffix, sizes, n_gu, k_gu, tiles_gu, b, train)
+                 + costs.gemm_seconds("down" + suffix, sizes, n_dn, k_dn, tiles_dn, b, train))
     useful = float(rows_R.sum()) * (2 * n_gu * k_gu + n_dn * k_dn)
     executed = (float(executed_R.sum()) * 2 * padded(n_gu, tiles_gu.block_n) * padded(k_gu, tiles_gu.block_k)
                 + float(padded(sizes, tiles_dn.block_m).sum()) * padded(n_dn, tiles_dn.block_n)
                 * padded(k_dn, tiles_dn.block_k))
     passes = 2.0 if train else 1.0
-    dispatch = _traffic(work.dispatch, cluster)
+    # The forward's dispatch all-to-all moves FP8 rows with FP8 experts; its backward (the reverse
+    # exchange, straight-through) and every other collective move the dtype's rows, in which the
+    # layouts' collectives are counted.
+    dispatch = _traffic(work.dispatch, cluster, shape.dispatch_row_bytes / shape.row_bytes)
     combine = _traffic(work.combine, cluster)
+    if train:
+        dispatch = dispatch + _traffic(work.dispatch, cluster)
+        combine = combine + combine
     moves_s = passes * work.moved_rows_R * shape.row_bytes / (costs.copy_TBps * 1e12)
-    phases = {"dispatch": passes * dispatch.seconds_R, "experts": experts_s,
-              "combine": passes * combine.seconds_R, "row moves": moves_s}
+    phases = {"dispatch": dispatch.seconds_R, "experts": experts_s, "combine": combine.seconds_R, "row moves": moves_s}
     total_R = sum(phases.values())
     traffic = dispatch + combine
     return LayoutResult(
         layout=work.layout, rows_R=rows_R, executed_R=executed_R, padding_R=padding_R, tiles_gate_up=tiles_gu,
-        tiles_down=tiles_dn, send_bytes_R=passes * traffic.send_bytes_R, recv_bytes_R=passes * traffic.recv_bytes_R,
-        network_bytes_R=passes * traffic.network_bytes_R, phase_seconds=phases,
+        tiles_down=tiles_dn, send_bytes_R=traffic.send_bytes_R, recv_bytes_R=traffic.recv_bytes_R,
+        network_bytes_R=traffic.network_bytes_R, phase_seconds=phases,
         layer_s=float(sum(v.max() for v in phases.values())), mean_s=float(total_R.mean()),
         slowest_rank=int(np.argmax(total_R)), useful_flop_fraction=useful / executed if executed else 1.0,
         weight_bytes_R=work.weight_bytes_R, dropped=work.dropped, work=work)

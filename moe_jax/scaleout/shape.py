@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from moe_jax.validation import check_int
+from moe_jax.ops.fp8 import row_bytes
+from moe_jax.validation import check_bool, check_int
 
 __all__ = ["LayerShape", "QWEN3_30B_A3B"]
 
@@ -21,7 +22,12 @@ class LayerShape:
     d_model: D. d_ff: F, each expert's hidden width. num_experts: E. top_k: K.
     tokens_per_rank: T, the tokens each rank holds before the exchange (data split over all R
     ranks, so a step routes R*T*K rows). dtype_bytes: bytes per activation and weight element
-    (2: bfloat16, 4: float32); rows move and multiply in this dtype.
+    (2: bfloat16, 4: float32); rows move and multiply in this dtype. fp8: the routed experts in
+    blockwise FP8 (`Fp8Blockwise`, as the layer runs them): their GEMMs run the FP8 kernel
+    (`KernelCosts`' `*_fp8` rates, one byte per operand element) and the forward's dispatch
+    all-to-all moves each row as e4m3 values with fp32 scales per 128 channels
+    (`dispatch_row_bytes`); the combine, all-gathers and every backward exchange move `dtype_bytes`
+    rows, and received rows are dequantized into it.
     """
 
     d_model: int
@@ -30,8 +36,10 @@ class LayerShape:
     top_k: int
     tokens_per_rank: int
     dtype_bytes: int = 2
+    fp8: bool = False
 
     def __post_init__(self):
+        object.__setattr__(self, "fp8", check_bool("fp8", self.fp8))
         for name in ("d_model", "d_ff", "num_experts", "top_k", "tokens_per_rank", "dtype_bytes"):
             object.__setattr__(self, name, check_int(name, getattr(self, name)))
         if self.top_k > self.num_experts:
@@ -51,6 +59,12 @@ class LayerShape:
         return self.d_model * self.dtype_bytes
 
     @property
+    def dispatch_row_bytes(self) -> int:
+        """One row of the forward's dispatch all-to-all: `row_bytes`, or with `fp8` the e4m3 values
+        and their scales (`moe_jax.ops.fp8.row_bytes(D)`: D + 4 * ceil(D / 128))."""
+        return row_bytes(self.d_model) if self.fp8 else self.row_bytes
+
+    @property
     def expert_bytes(self) -> int:
         """One expert's weights (gate, up and down: 3*D*F elements)."""
         return 3 * self.d_model * self.d_ff * self.dtype_bytes
@@ -61,7 +75,7 @@ class LayerShape:
 
     def describe(self) -> str:
         return (f"D={self.d_model} F={self.d_ff} E={self.num_experts} top-{self.top_k} "
-                f"T={self.tokens_per_rank}/rank {self.dtype_name}")
+                f"T={self.tokens_per_rank}/rank {self.dtype_name}{' FP8 experts' if self.fp8 else ''}")
 
 
 # The Qwen3-30B-A3B MoE block at 4096 tokens per rank: the shape of the committed H200 layer and
