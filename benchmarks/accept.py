@@ -252,7 +252,7 @@ def loss_curves(bf16_log: str, fp8_log: str, every: int = 50) -> str:
     return "\n".join(out)
 
 
-def test_counts(log: str) -> dict[str, int]:
+def outcome_counts(log: str) -> dict[str, int]:
     """pytest's summary counts (`passed`, `failed`, `error(s)`) from a log."""
     return {w: int(n) for n, w in re.findall(r"(\d+) (passed|failed|error|errors)\b", log)}
 
@@ -274,14 +274,14 @@ def verdict(out: str) -> list[tuple[str, bool, str]]:
         return open(path).read() if os.path.exists(path) else ""
 
     checks = []
-    counts = test_counts(read("tests.log"))
+    counts = outcome_counts(read("tests.log"))
     bad = counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0)
     tests_ok, detail = counts.get("passed", 0) > 0 and not bad, str(counts or "no result")
     if bad and os.path.exists(os.path.join(out, "tests_rerun.log")):
         # A card with less memory than the run's workers and the example together need fails tests
         # out of memory; they count as passed only when the same ids, rerun alone, all pass.
         ids = [ln for ln in read("tests_rerun_ids.txt").splitlines() if ln.strip()]
-        rerun = test_counts(read("tests_rerun.log"))
+        rerun = outcome_counts(read("tests_rerun.log"))
         tests_ok = (counts.get("passed", 0) > 0 and len(ids) == bad and rerun.get("passed", 0) == bad
                     and not (rerun.get("failed") or rerun.get("error") or rerun.get("errors")))
         detail += f"; the {len(ids)} that failed, rerun alone: {rerun or 'no result'}"
