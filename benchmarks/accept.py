@@ -322,11 +322,13 @@ def summary(args) -> None:
     lines += [f"- {'pass' if ok else 'FAIL'}: {name} ({detail})" for name, ok, detail in checks] + [""]
     pip = "; ".join(re.sub(r"\s+", " ", ln.strip()) for ln in read("pip.txt").splitlines() if ln.strip())
     lines += [f"Versions: {pip}", ""]
-    last = [ln for ln in read("tests.log").splitlines() if re.search(r"\d+ (passed|failed)", ln)]
-    lines += [f"- `pytest tests parity` compiled: {last[-1].strip('= ') if last else 'no result (see the log)'}"]
-    rerun = [ln for ln in read("tests_rerun.log").splitlines() if re.search(r"\d+ (passed|failed)", ln)]
-    if rerun:
-        lines += [f"- the tests that failed, rerun alone (`accept-rerun`): {rerun[-1].strip('= ')}"]
+    def result_line(log):  # pytest's last "N passed, M failed ..." line
+        found = [ln for ln in log.splitlines() if re.search(r"\d+ (passed|failed)", ln)]
+        return found[-1].strip("= ") if found else None
+
+    lines += [f"- `pytest tests parity` compiled: {result_line(read('tests.log')) or 'no result (see the log)'}"]
+    if result_line(read("tests_rerun.log")):
+        lines += [f"- the tests that failed, rerun alone (`accept-rerun`): {result_line(read('tests_rerun.log'))}"]
     for run, title in EXAMPLE_RUNS.items():
         tail = [ln for ln in read(f"example_{run}.log").splitlines() if ln.strip()][-3:]
         lines += [f"- {title}:", "", "  ```", *("  " + ln for ln in tail), "  ```"]

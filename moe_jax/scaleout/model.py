@@ -138,11 +138,11 @@ def evaluate(work: Work, shape: LayerShape, cluster: Cluster, costs: KernelCosts
     # The forward's dispatch all-to-all moves FP8 rows with FP8 experts; its backward (the reverse
     # exchange, straight-through) and every other collective move the dtype's rows, in which the
     # layouts' collectives are counted.
-    dispatch = _traffic(work.dispatch, cluster, shape.dispatch_row_bytes / shape.row_bytes)
+    full = _traffic(work.dispatch, cluster)
+    dispatch = _traffic(work.dispatch, cluster, shape.dispatch_row_bytes / shape.row_bytes) if shape.fp8 else full
     combine = _traffic(work.combine, cluster)
     if train:
-        dispatch = dispatch + _traffic(work.dispatch, cluster)
-        combine = combine + combine
+        dispatch, combine = dispatch + full, combine + combine
     moves_s = passes * work.moved_rows_R * shape.row_bytes / (costs.copy_TBps * 1e12)
     phases = {"dispatch": dispatch.seconds_R, "experts": experts_s, "combine": combine.seconds_R, "row moves": moves_s}
     total_R = sum(phases.values())
