@@ -17,8 +17,8 @@ take).
 
 `launch`: one configuration of each kind of `pallas_triton` kernel the choosers reach (the one the
 model gives the most bytes, `tests.compiled_resources.sample`; every configuration is compiled by
-the Triton wheel in the `compiled` step) and every `mosaic_gpu` configuration they reach, each run
-once on small inputs, in order, with its label and the model's bytes written to `--labels`;
+the Triton wheel in the `compiled` step), every `mosaic_gpu` configuration they reach and the
+Mosaic FP8 kernel at both branches of its tile rule (`fp8_mosaic_tiles`), each run once on small inputs, in order, with its label and the model's bytes written to `--labels`;
 `ncu-table` pairs Nsight Compute's `launch__shared_mem_per_block_dynamic` + `..._static` of those
 launches (XLA's own compilation of the kernels) with the labels.
 """
@@ -158,7 +158,10 @@ def _launch_one(c, dtype):
 
 def launch(args) -> None:
     from moe_jax.ops import gmm
+    from moe_jax.ops.fp8 import quantize_rows, quantize_weights
+    from moe_jax.ops.gmm.fp8_api import gmm_fp8
     from moe_jax.ops.gmm.mosaic_gpu.config import smem_bytes
+    from moe_jax.ops.gmm.mosaic_gpu.fp8_kernel import fp8_mosaic_smem_bytes, fp8_mosaic_tiles
     from tests.compiled_resources import compilations, model_bytes, reachable, sample
 
     reached = reachable()
@@ -181,6 +184,15 @@ def launch(args) -> None:
                                                           config=config))(x, w, sizes))
         labels.append(dict(backend="mosaic_gpu", kernel=kernel, family=str(config), tiles=[], dtype=dtype, ieee=False,
                            gather=False, model=smem_bytes(config, dtype, dtype)))
+    for n in (256, 384):  # the Mosaic FP8 kernel at both branches of its rule, in the layer's bf16 output
+        tiles, m, k, e = fp8_mosaic_tiles(n), 4096, 512, 16
+        rows = quantize_rows(jnp.ones((m, k), jnp.float32))
+        wq = quantize_weights(jnp.ones((e, n, k), jnp.float32))
+        sizes = jnp.full((e,), m // e, jnp.int32)
+        jax.block_until_ready(jax.jit(lambda r, w, s, t=tiles: gmm_fp8(r, w, s, backend="mosaic_gpu", config=t,
+                                                                       out_dtype=jnp.bfloat16))(rows, wq, sizes))
+        labels.append(dict(backend="mosaic_gpu", kernel="gmm_fp8", family=str(tiles), tiles=[], dtype="float8_e4m3fn",
+                           ieee=False, gather=False, model=fp8_mosaic_smem_bytes(tiles, jnp.bfloat16)))
     with open(args.labels, "w") as fh:
         json.dump(labels, fh, indent=1)
     print(f"{len(labels)} kernels launched")

@@ -33,7 +33,8 @@ from benchmarks.timing import compile_jax, run_meta, time_compiled, time_torch
 from moe_jax.ops import TileConfig, gmm, grouped_linear
 from moe_jax.ops.fp8 import quantize_rows, quantize_weights, transpose_weights
 from moe_jax.ops.fp8_linear import fp8_grouped_linear
-from moe_jax.ops.gmm.fp8_api import fp8_tiles, gmm_fp8
+from moe_jax.ops.gmm.fp8_api import fp8_kernel, fp8_tiles, gmm_fp8
+from moe_jax.ops.gmm.mosaic_gpu.fp8_kernel import Fp8MosaicTiles
 from moe_jax.ops.gmm.reference import gmm_fp8_reference
 
 VARIANTS = (  # tile candidates timed beside the rule's choice with --variants
@@ -49,6 +50,8 @@ DECODE_VARIANTS = (  # decode tile candidates timed beside the rule's choice wit
     TileConfig(block_m=16, block_n=32, block_k=128, num_warps=2, num_stages=8, group_m=1),
     TileConfig(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=4, group_m=1),
 )
+
+MOSAIC_TILES = ((128, 4), (128, 5), (256, 3))  # (tile_n, stages) of the Mosaic FP8 kernel
 
 MICRO_BATCHES = 4  # the f+b section's gradient-accumulation rows
 
@@ -101,11 +104,16 @@ def gemm_rows(shape: S.GemmShape, variants: bool) -> dict:
     reps = reps_for(shape.m * shape.n * 2)
     rec = dict(shape=shape.name, m=shape.m, e=shape.e, k=shape.k, n=shape.n, times={}, errors={})
     head, ref = _head_ref(rows, wq, counts)
-    tiles = [("rule", None)] + ([(f"{t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages}", t) for t in VARIANTS]
-                                if variants else [])
     rec["rule_tiles"] = str(fp8_tiles(shape.m, shape.n, shape.k, shape.e))
-    for label, cfg in tiles:
-        fn = jax.jit(lambda r, w_, g, cfg=cfg: gmm_fp8(r, w_, g, backend="triton", config=cfg, out_dtype=jnp.bfloat16))
+    rec["auto_kernel"] = fp8_kernel(shape.m, shape.n, shape.k, shape.e)
+    # `auto` (the default), each kernel at its rule, and with --variants the tile candidates.
+    runs = [("auto", "auto", None), ("triton", "triton", None), ("mosaic", "mosaic_gpu", None)]
+    if variants:
+        runs += [(f"triton {t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages}", "triton", t) for t in VARIANTS]
+        runs += [(f"mosaic n{n} s{s}", "mosaic_gpu", Fp8MosaicTiles(tile_n=n, stages=s)) for n, s in MOSAIC_TILES]
+    for label, backend, cfg in runs:
+        fn = jax.jit(lambda r, w_, g, b=backend, cfg=cfg: gmm_fp8(r, w_, g, backend=b, config=cfg,
+                                                                  out_dtype=jnp.bfloat16))
         out = attempt(fn, rows, wq, gs)
         if out is None:
             continue
@@ -269,7 +277,7 @@ def main(argv=None):
         for shape in shapes:
             rec = gemm_rows(shape, args.variants)
             result["gemm"].append(rec)
-            print(shape.name, "rule", rec["rule_tiles"], flush=True)
+            print(shape.name, "auto:", rec["auto_kernel"], "| triton rule", rec["rule_tiles"], flush=True)
             for k in rec["times"]:
                 print(f"  {k:28s} {_fmt(rec['tflops'].get(k)):>6} TFLOP/s  err {rec['errors'].get(k, float('nan')):.2e}",
                       flush=True)
@@ -298,11 +306,11 @@ def main(argv=None):
                 print(f"    {label:18s} {v['s'] * 1e6:7.1f} us ({v['of_copy']:.2f} of copy)  err {v['error']:.1e}",
                       flush=True)
     if "gemm" in sections:
-        print("\n| shape | ours FP8 | ours bf16 | torch bf16 | torch FP8 rowwise | FP8/bf16 ours | FP8/torch FP8 |")
+        print("\n| shape | ours FP8 (auto) | ours bf16 | torch bf16 | torch FP8 rowwise | FP8/bf16 ours | FP8/torch FP8 |")
         print("|---|---|---|---|---|---|---|")
         for rec in result["gemm"]:
             tf = rec["tflops"]
-            best = max((v for k, v in tf.items() if k.startswith("fp8 ") and "torch" not in k), default=None)
+            best = tf.get("fp8 auto")
             bfo, t8 = tf.get("bf16 ours"), tf.get("fp8 torch rowwise")
             print(f"| {rec['shape']} | {_fmt(best)} | {_fmt(bfo)} | {_fmt(tf.get('bf16 torch'))} | {_fmt(t8)} | "
                   f"{best / bfo if best and bfo else float('nan'):.2f} | {best / t8 if best and t8 else float('nan'):.2f} |")

@@ -145,10 +145,10 @@ def compare_tensor(name: str, ours, reference: torch.Tensor, threshold: float) -
 
 def fp8_products_threshold(config: ParityConfig) -> float:
     """The relative Frobenius error allowed for what the routed experts' FP8 products alone move:
-    `FP8_KERNEL_THRESHOLD` where our side runs them on the FP8 kernel here (`config.backend`
-    resolved by `moe_jax.ops.gmm.fp8_api.fp8_backend`), else `FP8_THRESHOLD` (the reference path:
-    fp32 products, as the torch side's)."""
-    kernel = config.backend in ("auto", "triton") and fp8_backend("auto") == "triton"
+    `FP8_KERNEL_THRESHOLD` where our side may run them on an FP8 kernel (`config.backend` a kernel
+    or `auto`, on a device where `moe_jax.ops.gmm.fp8_api.fp8_backend` keeps `auto`: the kernels
+    run), else `FP8_THRESHOLD` (the reference path: fp32 products, as the torch side's)."""
+    kernel = config.backend in ("auto", "triton", "mosaic_gpu") and fp8_backend("auto") == "auto"
     return FP8_KERNEL_THRESHOLD if kernel else FP8_THRESHOLD
 
 

@@ -178,7 +178,6 @@ def test_rebalance_every_moves_experts_between_steps(tmp_path):
         (["--ep", "2", "--rebalance-every", "2", "--resume"], "--rebalance-every cannot --resume"),
         (["--redundant-slots", "2"], "--redundant-slots needs --rebalance-every"),
         (["--ep-chunks", "2"], "--ep-chunks needs --ep"),
-        (["--fp8", "--backend", "mosaic_gpu"], "--fp8 runs the FP8 recipe's grouped GEMMs"),
         (["--data", "/nonexistent/corpus.txt"], "no such file"),
         (["--data", "/tmp"], "is a directory; pass one text file"),
     ],

@@ -31,6 +31,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 from moe_jax import convert
 from moe_jax.experts import swiglu_experts_fp8
 from moe_jax.layers import Fp8Blockwise, Fp8Stored, GemmOptions, MoE, stored_fp8
+from moe_jax.ops import BackendTable
 from moe_jax.ops.fp8 import Fp8Weights, dequantize_rows, dequantize_weights, quantize_rows
 from moe_jax.parallel import AxisRules, make_mesh
 from tests.test_convert import exact_torch, randomize
@@ -383,8 +384,9 @@ def test_layout_and_layer_errors():
         stored_fp8({})
     with pytest.raises(ValueError, match="already holds stored FP8 expert weights"):
         stored_fp8(moe)
-    with pytest.raises(ValueError, match="backend='mosaic_gpu' does not run"):
-        stored_fp8(MoE(D, F, 4, 2, gemm=GemmOptions(backend="mosaic_gpu"), rngs=nnx.Rngs(0)))
+    table = BackendTable.of({("gmm_nt", "decode"): ("xla",)})
+    with pytest.raises(ValueError, match="does not run; use one of"):
+        stored_fp8(MoE(D, F, 4, 2, gemm=GemmOptions(backend=table), rngs=nnx.Rngs(0)))
     mesh = make_mesh(ep=2, etp=2, data=1, devices=jax.devices("cpu")[:4])
     with pytest.raises(ValueError, match=r"expert tensor parallelism of size 2 needs d_ff=192 to be a multiple of "
                                          r"128 \* 2"):

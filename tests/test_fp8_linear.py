@@ -194,8 +194,8 @@ def test_pallas_triton_interpret():
 def test_errors():
     x, w = _case(4, 128, 64, 2)
     gs = jnp.array([2, 2], jnp.int32)
-    with pytest.raises(ValueError, match="backend='mosaic_gpu'.*one of"):
-        fp8_grouped_linear(x, w, gs, backend="mosaic_gpu")
+    with pytest.raises(ValueError, match="backend='cutlass'.*one of"):
+        fp8_grouped_linear(x, w, gs, backend="cutlass")
     with pytest.raises(ValueError, match="K = x.shape"):
         fp8_grouped_linear(x, w[:, :, :64], gs)
     with pytest.raises(TypeError, match="quantize_weights"):

@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 from tqdm.auto import tqdm
 
-from moe_jax.ops import FP8_LINEAR_BACKENDS, resolve_backend
+from moe_jax.ops import resolve_backend
 from moe_jax.ops.platform import on_gpu
 from moe_jax.parallel import STRATEGIES as EP_STRATEGIES
 
@@ -120,8 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "official Triton gradients at prefill; XLA ragged_dot elsewhere)")
     g.add_argument("--fp8", action="store_true",
                    help="routed experts in DeepSeek-V3's blockwise FP8 (GemmOptions(quantization=Fp8Blockwise()): "
-                        "e4m3 operands, products promoted in fp32 every 128, master weights unchanged); --backend "
-                        f"one of {', '.join(FP8_LINEAR_BACKENDS)}")
+                        "e4m3 operands, products promoted in fp32 every 128, master weights unchanged) on --backend's "
+                        "FP8 kernels (auto: the Mosaic GPU or Triton kernel per GEMM; moe_jax.ops.gmm_fp8)")
     g.add_argument("--ep", type=_positive_int, default=None,
                    help="expert-parallel size: mesh ('data', 'ep') over all devices; batch is split over all")
     g.add_argument("--ep-strategy", choices=EP_STRATEGIES, default="padded",
@@ -182,9 +182,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                 f"--top-k {args.top_k} exceeds the {kept} experts of the --topk-group {args.topk_group} "
                 f"kept groups of {args.experts // args.n_group}"
             )
-    if args.fp8 and args.backend not in FP8_LINEAR_BACKENDS:
-        parser.error(f"--fp8 runs the FP8 recipe's grouped GEMMs, which --backend {args.backend} does not; use one of "
-                     f"{', '.join(FP8_LINEAR_BACKENDS)}")
     if args.ep is not None and args.experts % args.ep:
         parser.error(f"--ep {args.ep} must divide --experts {args.experts}")
     if args.ep is None:

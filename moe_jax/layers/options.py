@@ -96,10 +96,11 @@ class GemmOptions:
         if not isinstance(self.quantization, Fp8Blockwise):
             raise TypeError(f"GemmOptions.quantization must be None or a moe_jax.layers.Fp8Blockwise(); got "
                             f"{type(self.quantization).__name__} {self.quantization!r}.")
-        if isinstance(self.backend, BackendTable) or self.backend not in FP8_LINEAR_BACKENDS:
+        if isinstance(self.backend, BackendTable):
             raise ValueError(f"GemmOptions(quantization=Fp8Blockwise()) runs the FP8 recipe's grouped GEMMs, which "
-                             f"backend={self.backend!r} does not run; use one of {FP8_LINEAR_BACKENDS} ('auto': the FP8 "
-                             "kernel where it runs, else the dequantized reference path).")
+                             f"backend={self.backend!r} (16-bit backends per kernel) does not run; use one of "
+                             f"{FP8_LINEAR_BACKENDS} ('auto': the FP8 kernels where they run, else the dequantized "
+                             "reference path).")
         if self.fused_gate_up:
             raise ValueError(f"GemmOptions(quantization={self.quantization!r}) needs separate gate and up weights "
                              "(each is quantized in its own 128 x 128 blocks); use fused_gate_up=False.")

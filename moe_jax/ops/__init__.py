@@ -2,8 +2,8 @@
 and the row gather (`ops.gather`), each with its kernels, backends and fp32 reference;
 `ops.platform` holds the backend names, the platform detection and the device facts; `ops.fp8`
 the FP8 recipe's blockwise quantization and `ops.fp8_linear` its differentiable grouped linear
-layer (`fp8_grouped_linear`, whose products are `gmm_fp8`: the FP8 kernel on a GPU with e4m3 tensor
-cores, the reference path elsewhere)."""
+layer (`fp8_grouped_linear`, whose products are `gmm_fp8`: the FP8 kernels, Mosaic GPU or Triton,
+on a GPU with e4m3 tensor cores, the reference path elsewhere)."""
 
 from moe_jax.ops.fp8_linear import FP8_LINEAR_BACKENDS, fp8_grouped_linear
 from moe_jax.ops.gather import gather_rows, gather_rows_reference

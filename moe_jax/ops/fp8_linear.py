@@ -27,12 +27,13 @@ arXiv:2412.19437, section 3.3; the quantization itself is `moe_jax.ops.fp8`):
   of the master weights as if `quantize_weights` were the identity (as is the rows' quantization
   for `dx`).
 
-Products: `gmm_fp8` on the caller's backend (`FP8_LINEAR_BACKENDS`): `triton` is the FP8 kernel
-(e4m3 tensor-core products promoted every 128 of the contraction: `gmm_fp8_reference`'s value up
-to fp32 summation order within a step); `xla` and `pallas_triton` dequantize the operands and run
-an fp32 `gmm` at `Precision.HIGHEST` (the reference path, slower than bf16); `auto` is the kernel
-where it runs, else `xla`. The weight gradient's `tgmm` runs in x's dtype on the backend `auto`
-picks for it (`triton`: its 16-bit kernel).
+Products: `gmm_fp8` on the caller's backend (`FP8_LINEAR_BACKENDS`): `triton` and `mosaic_gpu` are
+the FP8 kernels (e4m3 tensor-core products promoted every 128 of the contraction:
+`gmm_fp8_reference`'s value up to fp32 summation order within a step); `xla` and `pallas_triton`
+dequantize the operands and run an fp32 `gmm` at `Precision.HIGHEST` (the reference path, slower
+than bf16); `auto` is, per product, `gmm_fp8`'s choice of kernel where they run, else `xla`. The
+weight gradient's `tgmm` runs in x's dtype on the backend `auto` picks for it (`triton`: its 16-bit
+kernel).
 
 Group sizes follow `grouped_linear`'s contract: empty groups are legal, rows past
 `sum(group_sizes)` get zero output and zero input gradient and add nothing to the weight gradient.
@@ -184,7 +185,7 @@ def fp8_grouped_linear(
         (`moe_jax.ops.gather.sum_of_readers`). Equal to `fp8_grouped_linear` on
         `gather_rows(x, rows.ids_M, inverse_N=rows.readers_TK)`.
     """
-    fp8_backend(backend)  # ValueError naming the choices, or why the kernel cannot run here
+    fp8_backend(backend)  # ValueError naming the choices, or why a kernel cannot run here
     x = jnp.asarray(x)
     if x.ndim != 2 or jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
         layout = "[M, K]" if rows is None else "[T, K]"

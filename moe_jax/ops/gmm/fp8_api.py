@@ -4,6 +4,12 @@ the reference path.
 Legend: M packed rows, C contraction width, O output width, E groups (experts), T source rows.
 
 Backends (`FP8_GEMM_BACKENDS`):
+- `mosaic_gpu`: the warp-specialized FP8 kernel (`moe_jax.ops.gmm.mosaic_gpu.fp8_kernel`, Pallas
+  Mosaic GPU): per CTA one warpgroup streams rows, weight blocks and scales through TMA while two
+  compute warpgroups each sum a step on the tensor cores and promote it, one's promotion
+  overlapping the other's MMA. Hopper (sm_90) only (wgmma); off GPU it runs in Pallas's GPU
+  interpret mode. Needs N and K multiples of 128 and at least 128 rows (`fp8_mosaic_support`);
+  with `row_ids` the FP8 rows are gathered first (TMA copies boxes).
 - `triton`: the FP8 kernel (`moe_jax.ops.gmm.triton.kernels.fp8_gmm_kernel`): e4m3 operands on
   the tensor cores (Hopper's wgmma), each 128-wide K step summed from zero and promoted into an
   fp32 accumulator with its scales, as the recipe prescribes. It needs e4m3 tensor cores (compute
@@ -14,7 +20,9 @@ Backends (`FP8_GEMM_BACKENDS`):
 - `xla`, `pallas_triton`: the operands dequantized to fp32 and multiplied by `gmm` at
   `Precision.HIGHEST` on that backend: `gmm_fp8_reference`'s value up to fp32 summation order,
   slower than a bf16 `gmm`.
-- `auto`: `triton` where it runs, else `xla`.
+- `auto`: where the kernels run (e4m3 tensor cores and jax_triton), per problem `fp8_kernel`'s
+  choice: `mosaic_gpu` on Hopper for prefill-sized problems it supports (at least `MOSAIC_MIN_ROWS`
+  rows per group on average, no row ids), else `triton`; elsewhere `xla`.
 
 Contract as `gmm`'s: rows of group e are `lhs_e @ rhs[e]^T` (`transpose_rhs=True`) or
 `lhs_e @ rhs[e]` (False); empty groups are legal; rows past `sum(group_sizes)` are zero; under
@@ -31,17 +39,24 @@ import jax.numpy as jnp
 from moe_jax.ops.fp8 import (BLOCK, FP8_DTYPE, Fp8Rows, Fp8Weights, dequantize_rows, dequantize_weights,
                              transpose_weights)
 from moe_jax.ops.gmm.api import as_primitive, check_group_sizes, check_row_ids, gmm
+from moe_jax.ops.gmm.mosaic_gpu.backend import INTERPRET_CTAS
+from moe_jax.ops.gmm.mosaic_gpu.fp8_kernel import Fp8MosaicTiles, fp8_mosaic_support, fp8_mosaic_tiles, gmm_fp8_mosaic
 from moe_jax.ops.gmm.tiles import TileConfig, fit_tiles
 from moe_jax.ops.gmm.triton.backend import BACKEND as TRITON
 from moe_jax.ops.gmm.triton.launch import fp8_gmm_triton
 from moe_jax.ops.gmm.triton.rules import fp8_gmm_tiles
-from moe_jax.ops.platform import device_facts
+from moe_jax.ops.platform import device_facts, interpret
 from moe_jax.ops.sharding import replicate_explicit
 
-__all__ = ["FP8_GEMM_BACKENDS", "FP8_KERNEL_CAPABILITY", "fp8_backend", "fp8_tiles", "gmm_fp8"]
+__all__ = ["FP8_GEMM_BACKENDS", "FP8_KERNEL_CAPABILITY", "MOSAIC_MIN_ROWS", "fp8_backend", "fp8_kernel", "fp8_tiles",
+           "gmm_fp8"]
 
-FP8_GEMM_BACKENDS = ("auto", "triton", "xla", "pallas_triton")
+FP8_GEMM_BACKENDS = ("auto", "triton", "mosaic_gpu", "xla", "pallas_triton")
 FP8_KERNEL_CAPABILITY = (8, 9)  # e4m3 tensor-core MMA: Ada and Hopper on
+HOPPER = 9  # the Mosaic FP8 kernel's wgmma is sm_90's
+# Rows per group on average from which `auto` takes the Mosaic kernel: its items are 128 rows, so
+# below one item per group most of each would be padding (decode runs the Triton kernel's 16-row tiles).
+MOSAIC_MIN_ROWS = 128
 
 
 def _kernel_unavailable() -> str | None:
@@ -56,20 +71,42 @@ def _kernel_unavailable() -> str | None:
     return None
 
 
+def _mosaic_unavailable() -> str | None:
+    """None where the Mosaic FP8 kernel runs here (compiled on Hopper, or interpreted off GPU)."""
+    if interpret():
+        return ("the Mosaic FP8 kernel in interpret mode (off GPU) does not run under jax_enable_x64"
+                if jax.config.jax_enable_x64 else None)
+    device = device_facts()
+    if device.capability is None or device.capability[0] != HOPPER:
+        return f"the Mosaic FP8 kernel needs Hopper's wgmma (compute capability 9.x); {device.kind} has {device.capability}"
+    return None
+
+
 def fp8_backend(backend: str) -> str:
-    """The backend that runs `gmm_fp8` for `backend`: `auto` is `triton` where the FP8 kernel runs,
-    else `xla`. ValueError for a name outside `FP8_GEMM_BACKENDS`, or `triton` where the kernel
-    cannot run (naming why)."""
+    """What runs `gmm_fp8` for `backend`: `auto` stays `auto` where the FP8 kernels run (each
+    problem then takes `fp8_kernel`'s choice), else it is `xla`. ValueError for a name outside
+    `FP8_GEMM_BACKENDS`, or a kernel backend that cannot run here (naming why)."""
     if not isinstance(backend, str) or backend not in FP8_GEMM_BACKENDS:
         raise ValueError(f"backend={backend!r}: the FP8 grouped GEMM runs on one of {FP8_GEMM_BACKENDS} (`triton` "
-                         "is its kernel; `xla` and `pallas_triton` multiply the dequantized operands in fp32).")
-    reason = _kernel_unavailable() if backend in ("auto", "triton") else None
+                         "and `mosaic_gpu` are its kernels; `xla` and `pallas_triton` multiply the dequantized "
+                         "operands in fp32).")
     if backend == "auto":
-        return "xla" if reason else "triton"
+        return "xla" if _kernel_unavailable() else "auto"
+    reason = {"triton": _kernel_unavailable, "mosaic_gpu": _mosaic_unavailable}.get(backend, lambda: None)()
     if reason:
-        raise ValueError(f"backend='triton': {reason}; pass backend='auto' (the reference path where the kernel "
-                         "cannot run) or 'xla'.")
+        raise ValueError(f"backend={backend!r}: {reason}; pass backend='auto' (the reference path where no kernel "
+                         "runs) or 'xla'.")
     return backend
+
+
+def fp8_kernel(m: int, n: int, k: int, num_groups: int, *, gather: bool = False, out_dtype=jnp.bfloat16) -> str:
+    """`auto`'s kernel for `m` rows against `[num_groups, n, k]` weights (`gather`: read through
+    row ids): `mosaic_gpu` where it runs here and supports the problem with at least
+    `MOSAIC_MIN_ROWS` rows per group on average and no row ids, else `triton`."""
+    if gather or _mosaic_unavailable() or m < MOSAIC_MIN_ROWS * num_groups:
+        return "triton"
+    reason = fp8_mosaic_support(m, n, k, fp8_mosaic_tiles(n), out_dtype, device_facts().smem_per_block)
+    return "triton" if reason else "mosaic_gpu"
 
 
 def fp8_tiles(m: int, n: int, k: int, num_groups: int, config: TileConfig | None = None) -> TileConfig:
@@ -122,7 +159,7 @@ def _check_operands(lhs, rhs, transpose_rhs: bool, row_ids) -> tuple[int, int, i
 
 
 def gmm_fp8(lhs: Fp8Rows, rhs: Fp8Weights, group_sizes: jax.Array, *, transpose_rhs: bool = True,
-            backend: str = "auto", config: TileConfig | None = None, out_dtype=jnp.float32,
+            backend: str = "auto", config: TileConfig | Fp8MosaicTiles | None = None, out_dtype=jnp.float32,
             row_ids: jax.Array | None = None) -> jax.Array:
     """The recipe's grouped GEMM (module docstring): `[M, O]` of `out_dtype`.
 
@@ -132,7 +169,8 @@ def gmm_fp8(lhs: Fp8Rows, rhs: Fp8Weights, group_sizes: jax.Array, *, transpose_
         or over N (False, the input gradient, O = K).
       group_sizes: `[E]` integer rows per group.
       backend: one of `FP8_GEMM_BACKENDS`.
-      config: the FP8 kernel's `TileConfig` (`block_k=128`), or None for its rule.
+      config: the Triton FP8 kernel's `TileConfig` (`block_k=128`) or the Mosaic kernel's
+        `Fp8MosaicTiles` (under `auto` either also picks its kernel), or None for the rules.
       out_dtype: the output dtype (the fp32 accumulator is rounded once, at the store).
       row_ids: optional int `[M]` source rows of `lhs`.
     """
@@ -140,22 +178,55 @@ def gmm_fp8(lhs: Fp8Rows, rhs: Fp8Weights, group_sizes: jax.Array, *, transpose_
     check_group_sizes(group_sizes, e, m, "rhs")
     name = fp8_backend(backend)
     out_dtype = jnp.dtype(out_dtype)
-    if name != "triton":
+    if name in ("xla", "pallas_triton"):
         if config is not None:
-            raise ValueError(f"config={config!r} is the FP8 kernel's; backend {name!r} multiplies dequantized operands "
+            raise ValueError(f"config={config!r} is the FP8 kernels'; backend {name!r} multiplies dequantized operands "
                              "and takes none.")
         return gmm(dequantize_rows(lhs), dequantize_weights(rhs), group_sizes, transpose_rhs=transpose_rhs,
                    backend=name, precision=jax.lax.Precision.HIGHEST, preferred_element_type=out_dtype,
                    row_ids=row_ids)
+    if name == "auto":
+        name = "mosaic_gpu" if isinstance(config, Fp8MosaicTiles) else "triton" if isinstance(config, TileConfig) else \
+            fp8_kernel(m, out, c, e, gather=row_ids is not None, out_dtype=out_dtype)
     if m == 0 or out == 0 or c == 0 or lhs.values_MK.shape[0] == 0:
         return jnp.zeros((m, out), out_dtype)
-    tiles = fp8_tiles(m, out, c, e, config)
     if not transpose_rhs:
         rhs = transpose_weights(rhs)
     arrays = replicate_explicit(*lhs, *rhs, group_sizes, *(() if row_ids is None else (row_ids.astype(jnp.int32),)))
+    if name == "mosaic_gpu":
+        tiles = _mosaic_tiles(m, out, c, config, out_dtype)
 
-    def impl(a, a_s, b, b_s, sizes, *ids):
-        return fp8_gmm_triton(Fp8Rows(a, a_s), Fp8Weights(b, b_s), sizes, tiles=tiles, out_dtype=out_dtype,
-                              row_ids=ids[0] if ids else None)
+        def impl(a, a_s, b, b_s, sizes, *ids):
+            rows = Fp8Rows(a, a_s) if not ids else gather_fp8_rows(Fp8Rows(a, a_s), ids[0])
+            return gmm_fp8_mosaic(rows, Fp8Weights(b, b_s), sizes, out_dtype=out_dtype, tiles=tiles,
+                                  num_ctas=INTERPRET_CTAS if interpret() else device_facts().num_sms,
+                                  interpret=interpret())
+    else:
+        tiles = fp8_tiles(m, out, c, e, config)
+
+        def impl(a, a_s, b, b_s, sizes, *ids):
+            return fp8_gmm_triton(Fp8Rows(a, a_s), Fp8Weights(b, b_s), sizes, tiles=tiles, out_dtype=out_dtype,
+                                  row_ids=ids[0] if ids else None)
 
     return as_primitive("gmm_fp8", impl, *arrays, differentiable="fp8_grouped_linear")
+
+
+def _mosaic_tiles(m: int, n: int, k: int, config, out_dtype) -> Fp8MosaicTiles:
+    """The Mosaic kernel's tiles: `config`, or its rule (`fp8_mosaic_tiles`); ValueError naming why
+    where they do not run the problem."""
+    if config is not None and not isinstance(config, Fp8MosaicTiles):
+        raise TypeError(f"config={config!r}: backend 'mosaic_gpu' takes an Fp8MosaicTiles or None.")
+    tiles = config or fp8_mosaic_tiles(n)
+    reason = fp8_mosaic_support(m, n, k, tiles, out_dtype, device_facts().smem_per_block)
+    if reason:
+        raise ValueError(f"backend='mosaic_gpu': {reason}. Use backend='auto', which runs such problems on the Triton "
+                         "FP8 kernel.")
+    return tiles
+
+
+def gather_fp8_rows(rows: Fp8Rows, ids_M: jax.Array) -> Fp8Rows:
+    """`rows` (values and scales) at `ids_M`, zero values with unit scales for ids outside `[0, T)`."""
+    ok_M = (ids_M >= 0) & (ids_M < rows.values_MK.shape[0])
+    safe_M = jnp.where(ok_M, ids_M, 0)
+    values = jnp.where(ok_M[:, None], rows.values_MK[safe_M], jnp.zeros((), rows.values_MK.dtype))
+    return Fp8Rows(values, jnp.where(ok_M[:, None], rows.scale_MKb[safe_M], 1.0))

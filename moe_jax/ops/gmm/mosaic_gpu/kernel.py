@@ -31,6 +31,7 @@ memory, warpgroups, barriers and TMA simulated on the CPU), which is how the tes
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +42,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from moe_jax.ops.gmm.mosaic_gpu.config import ROW_ALIGN, MosaicConfig, runs_across_items
 from moe_jax.ops.gmm.schedule import clamp_group_sizes
 
-__all__ = ["aligned_tiles", "gmm_mosaic", "group_tiles", "num_work_tiles"]
+__all__ = ["WorkItem", "aligned_tiles", "for_each_item", "gmm_mosaic", "group_tiles", "num_work_tiles",
+           "operand_transforms", "store_rows"]
 
 
 def aligned_tiles(group_sizes: jax.Array, *, num_rows: int, tile_m: int) -> jax.Array:
@@ -91,7 +93,39 @@ def num_work_tiles(num_rows: int, num_groups: int, tile_m: int) -> int:
     return (num_rows + (num_groups + 1) * (ROW_ALIGN + tile_m - 2)) // tile_m
 
 
-def _store_rows(out, rows_smem, out_ref, *, start, end, a_start, cols):
+class WorkItem(NamedTuple):
+    """One (row tile, column block) item of a CTA's persistent loop (`for_each_item`)."""
+
+    group: jax.Array  # the tile's group; E for the zero-fill pseudo-group
+    n_blk: jax.Array  # its column block
+    start: jax.Array  # its first row stored
+    end: jax.Array  # one past its last row stored
+    a_start: jax.Array  # the first of the tile's rows read, a multiple of ROW_ALIGN
+    index: jax.Array  # its place among this CTA's items
+    mine: jax.Array  # how many of this CTA's items are of real groups (they come first)
+
+
+def for_each_item(meta_ref, real_tiles_ref, *, num_tiles: int, n_iters: int):
+    """Decorator running its body once per `WorkItem` of this CTA's share (CTAs stride over the
+    items) of the `num_tiles * n_iters` (row tile of `aligned_tiles`' `meta_ref`, column block)
+    items. The items of real groups come first in the list, `real_tiles_ref[0] * n_iters` of
+    them, so this CTA's share of them is its first `mine` items; the rest store zeros or nothing."""
+    def decorate(body):
+        real_items = real_tiles_ref[0] * n_iters
+        sm, num_ctas = lax.axis_index("sm"), lax.axis_size("sm")
+        mine = jnp.maximum(real_items - sm + num_ctas - 1, 0) // num_ctas
+
+        @plgpu.nd_loop((num_tiles * n_iters,), collective_axes="sm")
+        def _(info):
+            (it,) = info.index
+            tile = it // n_iters
+            body(WorkItem(group=meta_ref[0, tile], n_blk=it % n_iters, start=meta_ref[1, tile], end=meta_ref[2, tile],
+                          a_start=pl.multiple_of(meta_ref[3, tile], ROW_ALIGN), index=info.local_index, mine=mine))
+
+    return decorate
+
+
+def store_rows(out, rows_smem, out_ref, *, start, end, a_start, cols):
     """Rows `[start, end)` of a warpgroup's `[tile_m, tile_n]` result `out` (which holds the rows
     from `a_start`), through the row-major `rows_smem` of `R` rows, `tile_m / R` passes of `R` rows
     (each pass waits for the previous one's copies to have read the buffer), each stored by one
@@ -117,7 +151,7 @@ def _store_rows(out, rows_smem, out_ref, *, start, end, a_start, cols):
             box //= 2
 
 
-def _operand_transforms(tile_k: int, dtype):
+def operand_transforms(tile_k: int, dtype):
     swizzle = plgpu.find_swizzle(tile_k * jnp.dtype(dtype).itemsize * 8)
     return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
 
@@ -131,7 +165,7 @@ def _body(meta_ref, group_tiles_ref, a_ref, b_ref, out_ref, *, config: MosaicCon
     n_iters, k_iters = n // cta_n, k // tile_k
     across = runs_across_items(config, k_iters)
     dtype, out_dtype = a_ref.dtype, out_ref.dtype
-    transforms = _operand_transforms(tile_k, dtype)
+    transforms = operand_transforms(tile_k, dtype)
     spec = functools.partial(plgpu.BlockSpec, transforms=transforms, memory_space=plgpu.SMEM)
     if transpose_rhs:
         b_spec = spec((cta_n, tile_k), lambda kk: (0, kk))
@@ -166,7 +200,7 @@ def _body(meta_ref, group_tiles_ref, a_ref, b_ref, out_ref, *, config: MosaicCon
             of its columns)."""
             cols = pl.ds(n_blk * cta_n + wg * tile_n, tile_n)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores read out_smem
-            _store_rows(out, out_smem.at[wg], out_ref, start=start, end=end, a_start=a_start, cols=cols)
+            store_rows(out, out_smem.at[wg], out_ref, start=start, end=end, a_start=a_start, cols=cols)
 
         def mma(idx, a_smem, b_smem, acc_ref):
             half = pl.ds(wg * tile_n, tile_n)
@@ -175,19 +209,11 @@ def _body(meta_ref, group_tiles_ref, a_ref, b_ref, out_ref, *, config: MosaicCon
             plgpu.wgmma_wait(0)
             return acc_ref
 
-        # The items of real groups come first in the list (`aligned_tiles`), `real_items` of them;
-        # this CTA's share of them is its first `mine` items. With `across`, the first of those
-        # pipelines fills the stages, the last one drains them, and a lone item has one of its own.
-        real_items = group_tiles_ref[0] * n_iters
-        sm, num_ctas = lax.axis_index("sm"), lax.axis_size("sm")
-        mine = jnp.maximum(real_items - sm + num_ctas - 1, 0) // num_ctas
-
-        @plgpu.nd_loop((num_tiles * n_iters,), collective_axes="sm")
-        def _(info):
-            (it,) = info.index
-            tile, n_blk = it // n_iters, it % n_iters
-            start, end = meta_ref[1, tile], meta_ref[2, tile]
-            a_start = pl.multiple_of(meta_ref[3, tile], ROW_ALIGN)
+        # With `across`, the first of this CTA's pipelines fills the stages, the last one drains
+        # them, and a lone item has one of its own.
+        @for_each_item(meta_ref, group_tiles_ref, num_tiles=num_tiles, n_iters=n_iters)
+        def _(item):
+            n_blk, start, end, a_start, j, mine = item.n_blk, item.start, item.end, item.a_start, item.index, item.mine
 
             def compute_context(run_pipeline):
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
@@ -196,12 +222,11 @@ def _body(meta_ref, group_tiles_ref, a_ref, b_ref, out_ref, *, config: MosaicCon
                     epilogue(acc_ref[...].astype(out_dtype), start, end, a_start, n_blk)  # waits for every wgmma
 
             def run(state=None):
-                group, b_cols = meta_ref[0, tile], pl.ds(n_blk * cta_n, cta_n)
+                group, b_cols = item.group, pl.ds(n_blk * cta_n, cta_n)
                 b_group = b_ref.at[group, b_cols, :] if transpose_rhs else b_ref.at[group, :, b_cols]
                 pipeline(mma, compute_context, state)(a_ref.at[pl.ds(a_start, tile_m), :], b_group,
                                                       allocations=allocations)
 
-            j = info.local_index
             if across:
                 # int32 also under jax_enable_x64, where a select of Python ints would be int64.
                 state = jnp.where(j == 0, jnp.int32(plgpu.PipelinePipeline.START),

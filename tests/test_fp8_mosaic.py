@@ -1,0 +1,178 @@
+"""The Mosaic GPU FP8 kernel (`moe_jax.ops.gmm.mosaic_gpu.fp8_kernel`) behind `gmm_fp8(backend=
+"mosaic_gpu")`: against the recipe's fp32 reference, compiled on a GPU and in Pallas's GPU interpret
+mode off GPU (slow there: the cases are small); its shared-memory model against Mosaic GPU's own
+count when lowering for an H200 from this host; `auto`'s choice between the FP8 kernels; errors.
+
+Legend: M rows, K contraction, N outputs, E experts, T source rows."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moe_jax.ops import TileConfig, device_facts, fp8_grouped_linear
+from moe_jax.ops.fp8 import Fp8Rows, Fp8Weights, quantize_rows, quantize_weights
+from moe_jax.ops.gmm.fp8_api import MOSAIC_MIN_ROWS, fp8_kernel, gmm_fp8
+from moe_jax.ops.gmm.mosaic_gpu.config import RESERVED_BYTES
+from moe_jax.ops.gmm.mosaic_gpu.fp8_kernel import (Fp8MosaicTiles, fp8_mosaic_smem_bytes, fp8_mosaic_support,
+                                                   fp8_mosaic_tiles, gmm_fp8_mosaic)
+from moe_jax.ops.gmm.reference import gmm_fp8_reference
+from tests.helpers import ON_GPU, lower_for_gpu
+
+INTERPRETED_SLOW = [] if ON_GPU else [pytest.mark.slow]
+TOL = dict(rtol=2e-5, atol=2e-5)
+
+
+def _operands(m, k, n, e, seed=0, t=None):
+    kx, kw = jax.random.split(jax.random.key(seed))
+    rows = quantize_rows(jax.random.normal(kx, (t or m, k), jnp.float32))
+    wq = quantize_weights(jax.random.normal(kw, (e, n, k), jnp.float32) / np.sqrt(k))
+    return rows, wq
+
+
+def _poison_past(rows: Fp8Rows, total: int) -> Fp8Rows:
+    """NaN values and scales in the rows past the groups: never stored, so never seen."""
+    keep = (jnp.arange(rows.values_MK.shape[0]) < total)[:, None]
+    nan8 = jnp.full((), jnp.nan, rows.values_MK.dtype)
+    return Fp8Rows(jnp.where(keep, rows.values_MK, nan8), jnp.where(keep, rows.scale_MKb, jnp.nan))
+
+
+@pytest.mark.parametrize("sizes,m,k,n,tile_n,out_dtype", [
+    # ragged groups, an empty one, rows past the sum; 256-wide items (two blocks, two scales a step)
+    pytest.param((70, 0, 33, 80), 200, 256, 512, 256, jnp.float32, id="ragged-n256"),
+    # 128-wide items, more K steps than stages, bf16 output
+    pytest.param((70, 0, 33, 80), 200, 640, 256, 128, jnp.bfloat16, id="ragged-n128-long-k", marks=INTERPRETED_SLOW),
+    # one hot group over every row: two full tiles and a partial one
+    pytest.param((0, 296, 0), 296, 128, 256, 256, jnp.float32, id="one-hot", marks=INTERPRETED_SLOW),
+    # no rows in any group: zeros, from the zero-fill tiles alone
+    pytest.param((0, 0), 136, 128, 256, 256, jnp.float32, id="all-empty", marks=INTERPRETED_SLOW),
+])
+def test_mosaic_fp8_matches_the_recipe(sizes, m, k, n, tile_n, out_dtype):
+    rows, wq = _operands(m, k, n, len(sizes))
+    total = sum(sizes)
+    gs = jnp.asarray(sizes, jnp.int32)
+    tiles = Fp8MosaicTiles(tile_n=tile_n, stages=2)
+    out = jax.jit(lambda r, w, g: gmm_fp8(r, w, g, backend="mosaic_gpu", config=tiles, out_dtype=out_dtype))(
+        _poison_past(rows, total), wq, gs)
+    assert out.dtype == out_dtype and np.isfinite(np.asarray(out, np.float32)).all()
+    assert not np.asarray(out[total:], np.float32).any()
+    want = gmm_fp8_reference(rows, wq, gs)
+    tol = TOL if out_dtype == jnp.float32 else dict(rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(np.asarray(out[:total], np.float32), want[:total], **tol)
+
+
+def test_mosaic_fp8_input_gradient_layout_and_row_ids():
+    """The input-gradient orientation (the weights' `[E, K, N]` copy read as `[E, N, K]`) and rows
+    read through ids (gathered in FP8 first; ids outside `[0, T)` read zeros)."""
+    rows, wq = _operands(200, 256, 256, 3)
+    gs = jnp.array([120, 0, 64], jnp.int32)
+    dy = quantize_rows(jax.random.normal(jax.random.key(3), (200, 256), jnp.float32))
+    dx = gmm_fp8(dy, wq, gs, transpose_rhs=False, backend="mosaic_gpu")
+    np.testing.assert_allclose(dx, gmm_fp8_reference(dy, wq, gs, transpose_rhs=False), **TOL)
+    ids = jnp.asarray(np.random.default_rng(0).integers(-3, 60, size=200), jnp.int32)
+    source = quantize_rows(jax.random.normal(jax.random.key(4), (50, 256), jnp.float32))
+    got = gmm_fp8(source, wq, gs, backend="mosaic_gpu", row_ids=ids)
+    np.testing.assert_allclose(got, gmm_fp8(source, wq, gs, backend="xla", row_ids=ids), **TOL)
+
+
+@pytest.mark.parametrize("stored", [False, True], ids=["master", "stored"])
+def test_fp8_linear_on_the_mosaic_kernel_equals_the_reference_path(stored):
+    """`fp8_grouped_linear(backend="mosaic_gpu")`: forward and both gradients equal the reference
+    path's (the weight gradient's `tgmm` runs on `auto`'s 16-bit choice)."""
+    kx, kw, kd = jax.random.split(jax.random.key(5), 3)
+    x = jax.random.normal(kx, (256, 256), jnp.float32)
+    w = jax.random.normal(kw, (2, 256, 256), jnp.float32) / 16
+    w = quantize_weights(w) if stored else w
+    gs = jnp.array([150, 90], jnp.int32)
+    dy = jax.random.normal(kd, (256, 256), jnp.float32)
+
+    def run(backend):
+        y, vjp = jax.vjp(lambda x, w: fp8_grouped_linear(x, w, gs, backend=backend), x, w)
+        return y, vjp(dy)
+
+    (y, (dx, dw)), (y_ref, (dx_ref, dw_ref)) = run("mosaic_gpu"), run("xla")
+    for got, want in ((y, y_ref), (dx, dx_ref)) + (() if stored else ((dw, dw_ref),)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("n,k,out_dtype", [(1536, 2048, jnp.bfloat16), (2048, 768, jnp.bfloat16),
+                                           (1536, 2048, jnp.float32), (1408, 2048, jnp.bfloat16)],
+                         ids=["qwen3-gate-up", "qwen3-down", "fp32-out", "n128-items"])
+def test_rule_tiles_lower_for_h200_and_the_model_is_mosaics_count(n, k, out_dtype):
+    """The rule's tiles at prefill shapes go through Mosaic GPU's lowering for an H200 from this
+    host; one stage more than fits is refused by Mosaic with exactly the model's bytes (less the
+    reserve the model keeps), so the model counts what Mosaic allocates."""
+    m, e = 4096, 16
+    tiles = fp8_mosaic_tiles(n)
+    assert tiles.tile_n == (256 if n % 256 == 0 else 128)
+    f8, S = jnp.float8_e4m3fn, jax.ShapeDtypeStruct
+    avals = (S((m, k), f8), S((m, k // 128), jnp.float32), S((e, n, k), f8), S((e, n // 128, k // 128), jnp.float32),
+             S((e,), jnp.int32))
+
+    def lower(t):
+        return lower_for_gpu(lambda a, a_s, b, b_s, gs: gmm_fp8(Fp8Rows(a, a_s), Fp8Weights(b, b_s), gs,
+                                                                backend="mosaic_gpu", config=t, out_dtype=out_dtype),
+                             *avals)
+
+    assert "mosaic_gpu" in lower(tiles)
+    limit = 232448  # an H200's shared memory per block
+    over = next(Fp8MosaicTiles(tile_n=tiles.tile_n, stages=s) for s in range(1, 9)
+                if fp8_mosaic_smem_bytes(Fp8MosaicTiles(tile_n=tiles.tile_n, stages=s), out_dtype) - RESERVED_BYTES > limit)
+    assert fp8_mosaic_support(m, n, k, over, out_dtype, limit) is not None
+    with pytest.raises(Exception, match="exceeds available shared memory") as info:
+        lower_for_gpu(lambda a, a_s, b, b_s, gs: _unchecked(a, a_s, b, b_s, gs, over, out_dtype), *avals)
+    counted = int(re.search(r"smem_bytes=(\d+)", str(info.value)).group(1))
+    assert counted == fp8_mosaic_smem_bytes(over, out_dtype) - RESERVED_BYTES
+
+
+def _unchecked(a, a_s, b, b_s, gs, tiles, out_dtype):
+    """The kernel launched without `gmm_fp8`'s shared-memory check, so Mosaic's own count speaks."""
+    return gmm_fp8_mosaic(Fp8Rows(a, a_s), Fp8Weights(b, b_s), gs, out_dtype=out_dtype, num_ctas=132, tiles=tiles)
+
+
+def test_auto_takes_the_mosaic_kernel_for_prefill_problems_it_runs():
+    """Where the Mosaic kernel runs (Hopper, or interpreted here), `auto` takes it for problems of
+    at least `MOSAIC_MIN_ROWS` rows per group on average, packed rows, N and K multiples of 128;
+    the Triton kernel otherwise (decode, row ids, other widths)."""
+    capability = device_facts().capability
+    if ON_GPU and (capability is None or capability[0] != 9):
+        assert fp8_kernel(32768, 1536, 2048, 128) == "triton"
+        return
+    assert fp8_kernel(32768, 1536, 2048, 128) == "mosaic_gpu"
+    assert fp8_kernel(8192, 14336, 4096, 8) == "mosaic_gpu"
+    assert fp8_kernel(MOSAIC_MIN_ROWS * 128 - 8, 1536, 2048, 128) == "triton"  # under a tile per group
+    assert fp8_kernel(1024, 1536, 2048, 128) == "triton"  # decode
+    assert fp8_kernel(32768, 1536, 2048, 128, gather=True) == "triton"
+    assert fp8_kernel(32768, 1500, 2048, 128) == "triton"
+
+
+def test_mosaic_errors_name_the_fix():
+    rows, wq = _operands(200, 200, 256, 2)
+    gs = jnp.array([100, 100], jnp.int32)
+    with pytest.raises(ValueError, match="backend='mosaic_gpu': .*K % 128 == 0.*backend='auto'"):
+        gmm_fp8(rows, wq, gs, backend="mosaic_gpu")
+    rows, wq = _operands(64, 256, 256, 2)
+    with pytest.raises(ValueError, match="M >= 128"):
+        gmm_fp8(rows, wq, jnp.array([32, 32], jnp.int32), backend="mosaic_gpu")
+    with pytest.raises(TypeError, match="takes an Fp8MosaicTiles"):
+        gmm_fp8(rows, wq, jnp.array([32, 32], jnp.int32), backend="mosaic_gpu", config=TileConfig(block_k=128))
+    with pytest.raises(ValueError, match="tile_n 128 or 256"):
+        Fp8MosaicTiles(tile_n=64)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="a prefill shape, compiled: the interpreted cases above cover the CPU")
+@pytest.mark.parametrize("n", [1536, 1408], ids=["n256-items", "n128-items"])
+def test_mosaic_fp8_at_a_prefill_shape_on_gpu(n):
+    """Both branches of the tile rule at 8192 rows over 16 ragged groups (the last rows past them),
+    forward and input-gradient orientations, against the recipe's fp32 reference."""
+    m, k, e = 8192, 2048, 16
+    rows, wq = _operands(m, k, n, e, seed=7)
+    gs = jnp.asarray(np.random.default_rng(1).multinomial(m - 300, np.ones(e) / e), jnp.int32)
+    y = gmm_fp8(rows, wq, gs, backend="mosaic_gpu", out_dtype=jnp.bfloat16)
+    want = gmm_fp8_reference(rows, wq, gs)
+    np.testing.assert_allclose(np.asarray(y, np.float32), want, rtol=2e-2, atol=2e-2)
+    dy = quantize_rows(jax.random.normal(jax.random.key(8), (m, n), jnp.float32))
+    dx = gmm_fp8(dy, wq, gs, transpose_rhs=False, backend="mosaic_gpu")
+    np.testing.assert_allclose(dx, gmm_fp8_reference(dy, wq, gs, transpose_rhs=False), rtol=2e-3, atol=2e-3)
