@@ -9,7 +9,9 @@ FP8 and bf16 `mm`, 8192^3).
 
     python -m benchmarks.fp8 [--json OUT.json] [--sections gemm,fb,quantize,decode,dense] [--variants]
 
-Effective TFLOP/s count 2 M N K per GEMM (the routed rows only). Every kernel result is checked
+Effective TFLOP/s count 2 M N K per GEMM (the routed rows only). The `gemm` section also times the
+input gradient's FP8 product (`dy` `[M, N]` against the weights' `[E, K, N]` copy the linear's
+forward keeps) on `auto` and on each FP8 kernel (`dgrad_tflops`). Every kernel result is checked
 against the recipe's fp32 reference (`gmm_fp8_reference`) before it is timed (relative error
 printed). Decode bytes: the active experts' e4m3 weights and their scales (FP8) or bf16 weights,
 read once; the ratio is to the measured copy bandwidth (read + write bytes per second).
@@ -102,7 +104,7 @@ def gemm_rows(shape: S.GemmShape, variants: bool) -> dict:
     x, (w,), dy, gs = make_inputs(shape, counts)
     rows, wq = jax.jit(quantize_rows)(x), jax.jit(quantize_weights)(w)
     reps = reps_for(shape.m * shape.n * 2)
-    rec = dict(shape=shape.name, m=shape.m, e=shape.e, k=shape.k, n=shape.n, times={}, errors={})
+    rec = dict(shape=shape.name, m=shape.m, e=shape.e, k=shape.k, n=shape.n, times={}, errors={}, dgrad_times={})
     head, ref = _head_ref(rows, wq, counts)
     rec["rule_tiles"] = str(fp8_tiles(shape.m, shape.n, shape.k, shape.e))
     rec["auto_kernel"] = fp8_kernel(shape.m, shape.n, shape.k, shape.e)
@@ -119,6 +121,14 @@ def gemm_rows(shape: S.GemmShape, variants: bool) -> dict:
             continue
         rec["errors"][f"fp8 {label}"] = _rel(out[:head], ref)
         rec["times"][f"fp8 {label}"] = _time_jax(fn, (rows, wq, gs), reps)
+    # The input gradient's product on the weights' [E, K, N] copy (what the linear's forward keeps):
+    # dy [M, N] quantized per 1 x 128 tile, contracted over N; K outputs.
+    dy_rows, wq_t = jax.jit(quantize_rows)(dy), jax.jit(transpose_weights)(wq)
+    for label, backend in (("auto", "auto"), ("triton", "triton"), ("mosaic", "mosaic_gpu")):
+        fn = jax.jit(lambda r, w_, g, b=backend: gmm_fp8(r, w_, g, backend=b, out_dtype=jnp.bfloat16))
+        if attempt(fn, dy_rows, wq_t, gs) is not None:
+            rec["dgrad_times"][f"fp8 {label}"] = _time_jax(fn, (dy_rows, wq_t, gs), reps)
+    del dy_rows, wq_t
     bf = jax.jit(lambda a, b, g: gmm(a, b, g))
     rec["times"]["bf16 ours"] = _time_jax(bf, (x, w, gs), reps)
     rec["errors"]["bf16 ours"] = _rel(bf(x, w, gs)[:head], ref)
@@ -135,6 +145,7 @@ def gemm_rows(shape: S.GemmShape, variants: bool) -> dict:
         rec["times"]["fp8 torch rowwise"] = time_torch(scaled, [()], reps=reps)
     del tx, tw, xq, twq
     rec["tflops"] = {k: _tflops(shape.m, shape.n, shape.k, t) for k, t in rec["times"].items() if t}
+    rec["dgrad_tflops"] = {k: _tflops(shape.m, shape.n, shape.k, t) for k, t in rec["dgrad_times"].items() if t}
     return rec
 
 
@@ -281,6 +292,8 @@ def main(argv=None):
             for k in rec["times"]:
                 print(f"  {k:28s} {_fmt(rec['tflops'].get(k)):>6} TFLOP/s  err {rec['errors'].get(k, float('nan')):.2e}",
                       flush=True)
+            for k, v in rec["dgrad_tflops"].items():
+                print(f"  dgrad {k:22s} {_fmt(v):>6} TFLOP/s", flush=True)
     if "fb" in sections:
         result["fb"] = []
         for shape in shapes:
