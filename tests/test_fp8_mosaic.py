@@ -5,6 +5,7 @@ count when lowering for an H200 from this host; `auto`'s choice between the FP8 
 
 Legend: M rows, K contraction, N outputs, E experts, T source rows."""
 
+import dataclasses
 import re
 
 import jax
@@ -39,21 +40,30 @@ def _poison_past(rows: Fp8Rows, total: int) -> Fp8Rows:
     return Fp8Rows(jnp.where(keep, rows.values_MK, nan8), jnp.where(keep, rows.scale_MKb, jnp.nan))
 
 
-@pytest.mark.parametrize("sizes,m,k,n,tile_n,out_dtype", [
+@pytest.mark.parametrize("sizes,m,k,n,tiles,out_dtype", [
     # ragged groups, an empty one, rows past the sum; 256-wide items (two blocks, two scales a step)
-    pytest.param((70, 0, 33, 80), 200, 256, 512, 256, jnp.float32, id="ragged-n256"),
+    pytest.param((70, 0, 33, 80), 200, 256, 512, Fp8MosaicTiles(tile_n=256, stages=2), jnp.float32,
+                 id="ragged-n256"),
     # 128-wide items, more K steps than stages, bf16 output
-    pytest.param((70, 0, 33, 80), 200, 640, 256, 128, jnp.bfloat16, id="ragged-n128-long-k", marks=INTERPRETED_SLOW),
+    pytest.param((70, 0, 33, 80), 200, 640, 256, Fp8MosaicTiles(stages=2), jnp.bfloat16, id="ragged-n128-long-k",
+                 marks=INTERPRETED_SLOW),
     # one hot group over every row: two full tiles and a partial one
-    pytest.param((0, 296, 0), 296, 128, 256, 256, jnp.float32, id="one-hot", marks=INTERPRETED_SLOW),
+    pytest.param((0, 296, 0), 296, 128, 256, Fp8MosaicTiles(tile_n=256, stages=2), jnp.float32, id="one-hot",
+                 marks=INTERPRETED_SLOW),
     # no rows in any group: zeros, from the zero-fill tiles alone
-    pytest.param((0, 0), 136, 128, 256, 256, jnp.float32, id="all-empty", marks=INTERPRETED_SLOW),
+    pytest.param((0, 0), 136, 128, 256, Fp8MosaicTiles(tile_n=256, stages=2), jnp.float32, id="all-empty",
+                 marks=INTERPRETED_SLOW),
+    # three compute warpgroups: 192-row items, a group's rows split across them
+    pytest.param((70, 0, 133, 80), 304, 256, 256, Fp8MosaicTiles(tile_m=192, stages=2), jnp.float32,
+                 id="three-warpgroups", marks=INTERPRETED_SLOW),
+    # two K blocks a stage (the first promoted while the second's MMA runs), three stages of them
+    pytest.param((70, 0, 33, 80), 200, 768, 256, Fp8MosaicTiles(k_blocks=2, stages=2), jnp.bfloat16,
+                 id="two-k-blocks", marks=INTERPRETED_SLOW),
 ])
-def test_mosaic_fp8_matches_the_recipe(sizes, m, k, n, tile_n, out_dtype):
+def test_mosaic_fp8_matches_the_recipe(sizes, m, k, n, tiles, out_dtype):
     rows, wq = _operands(m, k, n, len(sizes))
     total = sum(sizes)
     gs = jnp.asarray(sizes, jnp.int32)
-    tiles = Fp8MosaicTiles(tile_n=tile_n, stages=2)
     out = jax.jit(lambda r, w, g: gmm_fp8(r, w, g, backend="mosaic_gpu", config=tiles, out_dtype=out_dtype))(
         _poison_past(rows, total), wq, gs)
     assert out.dtype == out_dtype and np.isfinite(np.asarray(out, np.float32)).all()
@@ -97,16 +107,19 @@ def test_fp8_linear_on_the_mosaic_kernel_equals_the_reference_path(stored):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("n,k,out_dtype", [(1536, 2048, jnp.bfloat16), (2048, 768, jnp.bfloat16),
-                                           (1536, 2048, jnp.float32), (1408, 2048, jnp.bfloat16)],
-                         ids=["qwen3-gate-up", "qwen3-down", "fp32-out", "n128-items"])
-def test_rule_tiles_lower_for_h200_and_the_model_is_mosaics_count(n, k, out_dtype):
-    """The rule's tiles at prefill shapes go through Mosaic GPU's lowering for an H200 from this
-    host; one stage more than fits is refused by Mosaic with exactly the model's bytes (less the
-    reserve the model keeps), so the model counts what Mosaic allocates."""
+@pytest.mark.parametrize("n,k,out_dtype,tiles", [
+    (1536, 2048, jnp.bfloat16, None), (2048, 768, jnp.bfloat16, None), (1536, 2048, jnp.float32, None),
+    (1408, 2048, jnp.bfloat16, None), (1536, 2048, jnp.bfloat16, Fp8MosaicTiles(tile_m=192, stages=4)),
+    (2048, 768, jnp.bfloat16, Fp8MosaicTiles(k_blocks=2, stages=2))],
+    ids=["qwen3-gate-up", "qwen3-down", "fp32-out", "n128-items", "three-warpgroups", "two-k-blocks"])
+def test_tiles_lower_for_h200_and_the_model_is_mosaics_count(n, k, out_dtype, tiles):
+    """The rule's tiles (None) and the candidates at prefill shapes go through Mosaic GPU's lowering
+    for an H200 from this host; one stage more than fits is refused by Mosaic with exactly the
+    model's bytes (less the reserve the model keeps), so the model counts what Mosaic allocates."""
     m, e = 4096, 16
-    tiles = fp8_mosaic_tiles(n)
-    assert tiles.tile_n == (256 if n % 256 == 0 else 128)
+    if tiles is None:
+        tiles = fp8_mosaic_tiles(n)
+        assert tiles.tile_n == (256 if n % 256 == 0 else 128)
     f8, S = jnp.float8_e4m3fn, jax.ShapeDtypeStruct
     avals = (S((m, k), f8), S((m, k // 128), jnp.float32), S((e, n, k), f8), S((e, n // 128, k // 128), jnp.float32),
              S((e,), jnp.int32))
@@ -118,8 +131,8 @@ def test_rule_tiles_lower_for_h200_and_the_model_is_mosaics_count(n, k, out_dtyp
 
     assert "mosaic_gpu" in lower(tiles)
     limit = 232448  # an H200's shared memory per block
-    over = next(Fp8MosaicTiles(tile_n=tiles.tile_n, stages=s) for s in range(1, 9)
-                if fp8_mosaic_smem_bytes(Fp8MosaicTiles(tile_n=tiles.tile_n, stages=s), out_dtype) - RESERVED_BYTES > limit)
+    over = next(t for t in (dataclasses.replace(tiles, stages=s) for s in range(1, 9))
+                if fp8_mosaic_smem_bytes(t, out_dtype) - RESERVED_BYTES > limit)
     assert fp8_mosaic_support(m, n, k, over, out_dtype, limit) is not None
     with pytest.raises(Exception, match="exceeds available shared memory") as info:
         lower_for_gpu(lambda a, a_s, b, b_s, gs: _unchecked(a, a_s, b, b_s, gs, over, out_dtype), *avals)
@@ -160,6 +173,11 @@ def test_mosaic_errors_name_the_fix():
         gmm_fp8(rows, wq, jnp.array([32, 32], jnp.int32), backend="mosaic_gpu", config=TileConfig(block_k=128))
     with pytest.raises(ValueError, match="tile_n 128 or 256"):
         Fp8MosaicTiles(tile_n=64)
+    with pytest.raises(ValueError, match="at most one of"):
+        Fp8MosaicTiles(tile_m=192, tile_n=256)
+    with pytest.raises(ValueError, match="K % 256 == 0"):
+        gmm_fp8(*_operands(256, 384, 256, 2), jnp.array([128, 128], jnp.int32), backend="mosaic_gpu",
+                config=Fp8MosaicTiles(k_blocks=2, stages=2))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="a prefill shape, compiled: the interpreted cases above cover the CPU")

@@ -14,10 +14,12 @@ Why a second kernel: the recipe ends the tensor-core sum at every 128-wide K ste
 adds it to an fp32 accumulator. A kernel that waits for its MMA before scaling leaves the tensor
 cores idle while it scales. Here each CTA (one per SM, a persistent loop over (row tile, column
 block) items) has one memory warpgroup streaming the step's `[tile_m, 128]` rows, `[tile_n, 128]`
-weight block and their scales through TMA, and two compute warpgroups that each own one half of the
-tile's rows: each sums its step on the tensor cores from zero, waits, and promotes, and the two run
-unsynchronized, so one's promotion overlaps the other's MMA (the ping-pong of CUTLASS's
-warp-specialized FP8 Hopper GEMMs and DeepGEMM).
+weight block and their scales through TMA, and compute warpgroups that each own 64 of the tile's
+rows: each sums its step on the tensor cores from zero, waits, and promotes, and they run
+unsynchronized, so one's promotion overlaps another's MMA (the ping-pong of CUTLASS's
+warp-specialized FP8 Hopper GEMMs and DeepGEMM). `Fp8MosaicTiles` names the candidates: two or
+three warpgroups, one or two weight blocks of columns, and stages of one or two K blocks (with
+two, a warpgroup issues both blocks' MMAs and promotes the first while the second runs).
 
 Scales travel in the layouts TMA copies per step: the row scales as `[Kb, M]` (a step's scales
 of the tile's rows are contiguous) and the block scales broadcast over their 128 columns,
@@ -41,23 +43,38 @@ from moe_jax.ops.gmm.mosaic_gpu.kernel import aligned_tiles, for_each_item, oper
 
 __all__ = ["Fp8MosaicTiles", "fp8_mosaic_smem_bytes", "fp8_mosaic_support", "fp8_mosaic_tiles", "gmm_fp8_mosaic"]
 
-HALVES = 2  # compute warpgroups, each owning tile_m / 2 rows
+WG_ROWS = 64  # rows of the item each compute warpgroup owns (wgmma's M)
+SMEM_ALIGN = 1024  # where Mosaic GPU starts each shared-memory buffer
 
 
 @dataclasses.dataclass(frozen=True)
 class Fp8MosaicTiles:
-    """Tiles of the Mosaic FP8 kernel: `tile_m` rows per CTA item (two compute warpgroups of
-    `tile_m / 2` rows each), `tile_n` columns (one 128-wide weight block, so one block scale per
-    step), `stages` TMA stages."""
+    """Tiles of the Mosaic FP8 kernel: `tile_m` rows per CTA item (one compute warpgroup per 64
+    rows: 128 or 192), `tile_n` columns (128 or 256: one or two weight blocks, each with its own
+    scale a step), `stages` TMA stages, `k_blocks` 128-wide K blocks a stage carries (2: each
+    warpgroup issues both blocks' MMAs, then promotes the first while the second runs).
+
+    A compute warpgroup's registers hold its fp32 accumulators and the partial sums in flight
+    (64 a thread per 64 x 128 tile), so a second block of columns, a second K block in flight and
+    a third warpgroup (which leaves each about 152) exclude one another."""
 
     tile_m: int = 128
     tile_n: int = BLOCK
     stages: int = 4
+    k_blocks: int = 1
 
     def __post_init__(self):
-        if self.tile_m != 128 or self.tile_n not in (BLOCK, 2 * BLOCK) or not 1 <= self.stages <= 8:
-            raise ValueError(f"{self}: tile_m 128 (two 64-row warpgroups: a wider one spills its two fp32 tiles), "
-                             f"tile_n {BLOCK} or {2 * BLOCK}, stages in [1, 8].")
+        tiles_in_flight = (self.tile_n // BLOCK) * self.k_blocks
+        ok = (self.tile_m in (128, 192) and self.tile_n in (BLOCK, 2 * BLOCK) and self.k_blocks in (1, 2)
+              and 1 <= self.stages <= 8 and tiles_in_flight <= 2 and (self.tile_m == 128 or tiles_in_flight == 1))
+        if not ok:
+            raise ValueError(f"{self}: tile_m 128 or 192 (two or three 64-row warpgroups), tile_n {BLOCK} or "
+                             f"{2 * BLOCK}, k_blocks 1 or 2, stages in [1, 8]; at most one of tile_n={2 * BLOCK}, "
+                             "k_blocks=2 and tile_m=192 (registers).")
+
+    @property
+    def warpgroups(self) -> int:
+        return self.tile_m // WG_ROWS
 
 
 def fp8_mosaic_tiles(n: int) -> Fp8MosaicTiles:
@@ -69,20 +86,27 @@ def fp8_mosaic_tiles(n: int) -> Fp8MosaicTiles:
 
 
 def fp8_mosaic_smem_bytes(tiles: Fp8MosaicTiles, out_dtype) -> int:
-    """Shared memory the kernel allocates: per stage the e4m3 rows and weight block and their fp32
-    scales, the two warpgroups' `[tile_m / 2, 128]` output buffers, two barriers per stage (loaded,
-    consumed); exact against Mosaic GPU's lowering for sm_90 (tests/test_fp8_mosaic.py), plus
-    `RESERVED_BYTES` as the 16-bit kernel's model keeps."""
-    stage = (tiles.tile_m + tiles.tile_n) * BLOCK + 4 * (tiles.tile_m + tiles.tile_n)
-    out = HALVES * (tiles.tile_m // HALVES) * BLOCK * jnp.dtype(out_dtype).itemsize
-    return tiles.stages * stage + out + 2 * tiles.stages * BARRIER_BYTES + RESERVED_BYTES
+    """Shared memory the kernel allocates: the stages of the e4m3 rows, their fp32 scales, the
+    weight block(s) and theirs, each compute warpgroup's `[64, 128]` output buffer, each buffer
+    starting on a multiple of `SMEM_ALIGN` (128-byte swizzled tiles need 1024-byte alignment: a
+    scale buffer of 192 rows leaves a gap), then two barriers per stage (loaded, consumed); exact
+    against Mosaic GPU's lowering for sm_90 (tests/test_fp8_mosaic.py), plus `RESERVED_BYTES` as
+    the 16-bit kernel's model keeps."""
+    per_stage = (tiles.tile_m * BLOCK, 4 * tiles.tile_m, tiles.tile_n * BLOCK, 4 * tiles.tile_n)
+    buffers = [tiles.stages * tiles.k_blocks * b for b in per_stage]
+    buffers.append(tiles.warpgroups * WG_ROWS * BLOCK * jnp.dtype(out_dtype).itemsize)
+    offset = 0
+    for size in buffers:
+        offset = -(-offset // SMEM_ALIGN) * SMEM_ALIGN + size
+    return offset + 2 * tiles.stages * BARRIER_BYTES + RESERVED_BYTES
 
 
 def fp8_mosaic_support(m: int, n: int, k: int, tiles: Fp8MosaicTiles, out_dtype, smem_limit: int) -> str | None:
     """None where the kernel takes `[M, K]` rows against `[E, N, K]` weights with `tiles` in
     `smem_limit` bytes of shared memory per block, else why not."""
-    if n % tiles.tile_n or k % BLOCK:
-        return f"the Mosaic FP8 kernel needs N % {tiles.tile_n} == 0 and K % {BLOCK} == 0; got N={n}, K={k}"
+    k_step = tiles.k_blocks * BLOCK
+    if n % tiles.tile_n or k % k_step:
+        return f"the Mosaic FP8 kernel needs N % {tiles.tile_n} == 0 and K % {k_step} == 0; got N={n}, K={k}"
     if m < tiles.tile_m or m % ROW_ALIGN:
         return f"the Mosaic FP8 kernel needs M >= {tiles.tile_m} and M % {ROW_ALIGN} == 0; got M={m}"
     need = fp8_mosaic_smem_bytes(tiles, out_dtype)
@@ -93,22 +117,22 @@ def fp8_mosaic_support(m: int, n: int, k: int, tiles: Fp8MosaicTiles, out_dtype,
 
 def _body(meta_ref, real_tiles_ref, a_ref, a_scale_ref, b_ref, b_scale_ref, out_ref, *, tiles: Fp8MosaicTiles,
           num_tiles: int):
-    tile_m, tile_n = tiles.tile_m, tiles.tile_n
-    half_m = tile_m // HALVES
+    tile_m, tile_n, k_blocks, wgs = tiles.tile_m, tiles.tile_n, tiles.k_blocks, tiles.warpgroups
     n, k = b_ref.shape[1], b_ref.shape[2]
-    n_iters, k_steps = n // tile_n, k // BLOCK
+    n_iters, k_steps = n // tile_n, k // (k_blocks * BLOCK)
     out_dtype = out_ref.dtype
     col_blocks = tile_n // BLOCK  # each with its own block scale; summed and promoted one at a time
+    width = k_blocks * BLOCK  # of K, a stage
     spec = functools.partial(plgpu.BlockSpec, transforms=operand_transforms(BLOCK, a_ref.dtype),
                              memory_space=plgpu.SMEM)
-    in_specs = [spec((tile_m, BLOCK), lambda kk: (0, kk)),  # rows
-                plgpu.BlockSpec((1, tile_m), lambda kk: (kk, 0), memory_space=plgpu.SMEM),  # their scales
-                spec((tile_n, BLOCK), lambda kk: (0, kk)),  # weight block
-                plgpu.BlockSpec((1, tile_n), lambda kk: (kk, 0), memory_space=plgpu.SMEM)]  # its scale, per column
+    in_specs = [spec((tile_m, width), lambda kk: (0, kk)),  # rows
+                plgpu.BlockSpec((k_blocks, tile_m), lambda kk: (kk, 0), memory_space=plgpu.SMEM),  # their scales
+                spec((tile_n, width), lambda kk: (0, kk)),  # weight block(s)
+                plgpu.BlockSpec((k_blocks, tile_n), lambda kk: (kk, 0), memory_space=plgpu.SMEM)]  # per column
 
     def pipeline(body, compute_context):
         return plgpu.emit_pipeline_warp_specialized(
-            body, grid=(k_steps,), memory_registers=40, in_specs=in_specs, wg_axis="wg", num_compute_wgs=HALVES,
+            body, grid=(k_steps,), memory_registers=40, in_specs=in_specs, wg_axis="wg", num_compute_wgs=wgs,
             max_concurrent_steps=min(tiles.stages, k_steps), compute_context=compute_context)
 
     ignore = lambda *_, **__: None  # noqa: E731  (allocations do not depend on the bodies)
@@ -116,31 +140,47 @@ def _body(meta_ref, real_tiles_ref, a_ref, a_scale_ref, b_ref, b_scale_ref, out_
                 b_scale_ref.at[0, :, pl.ds(0, tile_n)])
 
     @functools.partial(pl.run_scoped, allocations=pipeline(ignore, ignore).get_allocations(*operands),
-                       out_smem=plgpu.SMEM((HALVES, half_m, BLOCK), out_dtype), collective_axes="wg")
+                       out_smem=plgpu.SMEM((wgs, WG_ROWS, BLOCK), out_dtype), collective_axes="wg")
     def scope(allocations, out_smem):
         wg = lax.axis_index("wg")
-        mine_rows = pl.ds(wg * half_m, half_m)
+        mine_rows = pl.ds(wg * WG_ROWS, WG_ROWS)
+        shape = (WG_ROWS, BLOCK)
 
         def epilogue(outs, start, end, a_start, n_blk):
             for c, out in enumerate(outs):
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # earlier stores read out_smem
-                store_rows(out, out_smem.at[wg], out_ref, start=start, end=end, a_start=a_start + wg * half_m,
+                store_rows(out, out_smem.at[wg], out_ref, start=start, end=end, a_start=a_start + wg * WG_ROWS,
                            cols=pl.ds(n_blk * tile_n + c * BLOCK, BLOCK))
 
+        def scales(a_scale_smem, b_scale_smem, kb, c):
+            """The fp32 scale of each element of K block `kb` of column block `c`: row x column."""
+            rows = plgpu.load(a_scale_smem.at[kb, mine_rows], layout=plgpu.Layout.WGMMA.reduce(1))
+            cols = plgpu.load(b_scale_smem.at[kb, pl.ds(c * BLOCK, BLOCK)], layout=plgpu.Layout.WGMMA.reduce(0))
+            return lax.broadcast_in_dim(rows, shape, [0]) * lax.broadcast_in_dim(cols, shape, [1])
+
+        def operands_of(a_smem, b_smem, kb, c):
+            ks = pl.ds(kb * BLOCK, BLOCK)
+            return a_smem.at[mine_rows, ks], b_smem.at[pl.ds(c * BLOCK, BLOCK), ks].T
+
         def step(_, a_smem, a_scale_smem, b_smem, b_scale_smem, accs):
-            row_scale = plgpu.load(a_scale_smem.at[0, mine_rows], layout=plgpu.Layout.WGMMA.reduce(1))
-            row_scale = lax.broadcast_in_dim(row_scale, (half_m, BLOCK), [0])
+            if k_blocks == 2:
+                # Both K blocks' MMAs in flight; the first is promoted while the second runs.
+                def both(first_ref, second_ref):
+                    plgpu.wgmma(first_ref, *operands_of(a_smem, b_smem, 0, 0))
+                    plgpu.wgmma(second_ref, *operands_of(a_smem, b_smem, 1, 0))
+                    plgpu.wgmma_wait(1)
+                    return accs[0] + first_ref[...] * scales(a_scale_smem, b_scale_smem, 0, 0), second_ref[...]
+
+                acc, second = pl.run_scoped(both, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
+                return (acc + second * scales(a_scale_smem, b_scale_smem, 1, 0),)
             new = []
             for c, acc in enumerate(accs):
-                cols = pl.ds(c * BLOCK, BLOCK)
+                def product(part_ref, c=c):
+                    plgpu.wgmma(part_ref, *operands_of(a_smem, b_smem, 0, c))
+                    return part_ref[...]  # the scope waits for this warpgroup's MMA
 
-                def product(part_ref, cols=cols):
-                    plgpu.wgmma(part_ref, a_smem.at[mine_rows], b_smem.at[cols].T)
-                    return part_ref[...]  # waits for this warpgroup's MMA
-
-                part = pl.run_scoped(product, plgpu.ACC((half_m, BLOCK), jnp.float32))
-                col_scale = plgpu.load(b_scale_smem.at[0, cols], layout=plgpu.Layout.WGMMA.reduce(0))
-                new.append(acc + part * (row_scale * lax.broadcast_in_dim(col_scale, part.shape, [1])))
+                part = pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
+                new.append(acc + part * scales(a_scale_smem, b_scale_smem, 0, c))
             return tuple(new)
 
         @for_each_item(meta_ref, real_tiles_ref, num_tiles=num_tiles, n_iters=n_iters)
@@ -148,7 +188,7 @@ def _body(meta_ref, real_tiles_ref, a_ref, a_scale_ref, b_ref, b_scale_ref, out_
             n_blk, start, end, a_start = item.n_blk, item.start, item.end, item.a_start
 
             def compute_context(run_pipeline):
-                zeros = plgpu.layout_cast(jnp.zeros((half_m, BLOCK), jnp.float32), plgpu.Layout.WGMMA)
+                zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
                 accs = run_pipeline((zeros,) * col_blocks)
                 epilogue([acc.astype(out_dtype) for acc in accs], start, end, a_start, n_blk)
 
@@ -159,9 +199,9 @@ def _body(meta_ref, real_tiles_ref, a_ref, a_scale_ref, b_ref, b_scale_ref, out_
                 pipeline(step, compute_context)(a_ref.at[rows, :], a_scale_ref.at[:, rows], b_ref.at[group, cols, :],
                                                 b_scale_ref.at[group, :, cols], allocations=allocations)
 
-            @pl.when((item.index >= item.mine) & (start < end) & (wg < HALVES))
+            @pl.when((item.index >= item.mine) & (start < end) & (wg < wgs))
             def _():
-                zeros = plgpu.layout_cast(jnp.zeros((half_m, BLOCK), out_dtype), plgpu.Layout.WGMMA)
+                zeros = plgpu.layout_cast(jnp.zeros(shape, out_dtype), plgpu.Layout.WGMMA)
                 epilogue([zeros] * col_blocks, start, end, a_start, n_blk)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -184,7 +224,7 @@ def gmm_fp8_mosaic(rows: Fp8Rows, weights: Fp8Weights, group_sizes: jax.Array, *
     body = functools.partial(_body, tiles=tiles, num_tiles=meta_4W.shape[1])
     call = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((m, n), out_dtype), grid=(num_ctas,), grid_names=("sm",),
-        num_threads=HALVES + 1, thread_name="wg",
+        num_threads=tiles.warpgroups + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
