@@ -38,6 +38,7 @@ import jax.numpy as jnp
 
 from moe_jax.ops.fp8 import (BLOCK, FP8_DTYPE, Fp8Rows, Fp8Weights, dequantize_rows, dequantize_weights,
                              transpose_weights)
+from moe_jax.ops.gather import gather_rows
 from moe_jax.ops.gmm.api import as_primitive, check_group_sizes, check_row_ids, gmm
 from moe_jax.ops.gmm.mosaic_gpu.backend import INTERPRET_CTAS
 from moe_jax.ops.gmm.mosaic_gpu.fp8_kernel import Fp8MosaicTiles, fp8_mosaic_support, fp8_mosaic_tiles, gmm_fp8_mosaic
@@ -197,7 +198,9 @@ def gmm_fp8(lhs: Fp8Rows, rhs: Fp8Weights, group_sizes: jax.Array, *, transpose_
         tiles = _mosaic_tiles(m, out, c, config, out_dtype)
 
         def impl(a, a_s, b, b_s, sizes, *ids):
-            rows = Fp8Rows(a, a_s) if not ids else gather_fp8_rows(Fp8Rows(a, a_s), ids[0])
+            # TMA copies boxes: rows read through ids are gathered first (values and scales; ids
+            # outside [0, T) give zero rows, which multiply to zero).
+            rows = Fp8Rows(a, a_s) if not ids else Fp8Rows(gather_rows(a, ids[0]), gather_rows(a_s, ids[0]))
             return gmm_fp8_mosaic(rows, Fp8Weights(b, b_s), sizes, out_dtype=out_dtype, tiles=tiles,
                                   num_ctas=INTERPRET_CTAS if interpret() else device_facts().num_sms,
                                   interpret=interpret())
@@ -223,10 +226,3 @@ def _mosaic_tiles(m: int, n: int, k: int, config, out_dtype) -> Fp8MosaicTiles:
                          "FP8 kernel.")
     return tiles
 
-
-def gather_fp8_rows(rows: Fp8Rows, ids_M: jax.Array) -> Fp8Rows:
-    """`rows` (values and scales) at `ids_M`, zero values with unit scales for ids outside `[0, T)`."""
-    ok_M = (ids_M >= 0) & (ids_M < rows.values_MK.shape[0])
-    safe_M = jnp.where(ok_M, ids_M, 0)
-    values = jnp.where(ok_M[:, None], rows.values_MK[safe_M], jnp.zeros((), rows.values_MK.dtype))
-    return Fp8Rows(values, jnp.where(ok_M[:, None], rows.scale_MKb[safe_M], 1.0))

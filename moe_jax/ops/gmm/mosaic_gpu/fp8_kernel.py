@@ -215,7 +215,7 @@ def gmm_fp8_mosaic(rows: Fp8Rows, weights: Fp8Weights, group_sizes: jax.Array, *
     groups come out zero."""
     values_MK, scale_MKb = rows
     values_ENK, scale_ENbKb = weights
-    m, k = values_MK.shape
+    m = values_MK.shape[0]
     num_groups, n, _ = values_ENK.shape
     scale_KbM = scale_MKb.T
     # One scale per column and step: each 128 x 128 block's scale repeated over its 128 columns.
