@@ -23,7 +23,11 @@ from moe_jax.ops.gmm.reference import gmm_fp8_reference
 from tests.helpers import ON_GPU, lower_for_gpu
 
 INTERPRETED_SLOW = [] if ON_GPU else [pytest.mark.slow]
-TOL = dict(rtol=2e-5, atol=2e-5)
+# Compiled, a step's e4m3 products are summed on the tensor cores, whose accumulation within the
+# step is not fp32 (why the recipe promotes every 128): about 1e-3 of the reference's fp32 sums, as
+# for the Triton kernel (tests/test_fp8_api.py). Interpreted, the sums are fp32.
+TOL = dict(rtol=2e-3, atol=2e-3) if ON_GPU else dict(rtol=2e-5, atol=2e-5)
+LINEAR_TOL = dict(rtol=2e-3, atol=2e-3) if ON_GPU else dict(rtol=1e-4, atol=1e-4)
 
 
 def _operands(m, k, n, e, seed=0, t=None):
@@ -53,12 +57,6 @@ def _poison_past(rows: Fp8Rows, total: int) -> Fp8Rows:
     # no rows in any group: zeros, from the zero-fill tiles alone
     pytest.param((0, 0), 136, 128, 256, Fp8MosaicTiles(tile_n=256, stages=2), jnp.float32, id="all-empty",
                  marks=INTERPRETED_SLOW),
-    # three compute warpgroups: 192-row items, a group's rows split across them
-    pytest.param((70, 0, 133, 80), 304, 256, 256, Fp8MosaicTiles(tile_m=192, stages=2), jnp.float32,
-                 id="three-warpgroups", marks=INTERPRETED_SLOW),
-    # two K blocks a stage (the first promoted while the second's MMA runs), three stages of them
-    pytest.param((70, 0, 33, 80), 200, 768, 256, Fp8MosaicTiles(k_blocks=2, stages=2), jnp.bfloat16,
-                 id="two-k-blocks", marks=INTERPRETED_SLOW),
 ])
 def test_mosaic_fp8_matches_the_recipe(sizes, m, k, n, tiles, out_dtype):
     rows, wq = _operands(m, k, n, len(sizes))
@@ -104,16 +102,15 @@ def test_fp8_linear_on_the_mosaic_kernel_equals_the_reference_path(stored):
 
     (y, (dx, dw)), (y_ref, (dx_ref, dw_ref)) = run("mosaic_gpu"), run("xla")
     for got, want in ((y, y_ref), (dx, dx_ref)) + (() if stored else ((dw, dw_ref),)):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(got, want, **LINEAR_TOL)
 
 
 @pytest.mark.parametrize("n,k,out_dtype,tiles", [
     (1536, 2048, jnp.bfloat16, None), (2048, 768, jnp.bfloat16, None), (1536, 2048, jnp.float32, None),
-    (1408, 2048, jnp.bfloat16, None), (1536, 2048, jnp.bfloat16, Fp8MosaicTiles(tile_m=192, stages=4)),
-    (2048, 768, jnp.bfloat16, Fp8MosaicTiles(k_blocks=2, stages=2))],
-    ids=["qwen3-gate-up", "qwen3-down", "fp32-out", "n128-items", "three-warpgroups", "two-k-blocks"])
+    (1408, 2048, jnp.bfloat16, None), (2048, 768, jnp.bfloat16, Fp8MosaicTiles(stages=5))],
+    ids=["qwen3-gate-up", "qwen3-down", "fp32-out", "n128-items", "n128-five-stages"])
 def test_tiles_lower_for_h200_and_the_model_is_mosaics_count(n, k, out_dtype, tiles):
-    """The rule's tiles (None) and the candidates at prefill shapes go through Mosaic GPU's lowering
+    """The rule's tiles (None) and another at prefill shapes go through Mosaic GPU's lowering
     for an H200 from this host; one stage more than fits is refused by Mosaic with exactly the
     model's bytes (less the reserve the model keeps), so the model counts what Mosaic allocates."""
     m, e = 4096, 16
@@ -173,11 +170,8 @@ def test_mosaic_errors_name_the_fix():
         gmm_fp8(rows, wq, jnp.array([32, 32], jnp.int32), backend="mosaic_gpu", config=TileConfig(block_k=128))
     with pytest.raises(ValueError, match="tile_n 128 or 256"):
         Fp8MosaicTiles(tile_n=64)
-    with pytest.raises(ValueError, match="at most one of"):
-        Fp8MosaicTiles(tile_m=192, tile_n=256)
-    with pytest.raises(ValueError, match="K % 256 == 0"):
-        gmm_fp8(*_operands(256, 384, 256, 2), jnp.array([128, 128], jnp.int32), backend="mosaic_gpu",
-                config=Fp8MosaicTiles(k_blocks=2, stages=2))
+    with pytest.raises(ValueError, match=r"stages in \[1, 8\]"):
+        Fp8MosaicTiles(stages=0)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="a prefill shape, compiled: the interpreted cases above cover the CPU")
@@ -189,8 +183,24 @@ def test_mosaic_fp8_at_a_prefill_shape_on_gpu(n):
     rows, wq = _operands(m, k, n, e, seed=7)
     gs = jnp.asarray(np.random.default_rng(1).multinomial(m - 300, np.ones(e) / e), jnp.int32)
     y = gmm_fp8(rows, wq, gs, backend="mosaic_gpu", out_dtype=jnp.bfloat16)
-    want = gmm_fp8_reference(rows, wq, gs)
-    np.testing.assert_allclose(np.asarray(y, np.float32), want, rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(np.asarray(y, np.float32), _reference_by_group(rows, wq, gs), rtol=2e-2, atol=2e-2)
     dy = quantize_rows(jax.random.normal(jax.random.key(8), (m, n), jnp.float32))
     dx = gmm_fp8(dy, wq, gs, transpose_rhs=False, backend="mosaic_gpu")
-    np.testing.assert_allclose(dx, gmm_fp8_reference(dy, wq, gs, transpose_rhs=False), rtol=2e-3, atol=2e-3)
+    np.testing.assert_allclose(dx, _reference_by_group(dy, wq, gs, transpose_rhs=False), **TOL)
+
+
+def _reference_by_group(rows: Fp8Rows, wq: Fp8Weights, gs, *, transpose_rhs=True, chunk=512):
+    """`gmm_fp8_reference` one group and at most `chunk` rows at a time (whole, its per-row weights
+    would take tens of GiB at a prefill shape); rows past the groups are zero."""
+    parts, start = [], 0
+    for e, size in enumerate(np.asarray(gs).tolist()):
+        w_e = Fp8Weights(wq.values_ENK[e:e + 1], wq.scale_ENbKb[e:e + 1])
+        for lo in range(start, start + size, chunk):
+            hi = min(lo + chunk, start + size)
+            part = Fp8Rows(rows.values_MK[lo:hi], rows.scale_MKb[lo:hi])
+            parts.append(np.asarray(gmm_fp8_reference(part, w_e, jnp.array([hi - lo], jnp.int32),
+                                                      transpose_rhs=transpose_rhs)))
+        start += size
+    width = parts[0].shape[1]
+    parts.append(np.zeros((rows.values_MK.shape[0] - start, width), np.float32))
+    return np.concatenate(parts)

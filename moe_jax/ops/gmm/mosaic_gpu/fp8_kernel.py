@@ -13,13 +13,12 @@ once.
 Why a second kernel: the recipe ends the tensor-core sum at every 128-wide K step, scales it and
 adds it to an fp32 accumulator. A kernel that waits for its MMA before scaling leaves the tensor
 cores idle while it scales. Here each CTA (one per SM, a persistent loop over (row tile, column
-block) items) has one memory warpgroup streaming the step's `[tile_m, 128]` rows, `[tile_n, 128]`
+block) items) has one memory warpgroup streaming the step's `[128, 128]` rows, `[tile_n, 128]`
 weight block and their scales through TMA, and compute warpgroups that each own 64 of the tile's
 rows: each sums its step on the tensor cores from zero, waits, and promotes, and they run
 unsynchronized, so one's promotion overlaps another's MMA (the ping-pong of CUTLASS's
-warp-specialized FP8 Hopper GEMMs and DeepGEMM). `Fp8MosaicTiles` names the candidates: two or
-three warpgroups, one or two weight blocks of columns, and stages of one or two K blocks (with
-two, a warpgroup issues both blocks' MMAs and promotes the first while the second runs).
+warp-specialized FP8 Hopper GEMMs and DeepGEMM). `Fp8MosaicTiles` chooses one or two weight
+blocks of columns an item and the stages.
 
 Scales travel in the layouts TMA copies per step: the row scales as `[Kb, M]` (a step's scales
 of the tile's rows are contiguous) and the block scales broadcast over their 128 columns,
@@ -44,37 +43,27 @@ from moe_jax.ops.gmm.mosaic_gpu.kernel import aligned_tiles, for_each_item, oper
 __all__ = ["Fp8MosaicTiles", "fp8_mosaic_smem_bytes", "fp8_mosaic_support", "fp8_mosaic_tiles", "gmm_fp8_mosaic"]
 
 WG_ROWS = 64  # rows of the item each compute warpgroup owns (wgmma's M)
+WARPGROUPS = 2  # compute warpgroups: a 128-row item
+TILE_M = WARPGROUPS * WG_ROWS
 SMEM_ALIGN = 1024  # where Mosaic GPU starts each shared-memory buffer
 
 
 @dataclasses.dataclass(frozen=True)
 class Fp8MosaicTiles:
-    """Tiles of the Mosaic FP8 kernel: `tile_m` rows per CTA item (one compute warpgroup per 64
-    rows: 128 or 192), `tile_n` columns (128 or 256: one or two weight blocks, each with its own
-    scale a step), `stages` TMA stages, `k_blocks` 128-wide K blocks a stage carries (2: each
-    warpgroup issues both blocks' MMAs, then promotes the first while the second runs).
+    """Tiles of the Mosaic FP8 kernel's `[128, tile_n]` items (two compute warpgroups of 64 rows):
+    `tile_n` columns (128 or 256: one or two weight blocks, each with its own scale a step) and
+    `stages` TMA stages of one 128-wide K step.
 
-    A compute warpgroup's registers hold its fp32 accumulators and the partial sums in flight
-    (64 a thread per 64 x 128 tile), so a second block of columns, a second K block in flight and
-    a third warpgroup (which leaves each about 152) exclude one another."""
+    A compute warpgroup's registers hold its fp32 accumulators and the partial sum in flight (64 a
+    thread per 64 x 128 tile). Three warpgroups (192-row items) and stages of two K blocks (a
+    warpgroup promoting one while the next one's MMA runs) measured slower (docs/decisions.md)."""
 
-    tile_m: int = 128
     tile_n: int = BLOCK
     stages: int = 4
-    k_blocks: int = 1
 
     def __post_init__(self):
-        tiles_in_flight = (self.tile_n // BLOCK) * self.k_blocks
-        ok = (self.tile_m in (128, 192) and self.tile_n in (BLOCK, 2 * BLOCK) and self.k_blocks in (1, 2)
-              and 1 <= self.stages <= 8 and tiles_in_flight <= 2 and (self.tile_m == 128 or tiles_in_flight == 1))
-        if not ok:
-            raise ValueError(f"{self}: tile_m 128 or 192 (two or three 64-row warpgroups), tile_n {BLOCK} or "
-                             f"{2 * BLOCK}, k_blocks 1 or 2, stages in [1, 8]; at most one of tile_n={2 * BLOCK}, "
-                             "k_blocks=2 and tile_m=192 (registers).")
-
-    @property
-    def warpgroups(self) -> int:
-        return self.tile_m // WG_ROWS
+        if self.tile_n not in (BLOCK, 2 * BLOCK) or not 1 <= self.stages <= 8:
+            raise ValueError(f"{self}: tile_n {BLOCK} or {2 * BLOCK}, stages in [1, 8].")
 
 
 def fp8_mosaic_tiles(n: int) -> Fp8MosaicTiles:
@@ -89,12 +78,12 @@ def fp8_mosaic_smem_bytes(tiles: Fp8MosaicTiles, out_dtype) -> int:
     """Shared memory the kernel allocates: the stages of the e4m3 rows, their fp32 scales, the
     weight block(s) and theirs, each compute warpgroup's `[64, 128]` output buffer, each buffer
     starting on a multiple of `SMEM_ALIGN` (128-byte swizzled tiles need 1024-byte alignment: a
-    scale buffer of 192 rows leaves a gap), then two barriers per stage (loaded, consumed); exact
+    buffer the size of none of those leaves a gap), then two barriers per stage (loaded, consumed); exact
     against Mosaic GPU's lowering for sm_90 (tests/test_fp8_mosaic.py), plus `RESERVED_BYTES` as
     the 16-bit kernel's model keeps."""
-    per_stage = (tiles.tile_m * BLOCK, 4 * tiles.tile_m, tiles.tile_n * BLOCK, 4 * tiles.tile_n)
-    buffers = [tiles.stages * tiles.k_blocks * b for b in per_stage]
-    buffers.append(tiles.warpgroups * WG_ROWS * BLOCK * jnp.dtype(out_dtype).itemsize)
+    per_stage = (TILE_M * BLOCK, 4 * TILE_M, tiles.tile_n * BLOCK, 4 * tiles.tile_n)
+    buffers = [tiles.stages * b for b in per_stage]
+    buffers.append(WARPGROUPS * WG_ROWS * BLOCK * jnp.dtype(out_dtype).itemsize)
     offset = 0
     for size in buffers:
         offset = -(-offset // SMEM_ALIGN) * SMEM_ALIGN + size
@@ -104,11 +93,10 @@ def fp8_mosaic_smem_bytes(tiles: Fp8MosaicTiles, out_dtype) -> int:
 def fp8_mosaic_support(m: int, n: int, k: int, tiles: Fp8MosaicTiles, out_dtype, smem_limit: int) -> str | None:
     """None where the kernel takes `[M, K]` rows against `[E, N, K]` weights with `tiles` in
     `smem_limit` bytes of shared memory per block, else why not."""
-    k_step = tiles.k_blocks * BLOCK
-    if n % tiles.tile_n or k % k_step:
-        return f"the Mosaic FP8 kernel needs N % {tiles.tile_n} == 0 and K % {k_step} == 0; got N={n}, K={k}"
-    if m < tiles.tile_m or m % ROW_ALIGN:
-        return f"the Mosaic FP8 kernel needs M >= {tiles.tile_m} and M % {ROW_ALIGN} == 0; got M={m}"
+    if n % tiles.tile_n or k % BLOCK:
+        return f"the Mosaic FP8 kernel needs N % {tiles.tile_n} == 0 and K % {BLOCK} == 0; got N={n}, K={k}"
+    if m < TILE_M or m % ROW_ALIGN:
+        return f"the Mosaic FP8 kernel needs M >= {TILE_M} and M % {ROW_ALIGN} == 0; got M={m}"
     need = fp8_mosaic_smem_bytes(tiles, out_dtype)
     if need > smem_limit:
         return f"the Mosaic FP8 kernel's {tiles} need {need} B of shared memory, over the {smem_limit} B per block here"
@@ -117,18 +105,17 @@ def fp8_mosaic_support(m: int, n: int, k: int, tiles: Fp8MosaicTiles, out_dtype,
 
 def _body(meta_ref, real_tiles_ref, a_ref, a_scale_ref, b_ref, b_scale_ref, out_ref, *, tiles: Fp8MosaicTiles,
           num_tiles: int):
-    tile_m, tile_n, k_blocks, wgs = tiles.tile_m, tiles.tile_n, tiles.k_blocks, tiles.warpgroups
+    tile_m, tile_n, wgs = TILE_M, tiles.tile_n, WARPGROUPS
     n, k = b_ref.shape[1], b_ref.shape[2]
-    n_iters, k_steps = n // tile_n, k // (k_blocks * BLOCK)
+    n_iters, k_steps = n // tile_n, k // BLOCK
     out_dtype = out_ref.dtype
     col_blocks = tile_n // BLOCK  # each with its own block scale; summed and promoted one at a time
-    width = k_blocks * BLOCK  # of K, a stage
     spec = functools.partial(plgpu.BlockSpec, transforms=operand_transforms(BLOCK, a_ref.dtype),
                              memory_space=plgpu.SMEM)
-    in_specs = [spec((tile_m, width), lambda kk: (0, kk)),  # rows
-                plgpu.BlockSpec((k_blocks, tile_m), lambda kk: (kk, 0), memory_space=plgpu.SMEM),  # their scales
-                spec((tile_n, width), lambda kk: (0, kk)),  # weight block(s)
-                plgpu.BlockSpec((k_blocks, tile_n), lambda kk: (kk, 0), memory_space=plgpu.SMEM)]  # per column
+    in_specs = [spec((tile_m, BLOCK), lambda kk: (0, kk)),  # rows
+                plgpu.BlockSpec((1, tile_m), lambda kk: (kk, 0), memory_space=plgpu.SMEM),  # their scales
+                spec((tile_n, BLOCK), lambda kk: (0, kk)),  # weight block(s)
+                plgpu.BlockSpec((1, tile_n), lambda kk: (kk, 0), memory_space=plgpu.SMEM)]  # per column
 
     def pipeline(body, compute_context):
         return plgpu.emit_pipeline_warp_specialized(
@@ -152,35 +139,22 @@ def _body(meta_ref, real_tiles_ref, a_ref, a_scale_ref, b_ref, b_scale_ref, out_
                 store_rows(out, out_smem.at[wg], out_ref, start=start, end=end, a_start=a_start + wg * WG_ROWS,
                            cols=pl.ds(n_blk * tile_n + c * BLOCK, BLOCK))
 
-        def scales(a_scale_smem, b_scale_smem, kb, c):
-            """The fp32 scale of each element of K block `kb` of column block `c`: row x column."""
-            rows = plgpu.load(a_scale_smem.at[kb, mine_rows], layout=plgpu.Layout.WGMMA.reduce(1))
-            cols = plgpu.load(b_scale_smem.at[kb, pl.ds(c * BLOCK, BLOCK)], layout=plgpu.Layout.WGMMA.reduce(0))
+        def scales(a_scale_smem, b_scale_smem, c):
+            """The fp32 scale of each element of the step's column block `c`: row x column."""
+            rows = plgpu.load(a_scale_smem.at[0, mine_rows], layout=plgpu.Layout.WGMMA.reduce(1))
+            cols = plgpu.load(b_scale_smem.at[0, pl.ds(c * BLOCK, BLOCK)], layout=plgpu.Layout.WGMMA.reduce(0))
             return lax.broadcast_in_dim(rows, shape, [0]) * lax.broadcast_in_dim(cols, shape, [1])
 
-        def operands_of(a_smem, b_smem, kb, c):
-            ks = pl.ds(kb * BLOCK, BLOCK)
-            return a_smem.at[mine_rows, ks], b_smem.at[pl.ds(c * BLOCK, BLOCK), ks].T
-
         def step(_, a_smem, a_scale_smem, b_smem, b_scale_smem, accs):
-            if k_blocks == 2:
-                # Both K blocks' MMAs in flight; the first is promoted while the second runs.
-                def both(first_ref, second_ref):
-                    plgpu.wgmma(first_ref, *operands_of(a_smem, b_smem, 0, 0))
-                    plgpu.wgmma(second_ref, *operands_of(a_smem, b_smem, 1, 0))
-                    plgpu.wgmma_wait(1)
-                    return accs[0] + first_ref[...] * scales(a_scale_smem, b_scale_smem, 0, 0), second_ref[...]
-
-                acc, second = pl.run_scoped(both, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
-                return (acc + second * scales(a_scale_smem, b_scale_smem, 1, 0),)
             new = []
             for c, acc in enumerate(accs):
                 def product(part_ref, c=c):
-                    plgpu.wgmma(part_ref, *operands_of(a_smem, b_smem, 0, c))
+                    ks = pl.ds(0, BLOCK)
+                    plgpu.wgmma(part_ref, a_smem.at[mine_rows, ks], b_smem.at[pl.ds(c * BLOCK, BLOCK), ks].T)
                     return part_ref[...]  # the scope waits for this warpgroup's MMA
 
                 part = pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
-                new.append(acc + part * scales(a_scale_smem, b_scale_smem, 0, c))
+                new.append(acc + part * scales(a_scale_smem, b_scale_smem, c))
             return tuple(new)
 
         @for_each_item(meta_ref, real_tiles_ref, num_tiles=num_tiles, n_iters=n_iters)
@@ -220,11 +194,11 @@ def gmm_fp8_mosaic(rows: Fp8Rows, weights: Fp8Weights, group_sizes: jax.Array, *
     scale_KbM = scale_MKb.T
     # One scale per column and step: each 128 x 128 block's scale repeated over its 128 columns.
     scale_EKbN = jnp.repeat(jnp.swapaxes(scale_ENbKb, 1, 2), BLOCK, axis=2)
-    meta_4W = aligned_tiles(group_sizes, num_rows=m, tile_m=tiles.tile_m)
+    meta_4W = aligned_tiles(group_sizes, num_rows=m, tile_m=TILE_M)
     body = functools.partial(_body, tiles=tiles, num_tiles=meta_4W.shape[1])
     call = plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((m, n), out_dtype), grid=(num_ctas,), grid_names=("sm",),
-        num_threads=tiles.warpgroups + 1, thread_name="wg",
+        num_threads=WARPGROUPS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
