@@ -26,6 +26,7 @@ launches (XLA's own compilation of the kernels) with the labels.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import re
@@ -303,12 +304,14 @@ def verdict(out: str) -> list[tuple[str, bool, str]]:
         loss = re.findall(r"loss ([\d.]+) -> ([\d.]+)", log)
         falls = bool(loss) and float(loss[-1][1]) < float(loss[-1][0])
         checks.append((f"example {run}", "exit 0" in log and falls, f"loss {' -> '.join(loss[-1]) if loss else '?'}"))
-    rows = json.loads(read("accept_layers.json") or "[]")
+    rows = layer_rows(out)
+    twice = len(rows) - len({(tuple(r["shape"]), r["dtype"], r["backend"]) for r in rows})
     bad = [r for r in rows if not (r["cell"] == "ok" or (r["backend"] != "xla" and r["cell"].startswith("ValueError"))
                                    or (r["backend"] == "xla" and re.search(XLA_OUT_OF_MEMORY, r["cell"])))]
     cells = len(LAYER_SHAPES) * 2 * len(LAYER_BACKENDS)
-    checks.append(("layer table", len(rows) == cells and not bad,
-                   f"{len(rows)} of {cells} cells; not ok: {[(r['shape'], r['dtype'], r['backend']) for r in bad]}"))
+    checks.append(("layer table", len(rows) == cells and not bad and not twice,
+                   f"{len(rows)} of {cells} cells; not ok: {[(r['shape'], r['dtype'], r['backend']) for r in bad]}"
+                   + (f"; {twice} cells more than once" if twice else "")))
     compiled = [json.loads(ln) for ln in read("compiled.jsonl").splitlines() if ln.startswith("{")]
     under = [r for r in compiled if r["compiled"] > r["model"]]
     checks.append(("model vs Triton's compiler", bool(compiled) and not under, f"{len(compiled)} compiled, {len(under)} under"))
@@ -317,6 +320,16 @@ def verdict(out: str) -> list[tuple[str, bool, str]]:
     checks.append(("model vs launched kernels", bool(launched) and len(launched) == len(labels)
                    and all(r["ok"] for r in launched), f"{len(launched)} of {len(labels)} profiled"))
     return checks
+
+
+def layer_rows(out: str) -> list:
+    """The layer cells of a run: `accept_layers.json` and each lane's (`a-accept_layers.json`, ...:
+    `LANE=a ACCEPT_SHAPES=... benchmarks/gpu_run.sh accept-layers` splits the shapes over processes)."""
+    rows = []
+    for path in sorted(glob.glob(os.path.join(out, "*accept_layers.json"))):
+        with open(path) as fh:
+            rows += json.load(fh)
+    return rows
 
 
 def summary(args) -> None:
@@ -348,10 +361,9 @@ def summary(args) -> None:
     if "val loss" in bf16_log and "val loss" in fp8_log:
         lines += ["", "The example in FP8 against bf16, same seed and batches (training loss, then validation):", "",
                   loss_curves(bf16_log, fp8_log)]
-    layers_json = os.path.join(out, "accept_layers.json")
-    if os.path.exists(layers_json):
+    if layer_rows(out):
         lines += ["", "Layer forward+backward, every backend and dtype (relative error to the xla layer):", "",
-                  layer_table(json.load(open(layers_json)))]
+                  layer_table(layer_rows(out))]
     resources = read("accept_resources.log").strip()
     compiled = read("compiled.jsonl").splitlines()
     if compiled:

@@ -46,6 +46,7 @@ def test_a_complete_passing_run_is_green(tmp_path):
     ("ours-oom", "layer table"),
     ("xla-typeerror", "layer table"),
     ("missing-cell", "layer table"),
+    ("cell-twice", "layer table"),
     ("compiled", "model vs Triton's compiler"),
     ("launch", "model vs launched kernels"),
 ])
@@ -59,6 +60,8 @@ def test_each_failure_turns_the_run_red(tmp_path, breakage, check):
         (tmp_path / "example_fp8.log").unlink()
     elif breakage == "loss":
         (tmp_path / "example_bfloat16.log").write_text("done: loss 2.0 -> 5.6 | val 5\nexit 0\n")
+    elif breakage == "cell-twice":  # a lane's file repeating a cell of another
+        (tmp_path / "b-accept_layers.json").write_text(json.dumps(rows[:1]))
     elif breakage in ("ours-oom", "xla-typeerror", "missing-cell"):
         if breakage == "ours-oom":  # only XLA's own layer may run out of memory
             rows[0]["cell"] = "JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory"
@@ -72,6 +75,18 @@ def test_each_failure_turns_the_run_red(tmp_path, breakage, check):
     else:
         (tmp_path / "accept_resources.json").write_text(json.dumps([]))
     assert _failed(tmp_path) == [check]
+
+
+def test_lanes_layer_cells_are_read_together(tmp_path):
+    """Shapes split over processes (`LANE=a`, `LANE=b`) make one table."""
+    rows = _write_green(tmp_path)
+    (tmp_path / "accept_layers.json").unlink()
+    half = len(rows) // 2
+    (tmp_path / "a-accept_layers.json").write_text(json.dumps(rows[:half]))
+    (tmp_path / "b-accept_layers.json").write_text(json.dumps(rows[half:]))
+    assert _failed(tmp_path) == []
+    (tmp_path / "b-accept_layers.json").unlink()
+    assert _failed(tmp_path) == ["layer table"]
 
 
 def test_summary_sets_the_fp8_example_beside_bf16(tmp_path, capsys):
