@@ -55,6 +55,8 @@ DECODE_VARIANTS = (  # decode tile candidates timed beside the rule's choice wit
 
 MOSAIC_TILES = (  # Mosaic FP8 candidates timed beside the rule's choice with --variants
     Fp8MosaicTiles(tile_n=128, stages=4), Fp8MosaicTiles(tile_n=128, stages=5), Fp8MosaicTiles(tile_n=256, stages=3),
+    # the promotion by a tile of row x column scales, against the block's scale folded into the rows'
+    Fp8MosaicTiles(tile_n=128, stages=4, column_scales=True), Fp8MosaicTiles(tile_n=256, stages=3, column_scales=True),
 )
 
 MICRO_BATCHES = 4  # the f+b section's gradient-accumulation rows
@@ -114,7 +116,7 @@ def gemm_rows(shape: S.GemmShape, variants: bool) -> dict:
     runs = [("auto", "auto", None), ("triton", "triton", None), ("mosaic", "mosaic_gpu", None)]
     if variants:
         runs += [(f"triton {t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages}", "triton", t) for t in VARIANTS]
-        runs += [(f"mosaic 128x{t.tile_n} s{t.stages}", "mosaic_gpu", t) for t in MOSAIC_TILES]
+        runs += [(f"mosaic 128x{t.tile_n} s{t.stages}{' column scales' if t.column_scales else ''}", "mosaic_gpu", t) for t in MOSAIC_TILES]
     for label, backend, cfg in runs:
         fn = jax.jit(lambda r, w_, g, b=backend, cfg=cfg: gmm_fp8(r, w_, g, backend=b, config=cfg,
                                                                   out_dtype=jnp.bfloat16))
