@@ -16,7 +16,8 @@ shapes; `fused` / `separate` the default with `row_gather` forced either way; `f
 experts in blockwise FP8 with trainable master weights, `GemmOptions(quantization=Fp8Blockwise())`,
 its error to the bf16 torch layer the recipe's quantization; `fp8-gather` that with
 `row_gather="fused"` (each token row quantized once and read through the packing's ids; `fp8`
-packs the bf16 rows first); `fp8-stored` with
+packs the bf16 rows first); `fp8-master-dgrad` with the input gradients from the master weights
+in bf16, `Fp8Blockwise(input_gradient="master")` (no e4m3 weights kept for the backward); `fp8-stored` with
 stored e4m3 weights, `Fp8Blockwise(weights="stored")`: no weight quantization and no weight
 gradient, the rest of the step as `fp8`), the gradient of
 `sum(y**2)` with respect to the input and every parameter, jitted; device memory is the compiled
@@ -94,6 +95,7 @@ VARIANTS = {"auto": dict(), "pallas": dict(backend="pallas_triton"), "static": d
             "fp8": dict(quantization=Fp8Blockwise()),
             "fp8-gather": dict(quantization=Fp8Blockwise(), row_gather="fused"),
             "fp8-stored": dict(quantization=Fp8Blockwise(weights="stored")),
+            "fp8-master-dgrad": dict(quantization=Fp8Blockwise(input_gradient="master")),
             "mosaic-dgrad": dict(backend=H200_BACKENDS.replace({("gmm_nn", "prefill"): MOSAIC_FIRST})),
             "mosaic-fwd-dgrad": dict(backend=H200_BACKENDS.replace({("gmm_nt", "prefill"): MOSAIC_FIRST,
                                                                     ("gmm_nn", "prefill"): MOSAIC_FIRST}))}
