@@ -17,7 +17,9 @@ experts in blockwise FP8 with trainable master weights, `GemmOptions(quantizatio
 its error to the bf16 torch layer the recipe's quantization; `fp8-gather` that with
 `row_gather="fused"` (each token row quantized once and read through the packing's ids; `fp8`
 packs the bf16 rows first); `fp8-triton` that with every FP8 product on the Triton FP8 kernel
-(`auto` takes the Mosaic GPU one where it runs the shape); `fp8-stored` with
+(`auto` takes the Mosaic GPU one where it runs the shape); `fp8-master-dgrad` with the input
+gradients from the master weights in bf16, `Fp8Blockwise(input_gradient="master")` (no e4m3 weights
+kept for the backward); `fp8-stored` with
 stored e4m3 weights, `Fp8Blockwise(weights="stored")`: no weight quantization and no weight
 gradient, the rest of the step as `fp8`), the gradient of
 `sum(y**2)` with respect to the input and every parameter, jitted; device memory is the compiled
@@ -96,6 +98,7 @@ VARIANTS = {"auto": dict(), "pallas": dict(backend="pallas_triton"), "static": d
             "fp8-gather": dict(quantization=Fp8Blockwise(), row_gather="fused"),
             "fp8-triton": dict(backend="triton", quantization=Fp8Blockwise()),
             "fp8-stored": dict(quantization=Fp8Blockwise(weights="stored")),
+            "fp8-master-dgrad": dict(quantization=Fp8Blockwise(input_gradient="master")),
             "mosaic-dgrad": dict(backend=H200_BACKENDS.replace({("gmm_nn", "prefill"): MOSAIC_FIRST})),
             "mosaic-fwd-dgrad": dict(backend=H200_BACKENDS.replace({("gmm_nt", "prefill"): MOSAIC_FIRST,
                                                                     ("gmm_nn", "prefill"): MOSAIC_FIRST}))}

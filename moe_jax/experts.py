@@ -221,6 +221,7 @@ def swiglu_experts_fp8(
     *,
     backend: BackendName = "xla",
     rows: RowGather | None = None,
+    input_gradient: str = "fp8",
 ) -> jax.Array:
     """`swiglu_experts` with its three projections in DeepSeek-V3's blockwise FP8
     (`moe_jax.ops.fp8_grouped_linear`: rows per 1 x 128 tile), on packed rows `x_MD`; `y_MD` in
@@ -231,7 +232,8 @@ def swiglu_experts_fp8(
     block scales, used as they are, no weight gradient); shapes as `swiglu_experts`' (the values'
     for `Fp8Weights`). With `rows` (a `RowGather`), `x_MD` is the `[T, D]` token rows: each token
     is quantized once and the gate and up products read its FP8 row through `rows.ids_M`
-    (`fp8_grouped_linear(rows=)`), no packed copy is written."""
+    (`fp8_grouped_linear(rows=)`), no packed copy is written. `input_gradient`: as
+    `fp8_grouped_linear`'s, for all three projections."""
     weights = (w_gate_EFD, w_up_EFD, w_down_EDF)
     stored = [isinstance(w, Fp8Weights) for w in weights]
     if any(stored) and not all(stored):
@@ -239,8 +241,10 @@ def swiglu_experts_fp8(
                         f"Fp8Weights; got {', '.join(type(w).__name__ for w in weights)}.")
     _check_separate(x_MD, *(w.values_ENK if s else w for w, s in zip(weights, stored)))
     # Gate and up in one call: the rows are quantized and kept once for both.
-    gate_MF, up_MF = fp8_grouped_linear(x_MD, (w_gate_EFD, w_up_EFD), group_sizes_E, backend=backend, rows=rows)
-    return fp8_grouped_linear(_swiglu(gate_MF, up_MF), w_down_EDF, group_sizes_E, backend=backend)
+    gate_MF, up_MF = fp8_grouped_linear(x_MD, (w_gate_EFD, w_up_EFD), group_sizes_E, backend=backend, rows=rows,
+                                        input_gradient=input_gradient)
+    return fp8_grouped_linear(_swiglu(gate_MF, up_MF), w_down_EDF, group_sizes_E, backend=backend,
+                              input_gradient=input_gradient)
 
 
 def swiglu_experts_reference(

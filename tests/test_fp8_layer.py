@@ -94,6 +94,20 @@ def test_gradients_reach_master_weights():
     assert rel < 0.15, f"w_down gradient, FP8 vs fp32: {rel:.4f}"
 
 
+def test_input_gradient_from_master_weights_in_the_layer():
+    """`Fp8Blockwise(input_gradient="master")` reaches the experts: the output and the down
+    projection's weight gradient are the recipe's (its `dy` comes from the combine, before any input
+    gradient), the gradients below it differ and stay close to the recipe's."""
+    x = _x()
+    (y, g_x, g_m), (y_fp8, g_x_fp8, g_m_fp8) = (
+        _value_and_grads(_layer(Fp8Blockwise(input_gradient=g)), x) for g in ("master", "fp8"))
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(y_fp8))
+    np.testing.assert_array_equal(np.asarray(g_m.w_down[...]), np.asarray(g_m_fp8.w_down[...]))
+    assert not np.array_equal(np.asarray(g_x), np.asarray(g_x_fp8))
+    for got, want in ((g_x, g_x_fp8), (g_m.w_gate[...], g_m_fp8.w_gate[...])):
+        assert _rel(got, want) < 0.1
+
+
 def test_shared_latent_mask():
     m = _layer(shared_experts=SharedExperts(count=1, gate=True), latent_dim=128)
     plain = _layer(quantization=None, shared_experts=SharedExperts(count=1, gate=True), latent_dim=128)
@@ -158,3 +172,7 @@ def test_errors():
         GemmOptions(backend="xla", fused_gate_up=True, quantization=Fp8Blockwise())
     with pytest.raises(TypeError, match="Fp8Blockwise"):
         GemmOptions(backend="xla", quantization="fp8")
+    with pytest.raises(ValueError, match="input_gradient='bf16': use one of"):
+        Fp8Blockwise(input_gradient="bf16")
+    with pytest.raises(ValueError, match="no master weights; use input_gradient='fp8'"):
+        Fp8Blockwise(weights="stored", input_gradient="master")

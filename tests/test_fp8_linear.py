@@ -8,12 +8,17 @@ errors, and one small case on `pallas_triton` (interpret mode on CPU).
 
 Legend: M rows, T source rows, K contraction, N outputs, E experts."""
 
+import contextlib
+import io
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.ad_checkpoint import print_saved_residuals
 
-from moe_jax.ops import RowGather, fp8_grouped_linear, gather_rows, gmm_fp8_reference, tgmm_reference
+from moe_jax.ops import (RowGather, fp8_grouped_linear, gather_rows, gmm_fp8_reference, grouped_linear,
+                         tgmm_reference)
 from moe_jax.ops.fp8 import FP8_DTYPE, dequantize_rows, quantize_rows, quantize_weights
 
 # The op scales each product term, the reference each 128-wide partial sum: fp32 rounding only.
@@ -176,6 +181,42 @@ def test_several_weights_equal_separate_calls(stored):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("gather", [False, True], ids=["packed", "row-ids"])
+def test_input_gradient_from_the_master_weights(gather):
+    """`input_gradient="master"`: the output and weight gradients are the recipe's; `dx` is the
+    16-bit linear layer's (`grouped_linear` on the same `dy`, summed over each row's readers with
+    `rows`); and the backward keeps the weights themselves, not an e4m3 copy."""
+    x, w1 = _case(10, 200, 130, 3, seed=3)
+    _, w2 = _case(10, 200, 130, 3, seed=4)
+    rows, gs = _route(6, 2, 3) if gather else (None, jnp.array([4, 0, 5], jnp.int32))
+    x = x[:6] if gather else x
+
+    def run(input_gradient, x, w1, w2):
+        ys = fp8_grouped_linear(x, (w1, w2), gs, rows=rows, input_gradient=input_gradient)
+        return jnp.sum(ys[0] * jnp.cos(ys[1]))
+
+    (loss, grads), (loss_fp8, grads_fp8) = (jax.value_and_grad(lambda *a, g=g: run(g, *a), argnums=(0, 1, 2))(x, w1, w2)
+                                            for g in ("master", "fp8"))
+    assert loss == loss_fp8
+    for got, want in zip(grads[1:], grads_fp8[1:]):
+        np.testing.assert_array_equal(got, want)
+    ys = fp8_grouped_linear(x, (w1, w2), gs, rows=rows)
+    dys = (jnp.cos(ys[1]), -ys[0] * jnp.sin(ys[1]))
+    _, vjp = jax.vjp(lambda x: tuple(grouped_linear(x, w, gs, rows=rows, precision=jax.lax.Precision.HIGHEST)
+                                     for w in (w1, w2)), x)
+    np.testing.assert_allclose(grads[0], vjp(dys)[0], **FP32_TOL)
+    assert not np.allclose(grads[0], grads_fp8[0], rtol=1e-4, atol=1e-4)  # not the recipe's FP8 product
+
+    def saved(input_gradient):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            print_saved_residuals(lambda w1, w2: run(input_gradient, x, w1, w2), w1, w2)
+        return out.getvalue()
+
+    assert "f8_e4m3fn[3,200,130]" in saved("fp8") and "f8_e4m3fn[3,200,130]" not in saved("master")
+    assert "from the argument w1" in saved("master")
+
+
 def test_rows_errors():
     x, w = _case(4, 128, 64, 2)
     rows, gs = _route(4, 1, 2)
@@ -208,3 +249,7 @@ def test_errors():
         fp8_grouped_linear(x, (w, quantize_weights(w)), gs)
     with pytest.raises(ValueError, match="empty tuple"):
         fp8_grouped_linear(x, (), gs)
+    with pytest.raises(ValueError, match="input_gradient='bf16'.*'fp8'"):
+        fp8_grouped_linear(x, w, gs, input_gradient="bf16")
+    with pytest.raises(ValueError, match="needs master weights"):
+        fp8_grouped_linear(x, quantize_weights(w), gs, input_gradient="master")

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 from jax import lax
 
-from moe_jax.ops import FP8_LINEAR_BACKENDS, BackendTable, resolve_backend
+from moe_jax.ops import FP8_INPUT_GRADIENTS, FP8_LINEAR_BACKENDS, BackendTable, resolve_backend
 from moe_jax.validation import check_bool, check_int, is_int
 
 __all__ = ["FP8_WEIGHTS", "GEMM_KERNELS", "ROW_GATHERS", "Fp8Blockwise", "GemmOptions", "SharedExperts"]
@@ -156,18 +156,33 @@ class Fp8Blockwise:
       Input gradients flow through them (`dx`, e.g. for adapters); they have no gradient of their
       own. `moe_jax.layers.stored_fp8(moe)` quantizes a layer's master weights once into them.
 
+    input_gradient: how the experts' input gradients are computed (`moe_jax.ops.fp8_grouped_linear`).
+      `"fp8"` (default): the recipe's FP8 products; the backward keeps an e4m3 copy of each master
+      weight (half their bytes in bf16), which the 16-bit layer does not have.
+      `"master"`: from the master weights on the 16-bit kernels; no e4m3 weights are kept, so the
+      step's peak memory holds no weight bytes beyond the 16-bit layer's, for 16-bit products in
+      the input gradient (docs/fp8.md, "Memory"). Master weights only.
+
     Needs `GemmOptions(backend=...)` of `moe_jax.ops.FP8_LINEAR_BACKENDS` and separate gate and up
     weights (`fused_gate_up=False`). With the row gather fused (`GemmOptions.row_gather`), each
     token row is quantized once and the FP8 kernel reads it through the packing's ids.
     """
 
     weights: str = "master"
+    input_gradient: str = "fp8"
 
     def __post_init__(self):
         if self.weights not in FP8_WEIGHTS:
             raise ValueError(f"Fp8Blockwise.weights={self.weights!r}: use one of {FP8_WEIGHTS} ('master': trainable "
                              "weights in param_dtype quantized in each call; 'stored': e4m3 weights with fp32 block "
                              "scales, frozen, e.g. from an FP8 checkpoint).")
+        if self.input_gradient not in FP8_INPUT_GRADIENTS:
+            raise ValueError(f"Fp8Blockwise.input_gradient={self.input_gradient!r}: use one of {FP8_INPUT_GRADIENTS} "
+                             "('fp8': the recipe's FP8 products; 'master': from the master weights in 16 bits, no "
+                             "e4m3 copy kept for the backward).")
+        if self.stored and self.input_gradient != "fp8":
+            raise ValueError(f"Fp8Blockwise(weights='stored', input_gradient={self.input_gradient!r}): stored FP8 "
+                             "weights have no master weights; use input_gradient='fp8'.")
 
     @property
     def stored(self) -> bool:

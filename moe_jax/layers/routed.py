@@ -138,7 +138,8 @@ class ExpertStage:
         if self.quantization is not None:
             if self.quantization.stored:
                 weights = [Fp8Weights(*weights[i:i + 2]) for i in range(0, len(weights), 2)]
-            return swiglu_experts_fp8(x_MD, group_sizes, *weights, backend=self.backend, rows=rows)
+            return swiglu_experts_fp8(x_MD, group_sizes, *weights, backend=self.backend, rows=rows,
+                                      input_gradient=self.quantization.input_gradient)
         fn = swiglu_experts_fused if self.fused_gate_up else swiglu_experts
         return fn(x_MD, group_sizes, *weights, rows=rows, plans=plans)
 

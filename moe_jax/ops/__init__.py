@@ -5,7 +5,7 @@ the FP8 recipe's blockwise quantization and `ops.fp8_linear` its differentiable 
 layer (`fp8_grouped_linear`, whose products are `gmm_fp8`: the FP8 kernels, Mosaic GPU or Triton,
 on a GPU with e4m3 tensor cores, the reference path elsewhere)."""
 
-from moe_jax.ops.fp8_linear import FP8_LINEAR_BACKENDS, fp8_grouped_linear
+from moe_jax.ops.fp8_linear import FP8_INPUT_GRADIENTS, FP8_LINEAR_BACKENDS, fp8_grouped_linear
 from moe_jax.ops.gather import gather_rows, gather_rows_reference
 from moe_jax.ops.gmm import (
     AUTO_FUSED_GATHER,
@@ -56,6 +56,7 @@ __all__ = [
     "DeviceFacts",
     "Executed",
     "FAMILIES",
+    "FP8_INPUT_GRADIENTS",
     "FP8_LINEAR_BACKENDS",
     "GEMM_BACKENDS",
     "GmmConfig",

@@ -14,8 +14,12 @@ arXiv:2412.19437, section 3.3; the quantization itself is `moe_jax.ops.fp8`):
   (`transpose_weights`), the layout the input gradient's product reads: XLA fuses that second
   output into the quantization's pass over the weights (no extra read), and the backward keeps it
   instead of the forward's layout (the same bytes), so it transposes nothing.
-- Input gradient: `dy` quantized per 1 x 128 tile of N, `dx = dy @ w` by the recipe with the same
-  128 x 128 weight blocks read in the other orientation.
+- Input gradient (`input_gradient="fp8"`, the recipe): `dy` quantized per 1 x 128 tile of N,
+  `dx = dy @ w` by the recipe with the same 128 x 128 weight blocks read in the other orientation.
+  With `input_gradient="master"` (master weights only), `dx = dy @ w` from the master weights in
+  x's dtype on the 16-bit kernels instead: the backward keeps no e4m3 copy of the weights (the
+  master weights are the step's inputs, alive anyway), so a step's peak memory holds no weight
+  bytes the 16-bit layer does not, for a 16-bit input-gradient product (docs/fp8.md, "Memory").
 - Weight gradient: `dw = dy^T @ rows` in x's dtype from the dequantized FP8 rows (the recipe keeps
   the FP8 rows, not `x`, for the backward: that is its activation-memory saving) and the
   unquantized `dy`: bf16 when `x` is (an FP8 weight gradient is for the kernels to measure).
@@ -49,13 +53,14 @@ import jax.numpy as jnp
 from moe_jax.ops.fp8 import (BLOCK, FP8_DTYPE, Fp8Weights, dequantize_rows, quantize_rows, quantize_weights,
                              transpose_weights)
 from moe_jax.ops.gather import sum_of_readers
-from moe_jax.ops.gmm import SUPPORTED_DTYPES, RowGather, tgmm
+from moe_jax.ops.gmm import SUPPORTED_DTYPES, RowGather, gmm, tgmm
 from moe_jax.ops.gmm.api import check_rows
 from moe_jax.ops.gmm.fp8_api import FP8_GEMM_BACKENDS, fp8_backend, gmm_fp8
 
-__all__ = ["FP8_LINEAR_BACKENDS", "fp8_grouped_linear"]
+__all__ = ["FP8_INPUT_GRADIENTS", "FP8_LINEAR_BACKENDS", "fp8_grouped_linear"]
 
 FP8_LINEAR_BACKENDS = FP8_GEMM_BACKENDS
+FP8_INPUT_GRADIENTS = ("fp8", "master")  # the recipe's FP8 product; the master weights' 16-bit one
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -80,24 +85,37 @@ def _dgrad(backend, dys, wq_ts, group_sizes, rows, x_dtype):
     return dx if rows is None else sum_of_readers(dx, rows.readers_TK)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _master_linear(backend, x, ws, group_sizes, rows):
+def _dgrad_master(backend, dys, ws, group_sizes, rows, x_dtype):
+    """`dx` of `input_gradient="master"`: each `dy @ w` from the master weights `[E, N, K]` in x's
+    dtype (the 16-bit grouped GEMM), added and summed over readers as `_dgrad`'s."""
+    dx = None
+    for dy, w in zip(dys, ws):
+        part = gmm(dy.astype(x_dtype), w.astype(x_dtype), group_sizes, transpose_rhs=False, backend=backend,
+                   precision=_HI)
+        dx = part if dx is None else dx + part
+    return dx if rows is None else sum_of_readers(dx, rows.readers_TK)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _master_linear(backend, input_gradient, x, ws, group_sizes, rows):
     return _forward(backend, x, tuple(quantize_weights(w) for w in ws), group_sizes, rows)[0]
 
 
-def _master_linear_fwd(backend, x, ws, group_sizes, rows):
+def _master_linear_fwd(backend, input_gradient, x, ws, group_sizes, rows):
     wqs = tuple(quantize_weights(w) for w in ws)
     ys, fp8_rows = _forward(backend, x, wqs, group_sizes, rows)
-    wq_ts = tuple(transpose_weights(wq) for wq in wqs)
-    # The master weights are not kept: only zero-size witnesses of the dtypes for the cotangents.
+    # "fp8": the backward keeps the e4m3 `[E, K, N]` copies, not the master weights (zero-size
+    # witnesses of their dtypes give the cotangents' dtypes); "master": the master weights.
+    kept = tuple(transpose_weights(wq) for wq in wqs) if input_gradient == "fp8" else ws
     witnesses = tuple(jnp.zeros((0,), w.dtype) for w in ws)
-    return ys, (fp8_rows, wq_ts, group_sizes, rows, witnesses, jnp.zeros((0,), x.dtype))
+    return ys, (fp8_rows, kept, group_sizes, rows, witnesses, jnp.zeros((0,), x.dtype))
 
 
-def _master_linear_bwd(backend, res, dys):
-    fp8_rows, wq_ts, group_sizes, rows, witnesses, x_dtype = res
+def _master_linear_bwd(backend, input_gradient, res, dys):
+    fp8_rows, kept, group_sizes, rows, witnesses, x_dtype = res
     x_dtype = x_dtype.dtype
-    dx = _dgrad(backend, dys, wq_ts, group_sizes, rows, x_dtype)
+    dgrad = _dgrad if input_gradient == "fp8" else _dgrad_master
+    dx = dgrad(backend, dys, kept, group_sizes, rows, x_dtype)
     # dw from the dequantized FP8 rows (the source rows through the ids with `rows`).
     rows_x = dequantize_rows(fp8_rows).astype(x_dtype)
     ids = None if rows is None else rows.ids_M
@@ -162,6 +180,7 @@ def fp8_grouped_linear(
     *,
     backend: str = "xla",
     rows: RowGather | None = None,
+    input_gradient: str = "fp8",
 ):
     """Differentiable grouped linear layer of the FP8 recipe: `y[M, N]`, rows of group e are
     `x_e @ w[e]^T` with both operands blockwise FP8 (module docstring).
@@ -177,6 +196,10 @@ def fp8_grouped_linear(
         input gradient adds theirs on the packed rows (as autodiff would for separate calls).
       group_sizes: `[E]` integer rows per group (not differentiated), as for `grouped_linear`.
       backend: where the recipe's products run (`gmm_fp8`'s `backend`): one of `FP8_LINEAR_BACKENDS`.
+      input_gradient: `"fp8"` (the recipe: `dy` and the weights' blocks in FP8; the backward keeps
+        an e4m3 `[E, K, N]` copy of each weight) or, for master weights, `"master"` (`dy @ w` from
+        the master weights in x's dtype on `backend`'s 16-bit kernels; nothing of the weights
+        kept but the weights themselves). The forward and the weight gradient are the same.
       rows: a `RowGather`: the grouped rows are `x[rows.ids_M]` (zeros for ids outside `[0, T)`),
         as in `grouped_linear`. Each source row is quantized once (a 1 x 128 tile lies within one
         row, so this equals quantizing the gathered rows) and the product reads the FP8 rows
@@ -186,6 +209,9 @@ def fp8_grouped_linear(
         `gather_rows(x, rows.ids_M, inverse_N=rows.readers_TK)`.
     """
     fp8_backend(backend)  # ValueError naming the choices, or why a kernel cannot run here
+    if input_gradient not in FP8_INPUT_GRADIENTS:
+        raise ValueError(f"input_gradient={input_gradient!r}: use one of {FP8_INPUT_GRADIENTS} ('fp8': the recipe's "
+                         "FP8 product; 'master': the master weights' 16-bit product, no e4m3 copy kept).")
     x = jnp.asarray(x)
     if x.ndim != 2 or jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
         layout = "[M, K]" if rows is None else "[T, K]"
@@ -201,7 +227,10 @@ def fp8_grouped_linear(
         raise TypeError("w: a tuple of weights must be all master weights or all Fp8Weights; got "
                         f"{', '.join(type(one).__name__ for one in ws)}.")
     if stored[0]:
+        if input_gradient != "fp8":
+            raise ValueError(f"input_gradient={input_gradient!r} needs master weights; stored Fp8Weights have none: "
+                             "use input_gradient='fp8'.")
         ys = _stored_linear(backend, x, tuple(Fp8Weights(*one) for one in ws), group_sizes, rows)
     else:
-        ys = _master_linear(backend, x, tuple(jnp.asarray(one) for one in ws), group_sizes, rows)
+        ys = _master_linear(backend, input_gradient, x, tuple(jnp.asarray(one) for one in ws), group_sizes, rows)
     return ys if several else ys[0]
