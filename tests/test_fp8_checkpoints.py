@@ -378,7 +378,7 @@ def test_layout_and_layer_errors():
         convert.to_state_dict(moe, plain)
     with pytest.raises(ValueError, match=r"Fp8Blockwise.weights='int8': use one of \('master', 'stored'\)"):
         Fp8Blockwise(weights="int8")
-    with pytest.raises(ValueError, match=r"quantization=Fp8Blockwise\(weights='stored'\)\) needs separate gate and up"):
+    with pytest.raises(ValueError, match=r"quantization=Fp8Blockwise\(weights='stored', input_gradient='fp8'\)\) needs separate gate and up"):
         GemmOptions(backend="xla", fused_gate_up=True, quantization=Fp8Blockwise(weights="stored"))
     with pytest.raises(TypeError, match="stored_fp8.moe.: moe must be a moe_jax.layers.MoE; got dict"):
         stored_fp8({})
