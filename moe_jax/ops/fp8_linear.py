@@ -73,25 +73,19 @@ def _forward(backend, x, wqs, group_sizes, rows):
     return ys, fp8_rows
 
 
-def _dgrad(backend, dys, wq_ts, group_sizes, rows, x_dtype):
-    """`dx` by the recipe: each `dy` quantized per 1 x 128 tile of N against its weight blocks as
-    `[E, K, N]` (`transpose_weights`), the products added in x's dtype on the packed rows (as
-    autodiff adds a reused input's cotangents), then with `rows` each source row's readers
-    summed: `[T, K]`, else `[M, K]`."""
+def _dgrad(backend, input_gradient, dys, kept, group_sizes, rows, x_dtype):
+    """`dx`: each `dy` against its kept weight, the products added in x's dtype on the packed rows
+    (as autodiff adds a reused input's cotangents), then with `rows` each source row's readers
+    summed: `[T, K]`, else `[M, K]`. `"fp8"`, the recipe: `dy` quantized per 1 x 128 tile of N
+    against the weights' blocks as `[E, K, N]` (`transpose_weights`); `"master"`: `dy @ w` from the
+    master weights `[E, N, K]` in x's dtype on the 16-bit `gmm`."""
     dx = None
-    for dy, wq_t in zip(dys, wq_ts):
-        part = gmm_fp8(quantize_rows(dy.astype(x_dtype)), wq_t, group_sizes, backend=backend, out_dtype=x_dtype)
-        dx = part if dx is None else dx + part
-    return dx if rows is None else sum_of_readers(dx, rows.readers_TK)
-
-
-def _dgrad_master(backend, dys, ws, group_sizes, rows, x_dtype):
-    """`dx` of `input_gradient="master"`: each `dy @ w` from the master weights `[E, N, K]` in x's
-    dtype (the 16-bit grouped GEMM), added and summed over readers as `_dgrad`'s."""
-    dx = None
-    for dy, w in zip(dys, ws):
-        part = gmm(dy.astype(x_dtype), w.astype(x_dtype), group_sizes, transpose_rhs=False, backend=backend,
-                   precision=_HI)
+    for dy, w in zip(dys, kept):
+        dy = dy.astype(x_dtype)
+        if input_gradient == "fp8":
+            part = gmm_fp8(quantize_rows(dy), w, group_sizes, backend=backend, out_dtype=x_dtype)
+        else:
+            part = gmm(dy, w.astype(x_dtype), group_sizes, transpose_rhs=False, backend=backend, precision=_HI)
         dx = part if dx is None else dx + part
     return dx if rows is None else sum_of_readers(dx, rows.readers_TK)
 
@@ -114,8 +108,7 @@ def _master_linear_fwd(backend, input_gradient, x, ws, group_sizes, rows):
 def _master_linear_bwd(backend, input_gradient, res, dys):
     fp8_rows, kept, group_sizes, rows, witnesses, x_dtype = res
     x_dtype = x_dtype.dtype
-    dgrad = _dgrad if input_gradient == "fp8" else _dgrad_master
-    dx = dgrad(backend, dys, kept, group_sizes, rows, x_dtype)
+    dx = _dgrad(backend, input_gradient, dys, kept, group_sizes, rows, x_dtype)
     # dw from the dequantized FP8 rows (the source rows through the ids with `rows`).
     rows_x = dequantize_rows(fp8_rows).astype(x_dtype)
     ids = None if rows is None else rows.ids_M
@@ -140,7 +133,7 @@ def _stored_linear_fwd(backend, x, wqs, group_sizes, rows):
 
 def _stored_linear_bwd(backend, res, dys):
     wqs, group_sizes, rows, x_dtype = res
-    dx = _dgrad(backend, dys, tuple(transpose_weights(wq) for wq in wqs), group_sizes, rows, x_dtype.dtype)
+    dx = _dgrad(backend, "fp8", dys, tuple(transpose_weights(wq) for wq in wqs), group_sizes, rows, x_dtype.dtype)
     # Stored FP8 weights are frozen (inference): their cotangents are zero, never an update.
     zeros = tuple(Fp8Weights(jnp.zeros_like(wq.values_ENK), jnp.zeros_like(wq.scale_ENbKb)) for wq in wqs)
     return dx, zeros, None, None
