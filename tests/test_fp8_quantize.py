@@ -2,7 +2,7 @@
 equals the recipe's `quantize_weights` / `transpose_weights` bit for bit (bf16, fp16, fp32; N and
 K not multiples of 128; one block; all-zero blocks; every output element written), NaN and inf
 stay in their block, argument errors, the lowering for an H200 (and its Triton IR compiled for
-sm_90: IEEE division, the saturating e4m3 conversion, shared memory), and `fp8_grouped_linear`
+sm_90: XLA's division and e4m3 conversion instructions, shared memory), and `fp8_grouped_linear`
 on the fused path.
 
 The same bodies run the Pallas kernel compiled on a GPU and interpreted on CPU.
@@ -170,10 +170,11 @@ def _triton_modules(fn, *avals) -> list[str]:
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_compiled_for_sm90(dtype):
-    """The kernel's Triton IR compiled for sm_90 by the Triton wheel: the division is IEEE's
-    `div.rn.f32` (Triton's own fp32 division is the approximate `div.full.f32`, which would break
-    bit equality), the cast is the saturating round-to-nearest-even e4m3 conversion, and the
-    transposed store's shared memory fits an H200 with room to spare."""
+    """The kernel's Triton IR compiled for sm_90 by the Triton wheel: the division and the e4m3
+    cast are the instructions XLA's GPU backend emits for `quantize_weights` (`div.full.f32`, as
+    XLA sets `-nvptx-prec-divf32=1`, not the correctly rounded `div.rn.f32`; the saturating
+    round-to-nearest-even `cvt.rn.satfinite.e4m3x2.f32`), and the transposed store's shared memory
+    fits an H200 with room to spare."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
 
@@ -187,7 +188,7 @@ def test_compiled_for_sm90(dtype):
         compiled = triton.compile(path, target=GPUTarget("cuda", 90, 32),
                                   options=dict(num_warps=backends.NUM_WARPS, num_stages=1))
     ptx = compiled.asm["ptx"]
-    assert "div.rn.f32" in ptx and "div.full" not in ptx and "div.approx" not in ptx
+    assert "div.full.f32" in ptx and "div.rn" not in ptx and "div.approx" not in ptx
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
     assert 0 < compiled.metadata.shared <= 64 * 1024, compiled.metadata.shared
 

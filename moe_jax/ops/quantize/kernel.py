@@ -10,11 +10,14 @@ scale and, with `transposed`, the values again as the `[K, N]` block of an `[E, 
 the divide and cast), so the kernel reads the weights once where XLA reads them twice.
 
 The arithmetic is `moe_jax.ops.fp8`'s, so the result is `quantize_weights`'s bit for bit:
-`scale = amax * fp32(1/448)` (1 for an all-zero block), `values = e4m3(clip(w / scale, +-448))`
-with `w / scale` correctly rounded. Two of Triton's lowerings differ from XLA's and are undone
-here: its float max and min drop NaN (`maxnumf`), so a block's NaN is found by a sum (NaN exactly
-when an element is) and a NaN value is passed around the clip; and its fp32 division is the
-approximate `div.full.f32`, so the compiled kernel divides with `div.rn.f32`.
+`scale = amax * fp32(1/448)` (1 for an all-zero block), `values = e4m3(clip(w / scale, +-448))`.
+Compiled, each step is the instruction XLA's GPU backend emits for it: the fp32 division is
+`div.full.f32` in both (XLA sets LLVM's `-nvptx-prec-divf32=1`; Triton lowers `/` so), not the
+correctly rounded `div.rn.f32`, and the cast is `cvt.rn.satfinite.e4m3x2.f32` in both. Interpreted,
+it is XLA:CPU's arithmetic, as is the reference there. One difference is undone here: Triton's
+float max and min drop NaN (`maxnumf`) where XLA's propagate it, so a block's NaN is found by a sum
+(NaN exactly when an element is: the magnitudes cannot cancel) and a NaN quotient is passed around
+the clip.
 """
 
 from __future__ import annotations
@@ -26,19 +29,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from moe_jax.ops.fp8 import _INV_FP8_MAX, BLOCK, FP8_DTYPE, FP8_MAX, Fp8Weights
+from moe_jax.ops.fp8 import BLOCK, FP8_DTYPE, FP8_MAX, Fp8Weights, _scale_of
 from moe_jax.ops.pallas_triton import cdiv, launch, masked_load, outer_and
 
 __all__ = ["quantize_weights_pallas"]
 
 
-def _div_rn(x, y):
-    """`x / y` correctly rounded (IEEE), as XLA divides: Triton's own fp32 division is approximate."""
-    return plgpu.elementwise_inline_asm("div.rn.f32 $0, $1, $2;", args=[x, y], constraints="=r,r,r", pack=1,
-                                        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
-
-
-def _kernel(w_ref, values_ref, scale_ref, *transposed_refs, n: int, k: int, interpret: bool):
+def _kernel(w_ref, values_ref, scale_ref, *transposed_refs, n: int, k: int):
     """Quantize block `(e, nb, kb)` of `w_ref` `[E, N, K]` into `values_ref` `[E, N, K]` and
     `scale_ref` `[E, Nb, Kb]`; `transposed_refs`, if given, are `[E, K, N]` values and `[E, Kb, Nb]`
     scales."""
@@ -51,10 +48,9 @@ def _kernel(w_ref, values_ref, scale_ref, *transposed_refs, n: int, k: int, inte
     w_NK = masked_load(w_ref.at[e, pl.ds(n0, BLOCK), pl.ds(k0, BLOCK)], mask_NK).astype(jnp.float32)
     mag_NK = jnp.abs(w_NK)
     amax = jnp.where(jnp.isnan(jnp.sum(mag_NK)), jnp.float32(jnp.nan), jnp.max(mag_NK))
-    scale = jnp.where(amax == 0, jnp.float32(1), amax * _INV_FP8_MAX)  # `fp8._scale_of`
-    scaled_NK = w_NK / scale if interpret else _div_rn(w_NK, jnp.full((BLOCK, BLOCK), scale))
-    clipped_NK = jnp.where(jnp.isnan(scaled_NK), scaled_NK, jnp.clip(scaled_NK, -FP8_MAX, FP8_MAX))
-    q_NK = clipped_NK.astype(FP8_DTYPE)
+    scale = _scale_of(amax)
+    scaled_NK = w_NK / scale  # `fp8._to_fp8`, with the NaN kept past the clip
+    q_NK = jnp.where(jnp.isnan(scaled_NK), scaled_NK, jnp.clip(scaled_NK, -FP8_MAX, FP8_MAX)).astype(FP8_DTYPE)
     plgpu.store(values_ref.at[e, pl.ds(n0, BLOCK), pl.ds(k0, BLOCK)], q_NK, mask=mask_NK)
     scale_ref[e, nb, kb] = scale
     if transposed_refs:
@@ -76,7 +72,7 @@ def quantize_weights_pallas(
     out_shape = (jax.ShapeDtypeStruct((e, n, k), FP8_DTYPE), jax.ShapeDtypeStruct((e, nb, kb), jnp.float32))
     if transposed:
         out_shape += (jax.ShapeDtypeStruct((e, k, n), FP8_DTYPE), jax.ShapeDtypeStruct((e, kb, nb), jnp.float32))
-    outs = launch(functools.partial(_kernel, n=n, k=k, interpret=interpret), (w_ENK,), out_shape=out_shape,
+    outs = launch(functools.partial(_kernel, n=n, k=k), (w_ENK,), out_shape=out_shape,
                   grid=(e, nb, kb), num_warps=num_warps, num_stages=1, interpret=interpret,
                   name="moe_jax_quantize_weights", out_init=out_init)
     return Fp8Weights(*outs[:2]), Fp8Weights(*outs[2:]) if transposed else None
