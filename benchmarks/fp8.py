@@ -3,8 +3,8 @@ against our bf16 `gmm`, `torch._grouped_mm` (bf16) and `torch._scaled_grouped_mm
 scales: torch's own FP8 grouped GEMM), in one process on the same inputs; then the differentiable
 linear layer forward+backward (`fp8_grouped_linear` vs `grouped_linear`, one pass per step and
 four micro-batches accumulated in one `lax.scan`), the weights'
-quantization (`quantize_weights`, alone and with the input gradient's `[E, K, N]` copy as a second
-output), decode with FP8 weights against copy bandwidth, and the dense ceilings (`torch._scaled_mm`
+quantization (XLA's `quantize_weights` against the fused kernel, alone and with the input
+gradient's `[E, K, N]` copy as a second output), decode with FP8 weights against copy bandwidth, and the dense ceilings (`torch._scaled_mm`
 FP8 and bf16 `mm`, 8192^3).
 
     python -m benchmarks.fp8 [--json OUT.json] [--sections gemm,fb,quantize,decode,dense] [--variants]
@@ -15,8 +15,10 @@ forward keeps) on `auto` and on each FP8 kernel (`dgrad_tflops`). Every kernel r
 against the recipe's fp32 reference (`gmm_fp8_reference`) before it is timed (relative error
 printed). Decode bytes: the active experts' e4m3 weights and their scales (FP8) or bf16 weights,
 read once; the ratio is to the measured copy bandwidth (read + write bytes per second).
-Quantization bytes: the bf16 weights read once, each e4m3 layout and the fp32 scales written once,
-as a fraction of copy bandwidth.
+Quantization (`quantize`): XLA's `quantize_weights` (and `transpose_weights`) against the fused
+kernel (`moe_jax.ops.quantize`, with and without the `[E, K, N]` copy; with --variants also other
+num_warps), the kernel's bits checked against XLA's first; bytes: the bf16 weights read once, each
+e4m3 layout and the fp32 scales written once, in GB/s and as a fraction of copy bandwidth.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from moe_jax.ops.fp8_linear import fp8_grouped_linear
 from moe_jax.ops.gmm.fp8_api import fp8_kernel, fp8_tiles, gmm_fp8
 from moe_jax.ops.gmm.mosaic_gpu.fp8_kernel import Fp8MosaicTiles
 from moe_jax.ops.gmm.reference import gmm_fp8_reference
+from moe_jax.ops.quantize import quantize_master_weights
+from moe_jax.ops.quantize.kernel import quantize_weights_pallas
 
 VARIANTS = (  # tile candidates timed beside the rule's choice with --variants
     TileConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3, group_m=8),
@@ -196,25 +200,57 @@ def fb_rows(shape: S.GemmShape) -> dict:
     return rec
 
 
-def quantize_records(shape: S.GemmShape, copy_tbps: float) -> dict:
-    """The weights `[E, N, K]` of `shape` quantized alone (`quantize_weights`) and with the
-    `transpose_weights` copy as a second output (what `fp8_grouped_linear`'s forward writes for its
-    backward): milliseconds and the fraction of copy bandwidth on the minimal bytes."""
+QUANTIZE_WARPS = (8,)  # the fused kernel's num_warps timed beside its default with --variants
+
+
+def _same_bits(got, want) -> bool:
+    """Whether two `Fp8Weights` hold the same bits (values and scales), compared on the device."""
+    bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint8 if a.dtype.itemsize == 1 else jnp.uint32)  # noqa: E731
+    return all(bool(jnp.array_equal(bits(g), bits(w))) for g, w in zip(got, want))
+
+
+def quantize_records(shape: S.GemmShape, copy_tbps: float, variants: bool = False) -> dict:
+    """The weights `[E, N, K]` of `shape` quantized alone and with the `[E, K, N]` copy as a second
+    output (what `fp8_grouped_linear`'s forward writes for its backward), by XLA
+    (`quantize_weights`, `transpose_weights`) and by the fused kernel (`quantize_master_weights` on
+    `pallas_triton`), each fused result checked bit for bit against XLA's before it is timed:
+    milliseconds, GB/s on the minimal bytes (the weights read once, each e4m3 layout and its fp32
+    scales written once) and that rate as a fraction of copy bandwidth. Weights past the kernel's
+    int32 offsets (DeepSeek-V3's gate+up) are quantized by XLA on every backend: no fused rows."""
     _, (w,), _, _ = make_inputs(shape, S.balanced_counts(shape.m, shape.e))
     params = shape.e * shape.n * shape.k
     scales = shape.e * -(-shape.n // 128) * -(-shape.k // 128) * 4
-    def with_copy(v):
+    read = params * w.dtype.itemsize
+    one, two = read + params + scales, read + 2 * (params + scales)
+
+    def xla_pair(v):
         q = quantize_weights(v)
         return q, transpose_weights(q)
 
-    ways = {"quantize": (quantize_weights, 3 * params + scales),
-            "quantize + transposed copy": (with_copy, 4 * params + 2 * scales)}
+    def fused(transposed, num_warps=None):
+        if num_warps is None:
+            return lambda v: quantize_master_weights(v, transposed=transposed, backend="pallas_triton")
+        return lambda v: quantize_weights_pallas(v, transposed=transposed, num_warps=num_warps, interpret=False)
+
+    ways = {"xla": (quantize_weights, one), "xla + transposed": (xla_pair, two)}
+    rec = dict(shape=shape.name, e=shape.e, n=shape.n, k=shape.k, ms={}, gbps={}, of_copy={}, bit_equal={})
+    if params < 2**31:
+        want = jax.jit(xla_pair)(w)
+        fused_ways = {"fused": (fused(False), one), "fused + transposed": (fused(True), two)}
+        for nw in QUANTIZE_WARPS if variants else ():
+            fused_ways[f"fused + transposed w{nw}"] = (fused(True, nw), two)
+        for name, (fn, nbytes) in fused_ways.items():
+            got = jax.jit(fn)(w)
+            got = (got,) if name == "fused" else tuple(q for q in got if q is not None)
+            rec["bit_equal"][name] = all(_same_bits(g, r) for g, r in zip(got, want))
+            ways[name] = (fn, nbytes)
+        del want, got
     # Two calls' outputs stay live across the timing barrier (DeepSeek-V3: 15 GB of bf16 weights).
     reps = max(2, min(10, (24 << 30) // (5 * params)))
-    rec = dict(shape=shape.name, e=shape.e, n=shape.n, k=shape.k, ms={}, of_copy={})
     for name, (fn, nbytes) in ways.items():
         t = _time_jax(fn, (w,), reps)
         rec["ms"][name] = t * 1e3
+        rec["gbps"][name] = nbytes / t / 1e9
         rec["of_copy"][name] = nbytes / t / 1e12 / copy_tbps
     return rec
 
@@ -279,7 +315,8 @@ def main(argv=None):
     p.add_argument("--sections", default="dense,gemm,fb,quantize,decode")
     p.add_argument("--shapes", default=None, help="indices into benchmarks.shapes.PREFILL (default all)")
     p.add_argument("--variants", action="store_true",
-                   help="also time the tile candidates of VARIANTS (gemm) and DECODE_VARIANTS (decode)")
+                   help="also time the tile candidates of VARIANTS (gemm) and DECODE_VARIANTS (decode), and "
+                        "QUANTIZE_WARPS (quantize)")
     args = p.parse_args(argv)
     sections = args.sections.split(",")
     shapes = [S.PREFILL[int(i)] for i in args.shapes.split(",")] if args.shapes else list(S.PREFILL)
@@ -310,10 +347,16 @@ def main(argv=None):
     if "quantize" in sections:
         result["quantize"] = []
         for shape in shapes:
-            rec = quantize_records(shape, copy)
+            rec = quantize_records(shape, copy, args.variants)
             result["quantize"].append(rec)
             print(shape.name, "quantize", {k: f"{v:.3f} ms ({rec['of_copy'][k]:.2f} of copy)" for k, v in rec["ms"].items()},
-                  flush=True)
+                  "bit-equal:", rec["bit_equal"] or "-", flush=True)
+        print("\n| shape | way | ms | GB/s | of copy | bit-equal to XLA |")
+        print("|---|---|---|---|---|---|")
+        for rec in result["quantize"]:
+            for k, ms in rec["ms"].items():
+                print(f"| {rec['shape']} | {k} | {ms:.3f} | {rec['gbps'][k]:.0f} | {rec['of_copy'][k]:.2f} | "
+                      f"{rec['bit_equal'].get(k, '-')} |")
     if "decode" in sections:
         result["decode"] = decode_rows(copy, args.variants)
         for rec in result["decode"]:

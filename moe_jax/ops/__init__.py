@@ -1,7 +1,8 @@
 """Array-in, array-out ops (no Flax, no mesh, nothing above them): the grouped GEMM (`ops.gmm`)
 and the row gather (`ops.gather`), each with its kernels, backends and fp32 reference;
 `ops.platform` holds the backend names, the platform detection and the device facts; `ops.fp8`
-the FP8 recipe's blockwise quantization and `ops.fp8_linear` its differentiable grouped linear
+the FP8 recipe's blockwise quantization (`ops.quantize`: master weights in one read, with its
+kernel) and `ops.fp8_linear` its differentiable grouped linear
 layer (`fp8_grouped_linear`, whose products are `gmm_fp8`: the FP8 kernels, Mosaic GPU or Triton,
 on a GPU with e4m3 tensor cores, the reference path elsewhere)."""
 

@@ -11,9 +11,12 @@ arXiv:2412.19437, section 3.3; the quantization itself is `moe_jax.ops.fp8`):
 - Forward: `x` quantized per 1 x 128 tile of K (`quantize_rows`), the weights per 128 x 128 block
   (`quantize_weights`, or given already quantized), `y = rows @ w^T` by the recipe. In a
   differentiated call the forward also writes the quantized master weights as `[E, K, N]`
-  (`transpose_weights`), the layout the input gradient's product reads: XLA fuses that second
-  output into the quantization's pass over the weights (no extra read), and the backward keeps it
-  instead of the forward's layout (the same bytes), so it transposes nothing.
+  (`transpose_weights`), the layout the input gradient's product reads, in the quantization's own
+  pass over the weights (no extra read), and the backward keeps it instead of the forward's
+  layout (the same bytes), so it transposes nothing. Master weights are quantized by
+  `moe_jax.ops.quantize.quantize_master_weights`: on a GPU its fused kernel (one read of the
+  weights where XLA's quantization makes two), with `backend="pallas_triton"` that kernel
+  interpreted off GPU, else XLA; every backend gives `quantize_weights`'s bits.
 - Input gradient (`input_gradient="fp8"`, the recipe): `dy` quantized per 1 x 128 tile of N,
   `dx = dy @ w` by the recipe with the same 128 x 128 weight blocks read in the other orientation.
   With `input_gradient="master"` (master weights only), `dx = dy @ w` from the master weights in
@@ -50,12 +53,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from moe_jax.ops.fp8 import (BLOCK, FP8_DTYPE, Fp8Weights, dequantize_rows, quantize_rows, quantize_weights,
-                             transpose_weights)
+from moe_jax.ops.fp8 import BLOCK, FP8_DTYPE, Fp8Weights, dequantize_rows, quantize_rows, transpose_weights
 from moe_jax.ops.gather import sum_of_readers
 from moe_jax.ops.gmm import SUPPORTED_DTYPES, RowGather, gmm, tgmm
 from moe_jax.ops.gmm.api import check_rows
 from moe_jax.ops.gmm.fp8_api import FP8_GEMM_BACKENDS, fp8_backend, gmm_fp8
+from moe_jax.ops.quantize import quantize_master_weights
 
 __all__ = ["FP8_INPUT_GRADIENTS", "FP8_LINEAR_BACKENDS", "fp8_grouped_linear"]
 
@@ -63,6 +66,15 @@ FP8_LINEAR_BACKENDS = FP8_GEMM_BACKENDS
 FP8_INPUT_GRADIENTS = ("fp8", "master")  # the recipe's FP8 product; the master weights' 16-bit one
 
 _HI = jax.lax.Precision.HIGHEST
+
+
+def _quantize(backend, w, transposed: bool):
+    """`quantize_master_weights` of `w` for the layer's `backend`: the fused kernel on a GPU
+    (`auto`, and the FP8 kernel backends), interpreted off GPU only when `pallas_triton` is asked
+    for; `xla` elsewhere. Returns `(wq, wq [E, K, N] or None)`."""
+    chosen = backend if backend in ("xla", "pallas_triton") else "auto"
+    out = quantize_master_weights(w, transposed=transposed, backend=chosen)
+    return out if transposed else (out, None)
 
 
 def _forward(backend, x, wqs, group_sizes, rows):
@@ -92,15 +104,17 @@ def _dgrad(backend, input_gradient, dys, kept, group_sizes, rows, x_dtype):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _master_linear(backend, input_gradient, x, ws, group_sizes, rows):
-    return _forward(backend, x, tuple(quantize_weights(w) for w in ws), group_sizes, rows)[0]
+    return _forward(backend, x, tuple(_quantize(backend, w, False)[0] for w in ws), group_sizes, rows)[0]
 
 
 def _master_linear_fwd(backend, input_gradient, x, ws, group_sizes, rows):
-    wqs = tuple(quantize_weights(w) for w in ws)
+    # "fp8": the backward keeps the e4m3 `[E, K, N]` copies (written by the quantization's own pass),
+    # not the master weights (zero-size witnesses of their dtypes give the cotangents' dtypes);
+    # "master": the master weights.
+    fp8 = input_gradient == "fp8"
+    wqs, copies = zip(*(_quantize(backend, w, fp8) for w in ws))
     ys, fp8_rows = _forward(backend, x, wqs, group_sizes, rows)
-    # "fp8": the backward keeps the e4m3 `[E, K, N]` copies, not the master weights (zero-size
-    # witnesses of their dtypes give the cotangents' dtypes); "master": the master weights.
-    kept = tuple(transpose_weights(wq) for wq in wqs) if input_gradient == "fp8" else ws
+    kept = copies if fp8 else ws
     witnesses = tuple(jnp.zeros((0,), w.dtype) for w in ws)
     return ys, (fp8_rows, kept, group_sizes, rows, witnesses, jnp.zeros((0,), x.dtype))
 
@@ -188,7 +202,9 @@ def fp8_grouped_linear(
         then the result is the tuple of their outputs, `x` is quantized and kept once, and the
         input gradient adds theirs on the packed rows (as autodiff would for separate calls).
       group_sizes: `[E]` integer rows per group (not differentiated), as for `grouped_linear`.
-      backend: where the recipe's products run (`gmm_fp8`'s `backend`): one of `FP8_LINEAR_BACKENDS`.
+      backend: where the recipe's products run (`gmm_fp8`'s `backend`): one of `FP8_LINEAR_BACKENDS`;
+        master weights are quantized on `xla` or `pallas_triton` when it is one of those, else on
+        `auto` (the fused kernel on a GPU).
       input_gradient: `"fp8"` (the recipe: `dy` and the weights' blocks in FP8; the backward keeps
         an e4m3 `[E, K, N]` copy of each weight) or, for master weights, `"master"` (`dy @ w` from
         the master weights in x's dtype on `backend`'s 16-bit kernels; nothing of the weights

@@ -47,21 +47,26 @@ def launch(kernel, inputs, *, out_shape, grid, num_warps: int, num_stages: int, 
            out_init=None):
     """`pallas_call(kernel)(*inputs)` with the project's compiler parameters.
 
-    `out_shape` may be a tuple (several outputs) when there is no `out_init`. `out_init`, if given,
-    is aliased as the output buffer, so elements the kernel does not store keep its values: tests
-    pass NaN there to prove that every output element is written, and the row gather chains
-    launches through it.
+    `out_shape` may be a tuple (several outputs). `out_init`, if given (one array per output, a
+    tuple where `out_shape` is one), is aliased as the output buffers, so elements the kernel does
+    not store keep its values: tests pass NaN there to prove that every output element is written,
+    and the row gather chains launches through it.
     """
     if out_init is None:
         call_kernel, aliases = kernel, {}
     else:
-        if out_init.shape != out_shape.shape or out_init.dtype != out_shape.dtype:
-            raise ValueError(f"out_init must be {out_shape}; got {out_init.shape} {out_init.dtype}.")
-        inputs = (*inputs, out_init)
-        aliases = {len(inputs) - 1: 0}
+        several = isinstance(out_shape, tuple)
+        inits, shapes = (out_init, out_shape) if several else ((out_init,), (out_shape,))
+        if not isinstance(inits, tuple) or len(inits) != len(shapes) or any(
+                i.shape != o.shape or i.dtype != o.dtype for i, o in zip(inits, shapes)):
+            got = [(i.shape, i.dtype) for i in inits] if isinstance(inits, tuple) else out_init
+            raise ValueError(f"out_init must be {out_shape}; got {got}.")
+        inputs = (*inputs, *inits)
+        first = len(inputs) - len(inits)
+        aliases = {first + i: i for i in range(len(inits))}
 
         def call_kernel(*refs):
-            return kernel(*refs[:-2], refs[-1])  # drop the aliased input ref
+            return kernel(*refs[:first], *refs[len(inputs):])  # drop the aliased input refs
 
     context = jax.sharding.get_abstract_mesh()
     if interpret and context.manual_axes:

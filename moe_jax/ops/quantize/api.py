@@ -1,0 +1,59 @@
+"""Master weights to the FP8 recipe's blocks, as `fp8_grouped_linear` quantizes them in each call.
+
+Legend: E experts, N output width, K input width; Nb = ceil(N / 128), Kb = ceil(K / 128).
+
+`quantize_master_weights(w_ENK)` is `moe_jax.ops.fp8.quantize_weights(w_ENK)` (e4m3 values, one
+fp32 scale per 128 x 128 block), with `transposed=True` also `transpose_weights` of it (the
+`[E, K, N]` layout the input gradient's FP8 product reads), bit for bit on every backend.
+Backends (`backends`): `pallas_triton` (`kernel.quantize_weights_pallas`: one program per block
+reads the weights once and writes every output) and `xla` (two passes over the weights: the block
+amax, then the divide and cast). At Qwen3-30B-A3B's expert weights the XLA path reads about twice
+the bytes the outputs need (docs/fp8.md, "Fused weight quantization").
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from moe_jax.ops.fp8 import FP8_DTYPE, Fp8Weights
+from moe_jax.ops.platform import BackendName, implementation
+from moe_jax.ops.quantize import backends  # noqa: F401  (registers the two backends)
+
+__all__ = ["QUANTIZE_BACKENDS", "quantize_master_weights"]
+
+QUANTIZE_BACKENDS = ("auto", "pallas_triton", "xla")
+
+
+def quantize_master_weights(
+    w_ENK: jax.Array, *, transposed: bool = False, backend: BackendName = "auto",
+) -> Fp8Weights | tuple[Fp8Weights, Fp8Weights]:
+    """e4m3 blocks of master weights `w_ENK`, equal bit for bit to `quantize_weights(w_ENK)`.
+
+    Args:
+      w_ENK: `[E, N, K]` bfloat16/float16/float32 master weights (any E, N, K; edge blocks of an N
+        or K that is not a multiple of 128 are narrower and scaled by their own elements).
+      transposed: also return the same values as `[E, K, N]` with scales `[E, Kb, Nb]`
+        (`transpose_weights` of the first result), written in the same pass.
+      backend: `"auto"` (the kernel on a GPU, XLA elsewhere), `"pallas_triton"` (interpreted off
+        GPU) or `"xla"`.
+
+    Returns `Fp8Weights(values_ENK [E, N, K] e4m3, scale_ENbKb [E, Nb, Kb] fp32)`, or with
+    `transposed` the pair `(that, Fp8Weights(values [E, K, N], scales [E, Kb, Nb]))`. Not
+    differentiable (the layer passes gradients straight through the quantization itself).
+    """
+    if backend not in QUANTIZE_BACKENDS:
+        raise ValueError(f"backend={backend!r}: quantize_master_weights runs on one of {QUANTIZE_BACKENDS}.")
+    if not isinstance(transposed, bool):
+        raise TypeError(f"transposed={transposed!r}: expected a bool (also return the [E, K, N] copy).")
+    w_ENK = jnp.asarray(w_ENK)
+    if w_ENK.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        raise TypeError(f"w_ENK: expected bfloat16/float16/float32 master weights, got {w_ENK.dtype}"
+                        + (" (already quantized)." if w_ENK.dtype == FP8_DTYPE else "."))
+    if w_ENK.ndim != 3:
+        raise ValueError(f"w_ENK: expected [E, N, K] expert weights (3 dims), got shape {w_ENK.shape}.")
+    impl = implementation("quantize_master_weights", backend)
+    if w_ENK.size == 0:  # no block to launch a program for: XLA's empty arrays
+        impl = implementation("quantize_master_weights", "xla")
+    wq, wq_t = impl(w_ENK, transposed)
+    return (wq, wq_t) if transposed else wq

@@ -1,0 +1,31 @@
+"""The two backends of `quantize_master_weights`: `xla` (`fp8.quantize_weights`, and
+`fp8.transpose_weights` for the transposed copy, which XLA fuses into the same loop) and
+`pallas_triton` (`kernel.quantize_weights_pallas`; weights past its int32 offsets go to XLA).
+
+Both take validated master weights `w_ENK` (bf16/fp16/fp32, E, N, K > 0) and `transposed`, and
+return `(Fp8Weights, transposed Fp8Weights or None)`.
+"""
+
+from __future__ import annotations
+
+from moe_jax.ops.fp8 import quantize_weights, transpose_weights
+from moe_jax.ops.platform import interpret, register
+from moe_jax.ops.quantize.kernel import quantize_weights_pallas
+
+# 4 warps: a 128 x 128 block is 128 fp32 registers per thread; the transposed store's layout
+# change stages the block in shared memory (16-32 KiB).
+NUM_WARPS = 4
+_INT32_LIMIT = 2**31
+
+
+@register("quantize_master_weights", "xla")
+def xla_quantize(w_ENK, transposed: bool):
+    wq = quantize_weights(w_ENK)
+    return wq, transpose_weights(wq) if transposed else None
+
+
+@register("quantize_master_weights", "pallas_triton")
+def pallas_quantize(w_ENK, transposed: bool):
+    if w_ENK.size >= _INT32_LIMIT:  # DeepSeek-V3's 256 x 4096 x 7168 gate+up, for one
+        return xla_quantize(w_ENK, transposed)
+    return quantize_weights_pallas(w_ENK, transposed=transposed, num_warps=NUM_WARPS, interpret=interpret())

@@ -1,0 +1,78 @@
+"""The weight-quantization kernel (`pallas_triton` backend of `quantize_master_weights`): master
+weights `[E, N, K]` to the FP8 recipe's e4m3 blocks in one pass over them.
+
+Legend: E experts, N output width, K input width; Nb = ceil(N / 128), Kb = ceil(K / 128).
+
+One program per 128 x 128 block `(e, nb, kb)`: it loads the block once (zeros past a ragged N or
+K edge, which cannot raise a magnitude), takes its amax and scale, and stores the e4m3 values, the
+scale and, with `transposed`, the values again as the `[K, N]` block of an `[E, K, N]` output
+(and the scale at `[e, kb, nb]`). XLA needs two passes for the same outputs (the block amax, then
+the divide and cast), so the kernel reads the weights once where XLA reads them twice.
+
+The arithmetic is `moe_jax.ops.fp8`'s, so the result is `quantize_weights`'s bit for bit:
+`scale = amax * fp32(1/448)` (1 for an all-zero block), `values = e4m3(clip(w / scale, +-448))`.
+Compiled, each step is the instruction XLA's GPU backend emits for it: the fp32 division is
+`div.full.f32` in both (XLA sets LLVM's `-nvptx-prec-divf32=1`; Triton lowers `/` so), not the
+correctly rounded `div.rn.f32`, and the cast is `cvt.rn.satfinite.e4m3x2.f32` in both. Interpreted,
+it is XLA:CPU's arithmetic, as is the reference there. One difference is undone here: Triton's
+float max and min drop NaN (`maxnumf`) where XLA's propagate it, so a block's NaN is found by a sum
+(NaN exactly when an element is: the magnitudes cannot cancel) and a NaN quotient is passed around
+the clip.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from moe_jax.ops.fp8 import BLOCK, FP8_DTYPE, FP8_MAX, Fp8Weights, _scale_of
+from moe_jax.ops.pallas_triton import cdiv, launch, masked_load, outer_and
+
+__all__ = ["quantize_weights_pallas"]
+
+
+def _kernel(w_ref, values_ref, scale_ref, *transposed_refs, n: int, k: int):
+    """Quantize block `(e, nb, kb)` of `w_ref` `[E, N, K]` into `values_ref` `[E, N, K]` and
+    `scale_ref` `[E, Nb, Kb]`; `transposed_refs`, if given, are `[E, K, N]` values and `[E, Kb, Nb]`
+    scales."""
+    e, nb, kb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    n0, k0 = pl.multiple_of(nb * BLOCK, BLOCK), pl.multiple_of(kb * BLOCK, BLOCK)
+    lanes = jnp.arange(BLOCK, dtype=jnp.int32)
+    rows_ok = (n0 + lanes < n) if n % BLOCK else None
+    cols_ok = (k0 + lanes < k) if k % BLOCK else None
+    mask_NK = outer_and(rows_ok, cols_ok, (BLOCK, BLOCK))
+    w_NK = masked_load(w_ref.at[e, pl.ds(n0, BLOCK), pl.ds(k0, BLOCK)], mask_NK).astype(jnp.float32)
+    mag_NK = jnp.abs(w_NK)
+    amax = jnp.where(jnp.isnan(jnp.sum(mag_NK)), jnp.float32(jnp.nan), jnp.max(mag_NK))
+    scale = _scale_of(amax)
+    scaled_NK = w_NK / scale  # `fp8._to_fp8`, with the NaN kept past the clip
+    q_NK = jnp.where(jnp.isnan(scaled_NK), scaled_NK, jnp.clip(scaled_NK, -FP8_MAX, FP8_MAX)).astype(FP8_DTYPE)
+    plgpu.store(values_ref.at[e, pl.ds(n0, BLOCK), pl.ds(k0, BLOCK)], q_NK, mask=mask_NK)
+    scale_ref[e, nb, kb] = scale
+    if transposed_refs:
+        values_t_ref, scale_t_ref = transposed_refs
+        plgpu.store(values_t_ref.at[e, pl.ds(k0, BLOCK), pl.ds(n0, BLOCK)], q_NK.T,
+                    mask=None if mask_NK is None else mask_NK.T)
+        scale_t_ref[e, kb, nb] = scale
+
+
+def quantize_weights_pallas(
+    w_ENK: jax.Array, *, transposed: bool, num_warps: int, interpret: bool, out_init: tuple | None = None,
+) -> tuple[Fp8Weights, Fp8Weights | None]:
+    """Launch the kernel on validated master weights `w_ENK` (bf16/fp16/fp32, E, N, K > 0,
+    `E * N * K < 2**31`: offsets are int32 in the kernel). Returns `(Fp8Weights [E, N, K] with
+    scales [E, Nb, Kb], the [E, K, N] transposed Fp8Weights with scales [E, Kb, Nb] or None)`.
+    `out_init`: one array per output, in that order (`pallas_triton.launch`)."""
+    e, n, k = w_ENK.shape
+    nb, kb = cdiv(n, BLOCK), cdiv(k, BLOCK)
+    out_shape = (jax.ShapeDtypeStruct((e, n, k), FP8_DTYPE), jax.ShapeDtypeStruct((e, nb, kb), jnp.float32))
+    if transposed:
+        out_shape += (jax.ShapeDtypeStruct((e, k, n), FP8_DTYPE), jax.ShapeDtypeStruct((e, kb, nb), jnp.float32))
+    outs = launch(functools.partial(_kernel, n=n, k=k), (w_ENK,), out_shape=out_shape,
+                  grid=(e, nb, kb), num_warps=num_warps, num_stages=1, interpret=interpret,
+                  name="moe_jax_quantize_weights", out_init=out_init)
+    return Fp8Weights(*outs[:2]), Fp8Weights(*outs[2:]) if transposed else None

@@ -1,0 +1,240 @@
+"""Master-weight quantization (`moe_jax.ops.quantize.quantize_master_weights`): the fused kernel
+equals the recipe's `quantize_weights` / `transpose_weights` bit for bit (bf16, fp16, fp32; N and
+K not multiples of 128; one block; all-zero blocks; every output element written), NaN and inf
+stay in their block, argument errors, the lowering for an H200 (and its Triton IR compiled for
+sm_90: XLA's division and e4m3 conversion instructions, shared memory), and `fp8_grouped_linear`
+on the fused path.
+
+The same bodies run the Pallas kernel compiled on a GPU and interpreted on CPU.
+
+Legend: E experts, N output width, K input width; Nb, Kb the 128-wide block counts.
+"""
+
+import os
+import tempfile
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moe_jax.ops import fp8_linear
+from moe_jax.ops.fp8 import FP8_DTYPE, quantize_weights, transpose_weights
+from moe_jax.ops.fp8_linear import fp8_grouped_linear
+from moe_jax.ops.quantize import backends, quantize_master_weights, quantize_master_weights_reference
+from moe_jax.ops.quantize.kernel import quantize_weights_pallas
+from tests.helpers import ON_GPU, lower_for_gpu
+
+DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
+KERNEL = 'name = "moe_jax_quantize_weights"'
+
+
+def _weights(shape, dtype, seed=0):
+    """Normal weights with magnitudes spread over blocks (x 1e-3 .. 1e2), an all-zero block
+    `[0, :128, :128]` when there are several blocks, and the dtype's rounding."""
+    e, n, k = shape
+    w = jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32)
+    w = w * jnp.logspace(-3, 2, e * n, dtype=jnp.float32).reshape(e, n, 1)
+    if n > 128 or k > 128:
+        w = w.at[0, :128, :128].set(0.0)
+    return w.astype(dtype)
+
+
+def _assert_same_bits(got, want):
+    """Equal bit for bit, except that any NaN matches any NaN (e4m3 has two NaN encodings)."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, got.shape, want.dtype, want.shape)
+    nan = np.isnan(want.astype(np.float32))
+    np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan)
+    uint = np.uint8 if got.dtype.itemsize == 1 else np.uint32
+    np.testing.assert_array_equal(got.view(uint)[~nan], want.view(uint)[~nan])
+
+
+def _assert_same_weights(got, want):
+    _assert_same_bits(got.values_ENK, want.values_ENK)
+    _assert_same_bits(got.scale_ENbKb, want.scale_ENbKb)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 200, 136), (1, 128, 128), (2, 256, 100)], ids=["ragged", "one-block", "k-edge"])
+def test_kernel_equals_the_recipe_bit_for_bit(dtype, shape):
+    w = _weights(shape, dtype)
+    wq, wq_t = quantize_master_weights(w, transposed=True, backend="pallas_triton")
+    want = quantize_weights(w)
+    _assert_same_weights(wq, want)
+    _assert_same_weights(wq_t, transpose_weights(want))
+    _assert_same_weights(quantize_master_weights(w, backend="pallas_triton"), want)
+    if shape[1] > 128:  # the all-zero block: scale 1, zero values
+        assert float(wq.scale_ENbKb[0, 0, 0]) == 1.0 and not np.any(np.asarray(wq.values_ENK[0, :128, :128], np.float32))
+
+
+def test_xla_backend_is_the_reference():
+    w = _weights((2, 130, 260), jnp.bfloat16)
+    for transposed in (False, True):
+        got = quantize_master_weights(w, transposed=transposed, backend="xla")
+        want = quantize_master_weights_reference(w, transposed=transposed)
+        for g, r in zip(got if transposed else (got,), want if transposed else (want,)):
+            _assert_same_weights(g, r)
+
+
+def test_every_output_element_is_written():
+    """NaN in every output buffer must not survive: each element, edge blocks included, is stored."""
+    w = _weights((2, 200, 136), jnp.bfloat16, seed=1)
+    e, n, k = w.shape
+    nan8 = lambda *s: jnp.full(s, jnp.nan, FP8_DTYPE)  # noqa: E731
+    nan32 = lambda *s: jnp.full(s, jnp.nan, jnp.float32)  # noqa: E731
+    wq, wq_t = quantize_weights_pallas(w, transposed=True, num_warps=4, interpret=not ON_GPU,
+                                       out_init=(nan8(e, n, k), nan32(e, 2, 2), nan8(e, k, n), nan32(e, 2, 2)))
+    want = quantize_weights(w)
+    _assert_same_weights(wq, want)
+    _assert_same_weights(wq_t, transpose_weights(want))
+
+
+def test_nan_and_inf_stay_in_their_block():
+    """A NaN makes its block's scale and values NaN (the recipe's contract; XLA:CPU's reference can
+    drop it from the block's max, so that block is checked against the contract); an infinity gives
+    its block scale inf (as the reference). Every other block is the reference's, bit for bit."""
+    w = _weights((2, 200, 136), jnp.float32, seed=2).at[1, 150, 7].set(jnp.nan).at[0, 3, 131].set(-jnp.inf)
+    wq, wq_t = quantize_master_weights(w, transposed=True, backend="pallas_triton")
+    assert np.isnan(float(wq.scale_ENbKb[1, 1, 0])) and np.isnan(float(wq_t.scale_ENbKb[1, 0, 1]))
+    assert np.all(np.isnan(np.asarray(wq.values_ENK[1, 128:, :128], np.float32)))
+    assert float(wq.scale_ENbKb[0, 0, 1]) == np.inf
+    want = quantize_weights(w)
+    poisoned = np.zeros((2, 200, 136), bool)
+    poisoned[1, 128:, :128] = True
+    scales = np.ones((2, 2, 2), bool)
+    scales[1, 1, 0] = False
+    _assert_same_bits(np.asarray(wq.values_ENK)[~poisoned], np.asarray(want.values_ENK)[~poisoned])
+    _assert_same_bits(np.asarray(wq.scale_ENbKb)[scales], np.asarray(want.scale_ENbKb)[scales])
+    np.testing.assert_array_equal(np.asarray(wq_t.values_ENK).view(np.uint8),
+                                  np.swapaxes(np.asarray(wq.values_ENK), 1, 2).view(np.uint8))
+
+
+def test_errors():
+    w = jnp.ones((2, 8, 8), jnp.float32)
+    with pytest.raises(ValueError, match="backend='triton'.*one of"):
+        quantize_master_weights(w, backend="triton")
+    with pytest.raises(TypeError, match="w_ENK: expected bfloat16/float16/float32.*int32"):
+        quantize_master_weights(jnp.ones((2, 8, 8), jnp.int32))
+    with pytest.raises(TypeError, match="w_ENK: .*already quantized"):
+        quantize_master_weights(w.astype(FP8_DTYPE))
+    with pytest.raises(ValueError, match=r"w_ENK: expected \[E, N, K\]"):
+        quantize_master_weights(jnp.ones((8, 8)))
+    with pytest.raises(TypeError, match="transposed=1"):
+        quantize_master_weights(w, transposed=1)
+    with pytest.raises(ValueError, match="out_init must be"):
+        quantize_weights_pallas(w, transposed=False, num_warps=4, interpret=not ON_GPU, out_init=(w,))
+    # Empty experts: the XLA path's empty arrays on every backend.
+    empty = quantize_master_weights(jnp.ones((0, 200, 136)), transposed=True, backend="pallas_triton")
+    assert empty[0].scale_ENbKb.shape == (0, 2, 2) and empty[1].values_ENK.shape == (0, 136, 200)
+
+
+def test_large_weights_go_to_xla():
+    """Past int32 element offsets the kernel is not launched: XLA quantizes (checked by trace)."""
+    big = jax.ShapeDtypeStruct((256, 4096, 2048), jnp.bfloat16)  # 2**31 elements
+    with mock.patch.object(backends, "quantize_weights_pallas") as kernel:
+        jax.eval_shape(lambda w: quantize_master_weights(w, transposed=True, backend="pallas_triton"), big)
+    kernel.assert_not_called()
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_kernel_lowers_for_h200(dtype, transposed):
+    """`auto` on an H200 is the kernel; it lowers through Pallas -> Triton with the verifier, at
+    Qwen3-30B-A3B's gate+up weights and at a ragged shape."""
+    for shape in [(128, 1536, 2048), (3, 200, 136)]:
+        text = lower_for_gpu(lambda w: quantize_master_weights(w, transposed=transposed),
+                             jax.ShapeDtypeStruct(shape, dtype))
+        assert text.count(KERNEL) == 1
+
+
+def _triton_modules(fn, *avals) -> list[str]:
+    """The Triton IR of every Pallas kernel of `fn` lowered for an H200."""
+    from jax._src.pallas.triton import pallas_call_registration as registration
+
+    from tests.helpers import h200_mesh
+
+    modules, lower = [], registration.lowering.lower_jaxpr_to_triton_module
+
+    def keep(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        modules.append(result.module.operation.get_asm(enable_debug_info=False))
+        return result
+
+    with jax.sharding.use_abstract_mesh(h200_mesh((1,), ("aot",))), \
+            mock.patch.object(registration.lowering, "lower_jaxpr_to_triton_module", keep):
+        jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",))
+    return modules
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_compiled_for_sm90(dtype):
+    """The kernel's Triton IR compiled for sm_90 by the Triton wheel: the division and the e4m3
+    cast are the instructions XLA's GPU backend emits for `quantize_weights` (`div.full.f32`, as
+    XLA sets `-nvptx-prec-divf32=1`, not the correctly rounded `div.rn.f32`; the saturating
+    round-to-nearest-even `cvt.rn.satfinite.e4m3x2.f32`), and the transposed store's shared memory
+    fits an H200 with room to spare."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+
+    (module,) = _triton_modules(
+        lambda w: quantize_weights_pallas(w, transposed=True, num_warps=backends.NUM_WARPS, interpret=False),
+        jax.ShapeDtypeStruct((3, 200, 136), dtype))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "quantize.ttir")
+        with open(path, "w") as fh:
+            fh.write(module)
+        compiled = triton.compile(path, target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=backends.NUM_WARPS, num_stages=1))
+    ptx = compiled.asm["ptx"]
+    assert "div.full.f32" in ptx and "div.rn" not in ptx and "div.approx" not in ptx
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    assert 0 < compiled.metadata.shared <= 64 * 1024, compiled.metadata.shared
+
+
+@pytest.mark.parametrize("input_gradient", ["fp8", "master"])
+def test_layer_quantizes_on_the_fused_path(input_gradient):
+    """`fp8_grouped_linear(backend="pallas_triton")` quantizes its master weights with the kernel
+    (the `[E, K, N]` copy only for the FP8 input gradient) and gives the bits it gives with XLA's
+    quantization, forward and backward."""
+    kx, kw, kd = jax.random.split(jax.random.PRNGKey(3), 3)
+    x = jax.random.normal(kx, (10, 136), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(kw, (3, 200, 136), jnp.float32) / 12).astype(jnp.bfloat16)
+    gs = jnp.array([4, 0, 6], jnp.int32)
+    dy = jax.random.normal(kd, (10, 200), jnp.float32).astype(jnp.bfloat16)
+
+    def run():
+        y, vjp = jax.vjp(lambda x, w: fp8_grouped_linear(x, w, gs, backend="pallas_triton",
+                                                         input_gradient=input_gradient), x, w)
+        return (y, *vjp(dy))
+
+    calls = []
+
+    def kernel(w_ENK, *, transposed, **kwargs):
+        calls.append(transposed)
+        return quantize_weights_pallas(w_ENK, transposed=transposed, **kwargs)
+
+    with mock.patch.object(backends, "quantize_weights_pallas", kernel):
+        got = run()
+    assert calls == [input_gradient == "fp8"]
+
+    def on_xla(w_ENK, *, transposed, backend):
+        assert backend == "pallas_triton"
+        return quantize_master_weights(w_ENK, transposed=transposed, backend="xla")
+
+    with mock.patch.object(fp8_linear, "quantize_master_weights", on_xla):
+        want = run()
+    for g, r in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(r, np.float32))
+
+
+def test_layer_lowers_the_kernel_for_h200():
+    """On a GPU, `auto` quantizes with the kernel: one launch per weight and call, the transposed
+    copy written by that same launch when differentiated."""
+    def loss(x, w):
+        return jnp.sum(fp8_grouped_linear(x, w, jnp.array([64, 64], jnp.int32), backend="auto").astype(jnp.float32))
+
+    avals = (jax.ShapeDtypeStruct((128, 256), jnp.bfloat16), jax.ShapeDtypeStruct((2, 384, 256), jnp.bfloat16))
+    assert lower_for_gpu(loss, *avals).count(KERNEL) == 1
+    assert lower_for_gpu(jax.grad(loss, argnums=1), *avals).count(KERNEL) == 1
