@@ -44,6 +44,7 @@ __all__ = [
     "row_bytes",
     "rows_from_bytes",
     "rows_to_bytes",
+    "tile_scale",
     "transpose_weights",
 ]
 
@@ -88,8 +89,10 @@ def _check_float(x, name: str, ndim: int, layout: str) -> jax.Array:
 _INV_FP8_MAX = np.float32(1 / FP8_MAX)  # NumPy's: a JAX scalar here would start the backend at import
 
 
-def _scale_of(amax: jax.Array) -> jax.Array:
-    # An all-zero tile gets scale 1 (any positive value dequantizes its zeros); NaN and inf stay.
+def tile_scale(amax: jax.Array) -> jax.Array:
+    """The dequantizing scale of a tile whose largest magnitude is `amax` (fp32, any shape):
+    `amax * fp32(1 / 448)`; 1 for an all-zero tile (any positive value dequantizes its zeros); NaN
+    and inf stay."""
     return jnp.where(amax == 0, jnp.float32(1), amax * _INV_FP8_MAX)
 
 
@@ -104,7 +107,7 @@ def quantize_rows(x_MK: jax.Array) -> Fp8Rows:
     m, k = x_MK.shape
     kb = _blocks(k)
     x = jnp.pad(x_MK.astype(jnp.float32), ((0, 0), (0, kb * BLOCK - k))).reshape(m, kb, BLOCK)
-    scale_MKb = _scale_of(jnp.max(jnp.abs(x), axis=2))
+    scale_MKb = tile_scale(jnp.max(jnp.abs(x), axis=2))
     values = _to_fp8(x, scale_MKb[:, :, None]).reshape(m, kb * BLOCK)[:, :k]
     return Fp8Rows(values, scale_MKb)
 
@@ -117,7 +120,7 @@ def quantize_weights(w_ENK: jax.Array) -> Fp8Weights:
     nb, kb = _blocks(n), _blocks(k)
     w = jnp.pad(w_ENK.astype(jnp.float32), ((0, 0), (0, nb * BLOCK - n), (0, kb * BLOCK - k)))
     w = w.reshape(e, nb, BLOCK, kb, BLOCK)
-    scale_ENbKb = _scale_of(jnp.max(jnp.abs(w), axis=(2, 4)))
+    scale_ENbKb = tile_scale(jnp.max(jnp.abs(w), axis=(2, 4)))
     values = _to_fp8(w, scale_ENbKb[:, :, None, :, None]).reshape(e, nb * BLOCK, kb * BLOCK)[:, :n, :k]
     return Fp8Weights(values, scale_ENbKb)
 

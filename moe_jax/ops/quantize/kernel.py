@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from moe_jax.ops.fp8 import BLOCK, FP8_DTYPE, FP8_MAX, Fp8Weights, _scale_of
+from moe_jax.ops.fp8 import BLOCK, FP8_DTYPE, FP8_MAX, Fp8Weights, tile_scale
 from moe_jax.ops.pallas_triton import cdiv, launch, masked_load, outer_and
 
 __all__ = ["quantize_weights_pallas"]
@@ -48,7 +48,7 @@ def _kernel(w_ref, values_ref, scale_ref, *transposed_refs, n: int, k: int):
     w_NK = masked_load(w_ref.at[e, pl.ds(n0, BLOCK), pl.ds(k0, BLOCK)], mask_NK).astype(jnp.float32)
     mag_NK = jnp.abs(w_NK)
     amax = jnp.where(jnp.isnan(jnp.sum(mag_NK)), jnp.float32(jnp.nan), jnp.max(mag_NK))
-    scale = _scale_of(amax)
+    scale = tile_scale(amax)
     scaled_NK = w_NK / scale  # `fp8._to_fp8`, with the NaN kept past the clip
     q_NK = jnp.where(jnp.isnan(scaled_NK), scaled_NK, jnp.clip(scaled_NK, -FP8_MAX, FP8_MAX)).astype(FP8_DTYPE)
     plgpu.store(values_ref.at[e, pl.ds(n0, BLOCK), pl.ds(k0, BLOCK)], q_NK, mask=mask_NK)
