@@ -9,13 +9,14 @@
 # Phases: env | tests | parity | tune | run | run-quick | layer-time | drop-in | example | ep-check |
 #         ep-bench | parity-ep | example-ep | routed | jax-triton | backends | layer |
 #         decode | decode-ncu | wgrad-ncu | accept-tests | accept-example | accept-layers |
-#         accept-rerun | accept-compiled | accept-ncu | accept-summary   (each optionally :SECONDS)
+#         accept-rerun | accept-compiled | accept-ncu | accept-summary | layer-profile   (each optionally :SECONDS)
 # The GPU acceptance run (docs/acceptance.md) is `accept`: every accept-* phase in order, after
 # env and jax-triton; `accept-summary` writes $OUT/accept_summary.md (COMMIT names the commit, DEVICE the card).
 # Env: NPROC (xdist workers; NPROC_RERUN those of accept-rerun), TESTS / PARITY (paths), STEPS (example), TUNE_ONLY (all|prefill|decode),
 #      ROUTED_SHAPES (routed: indices into benchmarks.routed_gmm's shapes; default all),
 #      WHEELS (jax-triton: the folder holding the jax_triton wheel, default .whl; the image has no registry),
 #      LAYER_SHAPES / LAYER_VARIANTS (layer: benchmarks.layer's --shapes / --variants),
+#      PROFILE_SHAPE / PROFILE_VARIANTS (layer-profile: one index into benchmarks.layer's SHAPES, its variants),
 #      DECODE_TOKENS (decode: buckets, default 1,2,4,8), NCU_TOKENS (decode-ncu: buckets profiled, default 1,8;
 #        decode-ncu profiles the fastest candidates of decode's JSON under Nsight Compute, or every
 #        candidate when no decode phase ran before it in this call),
@@ -96,6 +97,11 @@ for phase in "${phases[@]}"; do
                   --out "$OUT/${L}accept_resources.json" 2>&1 | tee "$OUT/${L}accept_resources.log" | tail -30 ;;
     accept-summary) python3 -m benchmarks.accept summary "$OUT" --commit "${COMMIT:-unknown}" --device "${DEVICE:-one H200}" | tail -60 ;;
     layer) timeout "$limit" python3 -m benchmarks.layer ${LAYER_SHAPES:+--shapes $LAYER_SHAPES} ${LAYER_VARIANTS:+--variants $LAYER_VARIANTS} --json "$OUT/${L}layer.json" 2>&1 | tee "$OUT/${L}layer.log" | tail -20 ;;
+    layer-profile) timeout "$limit" ncu --profile-from-start off --clock-control none --print-units base --csv --metrics gpu__time_duration.sum \
+                     --log-file "$OUT/${L}layer_profile.csv" python3 -m benchmarks.layer_profile run --shape ${PROFILE_SHAPE:-0} \
+                     --variants ${PROFILE_VARIANTS:-auto,fp8} --labels "$OUT/${L}layer_profile_labels.json" 2>&1 | tail -5
+                   python3 -m benchmarks.layer_profile table "$OUT/${L}layer_profile.csv" --labels "$OUT/${L}layer_profile_labels.json" 2>&1 \
+                     | tee "$OUT/${L}layer_profile.md" | head -80 ;;
     *) echo "unknown phase $name" ;;
   esac
   echo "=== $name done rc=${PIPESTATUS[0]} $(date -u +%T)"

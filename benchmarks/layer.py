@@ -104,14 +104,28 @@ VARIANTS = {"auto": dict(), "pallas": dict(backend="pallas_triton"), "static": d
                                                                     ("gmm_nn", "prefill"): MOSAIC_FIRST}))}
 
 
-def _layer(shape: LayerShape, **gemm) -> MoE:
+def build_layer(shape: LayerShape, **gemm) -> MoE:
     """The layer at `shape` with `GemmOptions(**gemm)` (built here, not at import: a `triton`
     backend is checked against the platform when built)."""
     return MoE(shape.d_model, shape.d_ff, shape.experts, shape.top_k, router=SoftmaxTopK(shape.top_k, renormalize=True),
                dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, gemm=GemmOptions(**gemm), rngs=nnx.Rngs(0))
 
 
-def _ours(layer: MoE, x, reps: int):
+def variant_layer(base: MoE, shape: LayerShape, variant: str) -> MoE:
+    """The layer of `VARIANTS[variant]` at `shape` holding `base`'s variables (for stored FP8,
+    base's experts quantized once)."""
+    gemm = VARIANTS[variant]
+    if gemm.get("quantization") is not None and gemm["quantization"].stored:
+        return stored_fp8(base)
+    layer = build_layer(shape, **gemm)
+    nnx.update(layer, nnx.state(base))
+    return layer
+
+
+def grad_step(layer: MoE):
+    """`(step, state)`: `step(state, x) -> (y, grads)` is the layer's forward and backward (the
+    gradients of `sum(y^2)` for its variables and `x`), as a training step runs it; `state` is the
+    layer's variables."""
     graph, state = nnx.split(layer)
 
     def step(state, x):
@@ -122,6 +136,11 @@ def _ours(layer: MoE, x, reps: int):
         (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(state, x)
         return y, grads
 
+    return step, state
+
+
+def _ours(layer: MoE, x, reps: int):
+    step, state = grad_step(layer)
     compiled = jax.jit(step).lower(state, x).compile()
     mem = compiled.memory_analysis()
     footprint = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
@@ -266,7 +285,7 @@ def main(argv=None) -> int:
     rows = []
     for i in (int(s) for s in args.shapes.split(",")):
         shape = SHAPES[i]
-        base = _layer(shape)
+        base = build_layer(shape)
         x = jax.random.normal(jax.random.PRNGKey(1), (shape.tokens, shape.d_model), jnp.bfloat16)
         t_torch, peak_torch, y_torch, idx_torch = _torch_side(base, x, shape.top_k, args.reps)
         y_ref = y_torch.float().cpu().numpy()
@@ -287,12 +306,7 @@ def main(argv=None) -> int:
                       flush=True)
             torch.cuda.empty_cache()
         for v in variants:
-            gemm = VARIANTS[v]
-            if gemm.get("quantization") is not None and gemm["quantization"].stored:
-                layer = stored_fp8(base)  # base's experts quantized once, every other variable base's
-            else:
-                layer = _layer(shape, **gemm)
-                nnx.update(layer, nnx.state(base))
+            layer = variant_layer(base, shape, v)
             try:
                 t, footprint, y = _ours(layer, x, args.reps)
             except Exception as e:  # a variant that cannot run here is reported, not fatal

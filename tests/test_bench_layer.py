@@ -3,6 +3,7 @@ its output and every gradient equal ours, so the GPU timings compare like with l
 is that layer with its expert GEMMs in the rowwise-FP8 recipe, checked on CPU through an emulation
 of `torch._scaled_grouped_mm` (which CUDA alone runs) and, on a GPU, that emulation against it."""
 
+import json
 from functools import partial
 
 import jax
@@ -12,7 +13,8 @@ import pytest
 import torch
 from flax import nnx
 
-from benchmarks.layer import torch_fp8_grouped_linear, torch_layer
+from benchmarks.layer import LayerShape, build_layer, grad_step, torch_fp8_grouped_linear, torch_layer
+from benchmarks.layer_profile import table
 from moe_jax.layers import GemmOptions, MoE
 from moe_jax.routing import SoftmaxTopK
 from moe_jax.testing import assert_close, rel_err
@@ -120,3 +122,35 @@ def test_emulated_scaled_grouped_mm_is_torchs():
         out[name] = (y, *torch.autograd.grad(y, (xs, w), dy))
     for what, a, b in zip(("y", "dx", "dw"), out["torch"], out["emulated"]):
         assert_close(a.detach().float().cpu().numpy(), b.detach().float().cpu().numpy(), "bfloat16", what)
+
+
+def test_grad_step_is_the_layers_forward_and_gradients():
+    """`benchmarks.layer.grad_step` (what the layer benchmark times and the profile reads) gives the
+    layer's output and the gradients of sum(y^2)."""
+    shape = LayerShape("tiny", tokens=24, d_model=32, d_ff=48, experts=4, top_k=2)
+    layer = build_layer(shape)
+    x = jax.random.normal(jax.random.PRNGKey(1), (shape.tokens, shape.d_model), jnp.bfloat16)
+    step, state = grad_step(layer)
+    y, (g_state, g_x) = jax.jit(step)(state, x)
+    assert_close(y, layer(x)[0], jnp.bfloat16, "y")
+    want = jax.grad(lambda x: jnp.sum(layer(x)[0].astype(jnp.float32) ** 2))(x)
+    assert_close(g_x, want, jnp.bfloat16, "dx")
+    assert jax.tree.structure(g_state) == jax.tree.structure(state)
+
+
+def test_layer_profile_table_splits_the_steps_at_the_markers(tmp_path):
+    header = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
+    kernels = [("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>()", 1000),
+               ("loop_convert_fusion_3", 2_000_000), ("loop_convert_fusion_12", 1_000_000), ("moe_jax_gmm", 1_000_000),
+               ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>()", 1000),
+               ("moe_jax_gmm", 3_000_000)]
+    lines = [f'"{i}","{name}","gpu__time_duration.sum","ns","{ns}"\n' for i, (name, ns) in enumerate(kernels)]
+    (tmp_path / "ncu.csv").write_text("==PROF== noise\n" + header + "".join(lines))
+    (tmp_path / "labels.json").write_text(json.dumps(dict(shape="tiny", variants=["auto", "fp8"])))
+    out = table(str(tmp_path / "ncu.csv"), str(tmp_path / "labels.json"))
+    assert out[0] == "## tiny auto: 4.000 ms in 3 kernels"
+    assert "| `loop_convert_fusion` | 3.000 | 2 | 75.0% |" in out
+    assert "## tiny fp8: 3.000 ms in 1 kernels" in out
+    (tmp_path / "labels.json").write_text(json.dumps(dict(shape="tiny", variants=["auto"])))
+    with pytest.raises(ValueError, match="2 profiled steps for the 1 variants"):
+        table(str(tmp_path / "ncu.csv"), str(tmp_path / "labels.json"))
