@@ -41,6 +41,7 @@ from moe_jax.ops.gmm.fp8_api import fp8_kernel, fp8_tiles, gmm_fp8
 from moe_jax.ops.gmm.mosaic_gpu.fp8_kernel import Fp8MosaicTiles
 from moe_jax.ops.gmm.reference import gmm_fp8_reference
 from moe_jax.ops.quantize import quantize_master_weights
+from moe_jax.ops.quantize.backends import NUM_WARPS
 from moe_jax.ops.quantize.kernel import quantize_weights_pallas
 
 VARIANTS = (  # tile candidates timed beside the rule's choice with --variants
@@ -59,8 +60,6 @@ DECODE_VARIANTS = (  # decode tile candidates timed beside the rule's choice wit
 
 MOSAIC_TILES = (  # Mosaic FP8 candidates timed beside the rule's choice with --variants
     Fp8MosaicTiles(tile_n=128, stages=4), Fp8MosaicTiles(tile_n=128, stages=5), Fp8MosaicTiles(tile_n=256, stages=3),
-    # the promotion by a tile of row x column scales, against the block's scale folded into the rows'
-    Fp8MosaicTiles(tile_n=128, stages=4, column_scales=True), Fp8MosaicTiles(tile_n=256, stages=3, column_scales=True),
 )
 
 MICRO_BATCHES = 4  # the f+b section's gradient-accumulation rows
@@ -120,7 +119,7 @@ def gemm_rows(shape: S.GemmShape, variants: bool) -> dict:
     runs = [("auto", "auto", None), ("triton", "triton", None), ("mosaic", "mosaic_gpu", None)]
     if variants:
         runs += [(f"triton {t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages}", "triton", t) for t in VARIANTS]
-        runs += [(f"mosaic 128x{t.tile_n} s{t.stages}{' column scales' if t.column_scales else ''}", "mosaic_gpu", t) for t in MOSAIC_TILES]
+        runs += [(f"mosaic 128x{t.tile_n} s{t.stages}", "mosaic_gpu", t) for t in MOSAIC_TILES]
     for label, backend, cfg in runs:
         fn = jax.jit(lambda r, w_, g, b=backend, cfg=cfg: gmm_fp8(r, w_, g, backend=b, config=cfg,
                                                                   out_dtype=jnp.bfloat16))
@@ -200,7 +199,7 @@ def fb_rows(shape: S.GemmShape) -> dict:
     return rec
 
 
-QUANTIZE_WARPS = (8,)  # the fused kernel's num_warps timed beside its default with --variants
+QUANTIZE_WARPS = (4, 8)  # the fused kernel's num_warps timed beside its defaults with --variants
 
 
 def _same_bits(got, want) -> bool:
@@ -228,20 +227,24 @@ def quantize_records(shape: S.GemmShape, copy_tbps: float, variants: bool = Fals
         return q, transpose_weights(q)
 
     def fused(transposed, num_warps=None):
+        """The kernel's outputs as a tuple of `Fp8Weights` (one, or two with the copy)."""
         if num_warps is None:
-            return lambda v: quantize_master_weights(v, transposed=transposed, backend="pallas_triton")
-        return lambda v: quantize_weights_pallas(v, transposed=transposed, num_warps=num_warps, interpret=False)
+            return lambda v: quantize_master_weights(v, transposed=True, backend="pallas_triton") if transposed else (
+                quantize_master_weights(v, backend="pallas_triton"),)
+        return lambda v: tuple(q for q in quantize_weights_pallas(v, transposed=transposed, num_warps=num_warps,
+                                                                   interpret=False) if q is not None)
 
     ways = {"xla": (quantize_weights, one), "xla + transposed": (xla_pair, two)}
     rec = dict(shape=shape.name, e=shape.e, n=shape.n, k=shape.k, ms={}, gbps={}, of_copy={}, bit_equal={})
     if params < 2**31:
         want = jax.jit(xla_pair)(w)
         fused_ways = {"fused": (fused(False), one), "fused + transposed": (fused(True), two)}
-        for nw in QUANTIZE_WARPS if variants else ():
-            fused_ways[f"fused + transposed w{nw}"] = (fused(True, nw), two)
+        for transposed in (False, True) if variants else ():
+            for nw in (nw for nw in QUANTIZE_WARPS if nw != NUM_WARPS[transposed]):
+                fused_ways[f"fused{' + transposed' if transposed else ''} w{nw}"] = (fused(transposed, nw),
+                                                                                      two if transposed else one)
         for name, (fn, nbytes) in fused_ways.items():
             got = jax.jit(fn)(w)
-            got = (got,) if name == "fused" else tuple(q for q in got if q is not None)
             rec["bit_equal"][name] = all(_same_bits(g, r) for g, r in zip(got, want))
             ways[name] = (fn, nbytes)
         del want, got

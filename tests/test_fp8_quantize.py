@@ -179,14 +179,14 @@ def test_compiled_for_sm90(dtype):
     from triton.backends.compiler import GPUTarget
 
     (module,) = _triton_modules(
-        lambda w: quantize_weights_pallas(w, transposed=True, num_warps=backends.NUM_WARPS, interpret=False),
+        lambda w: quantize_weights_pallas(w, transposed=True, num_warps=backends.NUM_WARPS[True], interpret=False),
         jax.ShapeDtypeStruct((3, 200, 136), dtype))
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "quantize.ttir")
         with open(path, "w") as fh:
             fh.write(module)
         compiled = triton.compile(path, target=GPUTarget("cuda", 90, 32),
-                                  options=dict(num_warps=backends.NUM_WARPS, num_stages=1))
+                                  options=dict(num_warps=backends.NUM_WARPS[True], num_stages=1))
     ptx = compiled.asm["ptx"]
     assert "div.full.f32" in ptx and "div.rn" not in ptx and "div.approx" not in ptx
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
@@ -241,3 +241,14 @@ def test_layer_lowers_the_kernel_for_h200():
     avals = (jax.ShapeDtypeStruct((128, 256), jnp.bfloat16), jax.ShapeDtypeStruct((2, 384, 256), jnp.bfloat16))
     assert lower_for_gpu(loss, *avals).count(KERNEL) == 1
     assert lower_for_gpu(jax.grad(loss, argnums=(0, 1)), *avals).count(KERNEL) == 1
+
+
+def test_benchmark_checks_the_kernels_bits_before_timing():
+    """`benchmarks.fp8`'s quantize section compares the kernel's outputs with XLA's bit for bit
+    (interpreted here) and times every way it lists."""
+    from benchmarks import shapes as S
+    from benchmarks.fp8 import quantize_records
+
+    rec = quantize_records(S.GemmShape("ragged", 256, 2, 136, 200, 2), copy_tbps=1.0)
+    assert rec["bit_equal"] == {"fused": True, "fused + transposed": True}
+    assert sorted(rec["ms"]) == ["fused", "fused + transposed", "xla", "xla + transposed"]

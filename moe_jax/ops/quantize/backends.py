@@ -12,9 +12,10 @@ from moe_jax.ops.fp8 import quantize_weights, transpose_weights
 from moe_jax.ops.platform import interpret, register
 from moe_jax.ops.quantize.kernel import quantize_weights_pallas
 
-# 4 warps: a 128 x 128 block is 128 fp32 registers per thread; the transposed store's layout
-# change stages the block in shared memory (16-32 KiB).
-NUM_WARPS = 4
+# Warps a program: with the transposed copy, whose store changes the block's layout through
+# shared memory (16-32 KiB), 8 (0.66 against 0.69 ms at Qwen3's gate+up on an H100,
+# docs/decisions.md); without it 4, already 0.87 of copy bandwidth.
+NUM_WARPS = {False: 4, True: 8}
 _INT32_LIMIT = 2**31
 
 
@@ -28,4 +29,4 @@ def xla_quantize(w_ENK, transposed: bool):
 def pallas_quantize(w_ENK, transposed: bool):
     if w_ENK.size >= _INT32_LIMIT:  # DeepSeek-V3's 256 x 4096 x 7168 gate+up, for one
         return xla_quantize(w_ENK, transposed)
-    return quantize_weights_pallas(w_ENK, transposed=transposed, num_warps=NUM_WARPS, interpret=interpret())
+    return quantize_weights_pallas(w_ENK, transposed=transposed, num_warps=NUM_WARPS[transposed], interpret=interpret())

@@ -18,7 +18,7 @@ weight block and their scales through TMA, and compute warpgroups that each own 
 rows: each sums its step on the tensor cores from zero, waits, and promotes, and they run
 unsynchronized, so one's promotion overlaps another's MMA (the ping-pong of CUTLASS's
 warp-specialized FP8 Hopper GEMMs and DeepGEMM). `Fp8MosaicTiles` chooses one or two weight
-blocks of columns an item, the stages, and how a step's sum is scaled.
+blocks of columns an item and the stages.
 
 Scales travel in the layouts TMA copies per step: the row scales as `[Kb, M]` (a step's scales
 of the tile's rows are contiguous) and the block scales broadcast over their 128 columns,
@@ -52,10 +52,7 @@ SMEM_ALIGN = 1024  # where Mosaic GPU starts each shared-memory buffer
 class Fp8MosaicTiles:
     """Tiles of the Mosaic FP8 kernel's `[128, tile_n]` items (two compute warpgroups of 64 rows):
     `tile_n` columns (128 or 256: one or two weight blocks, each with its own scale a step) and
-    `stages` TMA stages of one 128-wide K step. `column_scales`: how a step's partial sum is
-    promoted: False, the block's one scale is folded into the rows' 64 scales before the MMA is
-    waited for, so promoting is one FMA an element; True, a `[64, 128]` tile of row x column scales
-    is formed after the wait (two products and an add an element).
+    `stages` TMA stages of one 128-wide K step.
 
     A compute warpgroup's registers hold its fp32 accumulators and the partial sum in flight (64 a
     thread per 64 x 128 tile). Three warpgroups (192-row items) and stages of two K blocks (a
@@ -63,7 +60,6 @@ class Fp8MosaicTiles:
 
     tile_n: int = BLOCK
     stages: int = 4
-    column_scales: bool = False
 
     def __post_init__(self):
         if self.tile_n not in (BLOCK, 2 * BLOCK) or not 1 <= self.stages <= 8:
@@ -143,18 +139,14 @@ def _body(meta_ref, real_tiles_ref, a_ref, a_scale_ref, b_ref, b_scale_ref, out_
                 store_rows(out, out_smem.at[wg], out_ref, start=start, end=end, a_start=a_start + wg * WG_ROWS,
                            cols=pl.ds(n_blk * tile_n + c * BLOCK, BLOCK))
 
-        def column_scales(rows, b_scale_smem, c):
-            """The fp32 scale of each element of the step's column block `c`: row x column."""
-            cols = plgpu.load(b_scale_smem.at[0, pl.ds(c * BLOCK, BLOCK)], layout=plgpu.Layout.WGMMA.reduce(0))
-            return lax.broadcast_in_dim(rows, shape, [0]) * lax.broadcast_in_dim(cols, shape, [1])
-
         def step(_, a_smem, a_scale_smem, b_smem, b_scale_smem, accs):
             rows = plgpu.load(a_scale_smem.at[0, mine_rows], layout=plgpu.Layout.WGMMA.reduce(1))
             new = []
             for c, acc in enumerate(accs):
                 # A 128 x 128 block has one scale (its columns carry it repeated for TMA): taken
-                # into the rows' scales before this warpgroup waits for its MMA.
-                folded = None if tiles.column_scales else rows * b_scale_smem[0, c * BLOCK]
+                # into the rows' scales before this warpgroup waits for its MMA, so promoting is
+                # one FMA an element.
+                folded = rows * b_scale_smem[0, c * BLOCK]
 
                 def product(part_ref, c=c):
                     ks = pl.ds(0, BLOCK)
@@ -162,10 +154,7 @@ def _body(meta_ref, real_tiles_ref, a_ref, a_scale_ref, b_ref, b_scale_ref, out_
                     return part_ref[...]  # the scope waits for this warpgroup's MMA
 
                 part = pl.run_scoped(product, plgpu.ACC(shape, jnp.float32))
-                if folded is None:
-                    new.append(acc + part * column_scales(rows, b_scale_smem, c))
-                else:
-                    new.append(acc + part * lax.broadcast_in_dim(folded, shape, [0]))
+                new.append(acc + part * lax.broadcast_in_dim(folded, shape, [0]))
             return tuple(new)
 
         @for_each_item(meta_ref, real_tiles_ref, num_tiles=num_tiles, n_iters=n_iters)
