@@ -45,8 +45,11 @@ import numpy as np
 LAYER_SHAPES = ((64, 256, 256, 16, 4), (512, 256, 256, 16, 4), (2048, 512, 512, 32, 4), (8192, 1024, 512, 64, 8),
                 (4096, 2048, 768, 128, 8))
 # `fp8`: the routed experts in the blockwise FP8 recipe (`GemmOptions(quantization=Fp8Blockwise())` on
-# `auto`: the FP8 kernel on a GPU that has one), compared with the same unquantized reference.
-LAYER_BACKENDS = ("auto", "pallas_triton", "triton", "mosaic_gpu", "xla", "fp8")
+# `auto`: the FP8 kernels on a GPU that has them, the weights quantized by the fused kernel with their
+# `[E, K, N]` copy); `fp8-master`: the same with `Fp8Blockwise(input_gradient="master")` (the
+# quantization without the copy, 16-bit input gradients); both compared with the unquantized reference.
+LAYER_BACKENDS = ("auto", "pallas_triton", "triton", "mosaic_gpu", "xla", "fp8", "fp8-master")
+FP8_CELLS = {"fp8": dict(), "fp8-master": dict(input_gradient="master")}
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}  # relative error against the xla layer (bf16 rounds twice)
 FP8_TOLERANCE = 8e-2  # e4m3's 3 mantissa bits: the recipe's GEMMs are ~3e-2 from exact products
 # Names of our kernels in a profile: the Pallas Triton ones carry ours; Mosaic GPU's its body's.
@@ -59,7 +62,8 @@ def _layer_step(shape, dtype, backend):
     from moe_jax.layers import Fp8Blockwise, GemmOptions, MoE
 
     t, d, f, e, k = shape
-    gemm = GemmOptions(backend="auto", quantization=Fp8Blockwise()) if backend == "fp8" else GemmOptions(backend=backend)
+    gemm = (GemmOptions(backend="auto", quantization=Fp8Blockwise(**FP8_CELLS[backend])) if backend in FP8_CELLS
+            else GemmOptions(backend=backend))
     layer = MoE(d, f, e, k, dtype=dtype, gemm=gemm, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.PRNGKey(1), (t, d), jnp.float32).astype(dtype)
 
@@ -94,7 +98,7 @@ def _shape_rows(shape) -> list[dict]:
                 if ref is None:
                     ref, ref_backend = (y, dx), backend
                 err = max(_rel(y, ref[0]), _rel(dx, ref[1]))
-                tolerance = FP8_TOLERANCE if backend == "fp8" else TOLERANCE[dtype]
+                tolerance = FP8_TOLERANCE if backend in FP8_CELLS else TOLERANCE[dtype]
                 cell = "ok" if finite and err <= tolerance else f"WRONG (finite={finite}, rel err {err:.2e})"
             except Exception as exc:  # noqa: BLE001  (every failure is a cell of the table)
                 err, cell = None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
