@@ -214,8 +214,7 @@ def quantize_records(shape: S.GemmShape, copy_tbps: float, variants: bool = Fals
     (`quantize_weights`, `transpose_weights`) and by the fused kernel (`quantize_master_weights` on
     `pallas_triton`), each fused result checked bit for bit against XLA's before it is timed:
     milliseconds, GB/s on the minimal bytes (the weights read once, each e4m3 layout and its fp32
-    scales written once) and that rate as a fraction of copy bandwidth. Weights past the kernel's
-    int32 offsets (DeepSeek-V3's gate+up) are quantized by XLA on every backend: no fused rows."""
+    scales written once) and that rate as a fraction of copy bandwidth."""
     _, (w,), _, _ = make_inputs(shape, S.balanced_counts(shape.m, shape.e))
     params = shape.e * shape.n * shape.k
     scales = shape.e * -(-shape.n // 128) * -(-shape.k // 128) * 4
@@ -236,18 +235,17 @@ def quantize_records(shape: S.GemmShape, copy_tbps: float, variants: bool = Fals
 
     ways = {"xla": (quantize_weights, one), "xla + transposed": (xla_pair, two)}
     rec = dict(shape=shape.name, e=shape.e, n=shape.n, k=shape.k, ms={}, gbps={}, of_copy={}, bit_equal={})
-    if params < 2**31:
-        want = jax.jit(xla_pair)(w)
-        fused_ways = {"fused": (fused(False), one), "fused + transposed": (fused(True), two)}
-        for transposed in (False, True) if variants else ():
-            for nw in (nw for nw in QUANTIZE_WARPS if nw != NUM_WARPS[transposed]):
-                fused_ways[f"fused{' + transposed' if transposed else ''} w{nw}"] = (fused(transposed, nw),
-                                                                                      two if transposed else one)
-        for name, (fn, nbytes) in fused_ways.items():
-            got = jax.jit(fn)(w)
-            rec["bit_equal"][name] = all(_same_bits(g, r) for g, r in zip(got, want))
-            ways[name] = (fn, nbytes)
-        del want, got
+    want = jax.jit(xla_pair)(w)
+    fused_ways = {"fused": (fused(False), one), "fused + transposed": (fused(True), two)}
+    for transposed in (False, True) if variants else ():
+        for nw in (nw for nw in QUANTIZE_WARPS if nw != NUM_WARPS[transposed]):
+            fused_ways[f"fused{' + transposed' if transposed else ''} w{nw}"] = (fused(transposed, nw),
+                                                                                  two if transposed else one)
+    for name, (fn, nbytes) in fused_ways.items():
+        got = jax.jit(fn)(w)
+        rec["bit_equal"][name] = all(_same_bits(g, r) for g, r in zip(got, want))
+        ways[name] = (fn, nbytes)
+    del want, got
     # Two calls' outputs stay live across the timing barrier (DeepSeek-V3: 15 GB of bf16 weights).
     reps = max(2, min(10, (24 << 30) // (5 * params)))
     for name, (fn, nbytes) in ways.items():

@@ -130,12 +130,17 @@ def test_errors():
     assert empty[0].scale_ENbKb.shape == (0, 2, 2) and empty[1].values_ENK.shape == (0, 136, 200)
 
 
-def test_large_weights_go_to_xla():
-    """Past int32 element offsets the kernel is not launched: XLA quantizes (checked by trace)."""
-    big = jax.ShapeDtypeStruct((256, 4096, 2048), jnp.bfloat16)  # 2**31 elements
-    with mock.patch.object(backends, "quantize_weights_pallas") as kernel:
-        jax.eval_shape(lambda w: quantize_master_weights(w, transposed=True, backend="pallas_triton"), big)
-    kernel.assert_not_called()
+def test_weights_past_int32_offsets_address_in_64_bits():
+    """DeepSeek-V3's gate+up (7.5e9 elements, past int32 offsets) runs the kernel: Pallas' Triton
+    lowering widens the block index to 64 bits before it multiplies it by the expert's stride, so
+    every pointer into the values is offset in i64 (read off the Triton IR lowered for an H200)."""
+    (module,) = _triton_modules(
+        lambda w: quantize_master_weights(w, transposed=True, backend="pallas_triton"),
+        jax.ShapeDtypeStruct((256, 4096, 7168), jnp.bfloat16))
+    value_ptrs = [line for line in module.splitlines() if "tt.addptr" in line and "x!tt.ptr<" in line]
+    assert len(value_ptrs) == 3, value_ptrs  # the load and the two stores of values
+    assert all(line.rstrip().endswith("tensor<128x128xi64>") for line in value_ptrs), value_ptrs
+    assert "arith.constant 29360128 : i64" in module  # an expert's stride, N * K, multiplied in i64
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])

@@ -1,6 +1,6 @@
 """The two backends of `quantize_master_weights`: `xla` (`fp8.quantize_weights`, and
 `fp8.transpose_weights` for the transposed copy, which XLA fuses into the same loop) and
-`pallas_triton` (`kernel.quantize_weights_pallas`; weights past its int32 offsets go to XLA).
+`pallas_triton` (`kernel.quantize_weights_pallas`).
 
 Both take validated master weights `w_ENK` (bf16/fp16/fp32, E, N, K > 0) and `transposed`, and
 return `(Fp8Weights, transposed Fp8Weights or None)`.
@@ -16,7 +16,6 @@ from moe_jax.ops.quantize.kernel import quantize_weights_pallas
 # shared memory (16-32 KiB), 8 (0.66 against 0.69 ms at Qwen3's gate+up on an H100,
 # docs/decisions.md); without it 4, already 0.87 of copy bandwidth.
 NUM_WARPS = {False: 4, True: 8}
-_INT32_LIMIT = 2**31
 
 
 @register("quantize_master_weights", "xla")
@@ -27,6 +26,4 @@ def xla_quantize(w_ENK, transposed: bool):
 
 @register("quantize_master_weights", "pallas_triton")
 def pallas_quantize(w_ENK, transposed: bool):
-    if w_ENK.size >= _INT32_LIMIT:  # DeepSeek-V3's 256 x 4096 x 7168 gate+up, for one
-        return xla_quantize(w_ENK, transposed)
     return quantize_weights_pallas(w_ENK, transposed=transposed, num_warps=NUM_WARPS[transposed], interpret=interpret())

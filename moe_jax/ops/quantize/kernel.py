@@ -64,7 +64,7 @@ def quantize_weights_pallas(
     w_ENK: jax.Array, *, transposed: bool, num_warps: int, interpret: bool, out_init: tuple | None = None,
 ) -> tuple[Fp8Weights, Fp8Weights | None]:
     """Launch the kernel on validated master weights `w_ENK` (bf16/fp16/fp32, E, N, K > 0,
-    `E * N * K < 2**31`: offsets are int32 in the kernel). Returns `(Fp8Weights [E, N, K] with
+    any size: Pallas addresses the blocks with 64-bit offsets). Returns `(Fp8Weights [E, N, K] with
     scales [E, Nb, Kb], the [E, K, N] transposed Fp8Weights with scales [E, Kb, Nb] or None)`.
     `out_init`: one array per output, in that order (`pallas_triton.launch`)."""
     e, n, k = w_ENK.shape
