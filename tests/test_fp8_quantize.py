@@ -257,3 +257,48 @@ def test_benchmark_checks_the_kernels_bits_before_timing():
     rec = quantize_records(S.GemmShape("ragged", 256, 2, 136, 200, 2), copy_tbps=1.0)
     assert rec["bit_equal"] == {"fused": True, "fused + transposed": True}
     assert sorted(rec["ms"]) == ["fused", "fused + transposed", "xla", "xla + transposed"]
+
+
+@pytest.mark.parametrize("input_gradient", ["fp8", "master"])
+def test_explicitly_sharded_master_weights(input_gradient):
+    """Master weights an Explicit mesh axis shards (outside `shard_map`) are gathered for the
+    quantization, which reads whole weights: the linear's output and gradients equal those of
+    replicated weights, and each weight gradient comes back in its weight's sharding."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    mesh = jax.make_mesh((2,), ("ep",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2])
+    x = jax.random.normal(jax.random.PRNGKey(0), (96, 256), jnp.float32)
+    w = _weights((4, 200, 256), jnp.float32)
+    gs = jnp.array([30, 0, 40, 26], jnp.int32)
+
+    def loss(x, w):
+        y = fp8_grouped_linear(x, w, gs, backend="auto", input_gradient=input_gradient)
+        return jnp.sum(jnp.square(y))
+
+    want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)
+    with jax.set_mesh(mesh):
+        w_sharded = jax.device_put(w, NamedSharding(mesh, PartitionSpec("ep")))
+        x_rep = jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
+        got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x_rep, w_sharded)
+    assert got[1][1].sharding.spec == PartitionSpec("ep", None, None)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-6, atol=1e-6)
+
+
+def test_explicitly_sharded_weights_lower_the_kernel_for_two_h200s():
+    """On two H200s under an Explicit mesh the layer's quantization gathers the sharded weights and
+    runs the kernel (before the gather, Pallas refused the sharded ref)."""
+    from jax.sharding import AxisType, PartitionSpec
+
+    from tests.helpers import h200_mesh, sharded_aval
+
+    mesh = h200_mesh((2,), ("ep",), axis_types=(AxisType.Explicit,))
+
+    def loss(x, w):
+        y = fp8_grouped_linear(x, w, jnp.array([64, 64, 64, 64], jnp.int32), backend="auto")
+        return jnp.sum(jnp.square(y.astype(jnp.float32)))
+
+    text = lower_for_gpu(jax.grad(loss, argnums=(0, 1)),
+                         sharded_aval(mesh, (256, 384), jnp.bfloat16, PartitionSpec()),
+                         sharded_aval(mesh, (4, 256, 384), jnp.bfloat16, PartitionSpec("ep")), mesh=mesh)
+    assert text.count(KERNEL) == 1

@@ -59,6 +59,7 @@ from moe_jax.ops.gmm import SUPPORTED_DTYPES, RowGather, gmm, tgmm
 from moe_jax.ops.gmm.api import check_rows
 from moe_jax.ops.gmm.fp8_api import FP8_GEMM_BACKENDS, fp8_backend, gmm_fp8
 from moe_jax.ops.quantize import quantize_master_weights
+from moe_jax.ops.sharding import replicate_explicit
 
 __all__ = ["FP8_INPUT_GRADIENTS", "FP8_LINEAR_BACKENDS", "fp8_grouped_linear"]
 
@@ -241,5 +242,8 @@ def fp8_grouped_linear(
                              "use input_gradient='fp8'.")
         ys = _stored_linear(backend, x, tuple(Fp8Weights(*one) for one in ws), group_sizes, rows)
     else:
-        ys = _master_linear(backend, input_gradient, x, tuple(jnp.asarray(one) for one in ws), group_sizes, rows)
+        # Whole weights for the quantization (`moe_jax.ops.sharding`): gathered here, outside the
+        # custom VJP, so autodiff returns each weight gradient in its weight's sharding.
+        ws = replicate_explicit(*(jnp.asarray(one) for one in ws))
+        ys = _master_linear(backend, input_gradient, x, ws, group_sizes, rows)
     return ys if several else ys[0]

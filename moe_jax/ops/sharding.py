@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec
 
-__all__ = ["explicit_out_sharding", "replicate_explicit", "vary_to_union", "varying_like"]
+__all__ = ["explicit_out_sharding", "explicitly_sharded", "replicate_explicit", "vary_to_union", "varying_like"]
 
 
 def _explicit_context() -> bool:
@@ -32,17 +32,19 @@ def explicit_out_sharding() -> PartitionSpec | None:
     return PartitionSpec() if _explicit_context() else None
 
 
+def explicitly_sharded(a) -> bool:
+    """Whether an Explicit mesh axis shards `a` (outside `shard_map`; False with no mesh, under
+    Auto axes, or inside `shard_map`)."""
+    if not _explicit_context():
+        return False
+    spec = getattr(getattr(jax.typeof(a), "sharding", None), "spec", ())
+    return any(e is not None for e in spec)
+
+
 def replicate_explicit(*arrays):
     """`arrays`, each resharded to replicated if an Explicit mesh axis shards it (outside
     `shard_map`); unchanged otherwise (no mesh, Auto axes, or inside `shard_map`)."""
-    if not _explicit_context():
-        return arrays
-    out = []
-    for a in arrays:
-        sharding = getattr(jax.typeof(a), "sharding", None)
-        spec = getattr(sharding, "spec", ())
-        out.append(jax.sharding.reshard(a, PartitionSpec()) if any(e is not None for e in spec) else a)
-    return tuple(out)
+    return tuple(jax.sharding.reshard(a, PartitionSpec()) if explicitly_sharded(a) else a for a in arrays)
 
 
 def vary_to_union(arrays: tuple, also: tuple = ()) -> tuple[frozenset, tuple]:

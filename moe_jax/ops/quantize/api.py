@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from moe_jax.ops.fp8 import FP8_DTYPE, Fp8Weights
 from moe_jax.ops.platform import BackendName, implementation
 from moe_jax.ops.quantize import backends  # noqa: F401  (registers the two backends)
+from moe_jax.ops.sharding import replicate_explicit
 
 __all__ = ["QUANTIZE_BACKENDS", "quantize_master_weights"]
 
@@ -36,7 +37,8 @@ def quantize_master_weights(
       transposed: also return the same values as `[E, K, N]` with scales `[E, Kb, Nb]`
         (`transpose_weights` of the first result), written in the same pass.
       backend: `"auto"` (the kernel on a GPU, XLA elsewhere), `"pallas_triton"` (interpreted off
-        GPU) or `"xla"`.
+        GPU) or `"xla"`. Weights an Explicit mesh axis shards are gathered first on every backend
+        (`moe_jax.ops.sharding.replicate_explicit`), as the grouped GEMMs gather their operands.
 
     Returns `Fp8Weights(values_ENK [E, N, K] e4m3, scale_ENbKb [E, Nb, Kb] fp32)`, or with
     `transposed` the pair `(that, Fp8Weights(values [E, K, N], scales [E, Kb, Nb]))`. Not
@@ -52,8 +54,10 @@ def quantize_master_weights(
                         + (" (already quantized)." if w_ENK.dtype == FP8_DTYPE else "."))
     if w_ENK.ndim != 3:
         raise ValueError(f"w_ENK: expected [E, N, K] expert weights (3 dims), got shape {w_ENK.shape}.")
-    impl = implementation("quantize_master_weights", backend)
+    # Both backends read whole weights: the kernel indexes experts, XLA's blocks reshape every axis.
+    (w_ENK,) = replicate_explicit(w_ENK)
     if w_ENK.size == 0:  # no block to launch a program for: XLA's empty arrays
-        impl = implementation("quantize_master_weights", "xla")
+        backend = "xla"
+    impl = implementation("quantize_master_weights", backend)
     wq, wq_t = impl(w_ENK, transposed)
     return (wq, wq_t) if transposed else wq
