@@ -302,3 +302,26 @@ def test_explicitly_sharded_weights_lower_the_kernel_for_two_h200s():
                          sharded_aval(mesh, (256, 384), jnp.bfloat16, PartitionSpec()),
                          sharded_aval(mesh, (4, 256, 384), jnp.bfloat16, PartitionSpec("ep")), mesh=mesh)
     assert text.count(KERNEL) == 1
+
+
+@pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
+@pytest.mark.parametrize("input_gradient", ["fp8", "master"])
+def test_kernel_lowers_inside_shard_map_for_two_h200s(axis_type, input_gradient):
+    """Expert parallelism runs the linear inside `shard_map` on each device's experts: forward and
+    backward lower for two H200s with the kernel quantizing the local weights once."""
+    from jax.sharding import AxisType, PartitionSpec
+
+    from tests.helpers import h200_mesh, sharded_aval
+
+    mesh = h200_mesh((2,), ("ep",), axis_types=(getattr(AxisType, axis_type),))
+    ep = PartitionSpec("ep")
+    local = jax.shard_map(lambda x, w, gs: fp8_grouped_linear(x, w, gs, backend="auto", input_gradient=input_gradient),
+                          mesh=mesh, in_specs=(ep, ep, ep), out_specs=ep)
+
+    def loss(x, w, gs):
+        return jax.value_and_grad(lambda x, w: jnp.sum(jnp.square(local(x, w, gs).astype(jnp.float32))), (0, 1))(x, w)
+
+    text = lower_for_gpu(loss, sharded_aval(mesh, (512, 256), jnp.bfloat16, ep),
+                         sharded_aval(mesh, (4, 384, 256), jnp.bfloat16, ep), sharded_aval(mesh, (4,), jnp.int32, ep),
+                         mesh=mesh)
+    assert text.count(KERNEL) == 1
