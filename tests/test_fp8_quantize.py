@@ -260,10 +260,10 @@ def test_benchmark_checks_the_kernels_bits_before_timing():
 
 
 @pytest.mark.parametrize("input_gradient", ["fp8", "master"])
-def test_explicitly_sharded_master_weights(input_gradient):
-    """Master weights an Explicit mesh axis shards (outside `shard_map`) are gathered for the
-    quantization, which reads whole weights: the linear's output and gradients equal those of
-    replicated weights, and each weight gradient comes back in its weight's sharding."""
+def test_explicitly_sharded_rows_and_master_weights(input_gradient):
+    """Rows and master weights an Explicit mesh axis shards (outside `shard_map`) are gathered for
+    the products and the quantization, which read whole operands: the linear's output and gradients
+    equal those of unsharded operands, and each gradient comes back in its operand's sharding."""
     from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
     mesh = jax.make_mesh((2,), ("ep",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2])
@@ -278,8 +278,9 @@ def test_explicitly_sharded_master_weights(input_gradient):
     want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)
     with jax.set_mesh(mesh):
         w_sharded = jax.device_put(w, NamedSharding(mesh, PartitionSpec("ep")))
-        x_rep = jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
-        got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x_rep, w_sharded)
+        x_sharded = jax.device_put(x, NamedSharding(mesh, PartitionSpec("ep")))
+        got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x_sharded, w_sharded)
+    assert got[1][0].sharding.spec == PartitionSpec("ep", None)
     assert got[1][1].sharding.spec == PartitionSpec("ep", None, None)
     for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-6, atol=1e-6)

@@ -236,14 +236,18 @@ def fp8_grouped_linear(
     if any(stored) and not all(stored):
         raise TypeError("w: a tuple of weights must be all master weights or all Fp8Weights; got "
                         f"{', '.join(type(one).__name__ for one in ws)}.")
+    if stored[0] and input_gradient != "fp8":
+        raise ValueError(f"input_gradient={input_gradient!r} needs master weights; stored Fp8Weights have none: "
+                         "use input_gradient='fp8'.")
+    # The products read rows and weights anywhere (groups are global row ranges) and the weights'
+    # quantization reads whole weights: operands an Explicit mesh axis shards are gathered here
+    # (`moe_jax.ops.sharding`), outside the custom VJPs, so autodiff returns each gradient in its
+    # operand's sharding.
+    x, group_sizes = replicate_explicit(x, jnp.asarray(group_sizes))
+    rows = None if rows is None else RowGather(*replicate_explicit(*rows))
     if stored[0]:
-        if input_gradient != "fp8":
-            raise ValueError(f"input_gradient={input_gradient!r} needs master weights; stored Fp8Weights have none: "
-                             "use input_gradient='fp8'.")
-        ys = _stored_linear(backend, x, tuple(Fp8Weights(*one) for one in ws), group_sizes, rows)
+        ys = _stored_linear(backend, x, tuple(Fp8Weights(*replicate_explicit(*one)) for one in ws), group_sizes, rows)
     else:
-        # Whole weights for the quantization (`moe_jax.ops.sharding`): gathered here, outside the
-        # custom VJP, so autodiff returns each weight gradient in its weight's sharding.
-        ws = replicate_explicit(*(jnp.asarray(one) for one in ws))
-        ys = _master_linear(backend, input_gradient, x, ws, group_sizes, rows)
+        ys = _master_linear(backend, input_gradient, x, replicate_explicit(*(jnp.asarray(one) for one in ws)),
+                            group_sizes, rows)
     return ys if several else ys[0]
