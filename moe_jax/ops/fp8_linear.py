@@ -40,6 +40,8 @@ picks for it (`triton`: its 16-bit kernel).
 
 Group sizes follow `grouped_linear`'s contract: empty groups are legal, rows past
 `sum(group_sizes)` get zero output and zero input gradient and add nothing to the weight gradient.
+Operands an Explicit mesh axis shards (outside `shard_map`) are gathered first, as the grouped
+GEMM's are (`moe_jax.ops.sharding`); their gradients come back in their shardings.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from moe_jax.ops.gather import sum_of_readers
 from moe_jax.ops.gmm import SUPPORTED_DTYPES, RowGather, gmm, tgmm
 from moe_jax.ops.gmm.api import check_rows
 from moe_jax.ops.gmm.fp8_api import FP8_GEMM_BACKENDS, fp8_backend, gmm_fp8
+from moe_jax.ops.sharding import replicate_explicit
 
 __all__ = ["FP8_INPUT_GRADIENTS", "FP8_LINEAR_BACKENDS", "fp8_grouped_linear"]
 
@@ -218,11 +221,18 @@ def fp8_grouped_linear(
     if any(stored) and not all(stored):
         raise TypeError("w: a tuple of weights must be all master weights or all Fp8Weights; got "
                         f"{', '.join(type(one).__name__ for one in ws)}.")
+    if stored[0] and input_gradient != "fp8":
+        raise ValueError(f"input_gradient={input_gradient!r} needs master weights; stored Fp8Weights have none: "
+                         "use input_gradient='fp8'.")
+    # The products read rows and weights anywhere (groups are global row ranges) and the weights'
+    # quantization reads whole weights: operands an Explicit mesh axis shards are gathered here
+    # (`moe_jax.ops.sharding`), outside the custom VJPs, so autodiff returns each gradient in its
+    # operand's sharding.
+    x, group_sizes = replicate_explicit(x, jnp.asarray(group_sizes))
+    rows = None if rows is None else RowGather(*replicate_explicit(*rows))
     if stored[0]:
-        if input_gradient != "fp8":
-            raise ValueError(f"input_gradient={input_gradient!r} needs master weights; stored Fp8Weights have none: "
-                             "use input_gradient='fp8'.")
-        ys = _stored_linear(backend, x, tuple(Fp8Weights(*one) for one in ws), group_sizes, rows)
+        ys = _stored_linear(backend, x, tuple(Fp8Weights(*replicate_explicit(*one)) for one in ws), group_sizes, rows)
     else:
-        ys = _master_linear(backend, input_gradient, x, tuple(jnp.asarray(one) for one in ws), group_sizes, rows)
+        ys = _master_linear(backend, input_gradient, x, replicate_explicit(*(jnp.asarray(one) for one in ws)),
+                            group_sizes, rows)
     return ys if several else ys[0]
