@@ -259,33 +259,6 @@ def test_benchmark_checks_the_kernels_bits_before_timing():
     assert sorted(rec["ms"]) == ["fused", "fused + transposed", "xla", "xla + transposed"]
 
 
-@pytest.mark.parametrize("input_gradient", ["fp8", "master"])
-def test_explicitly_sharded_rows_and_master_weights(input_gradient):
-    """Rows and master weights an Explicit mesh axis shards (outside `shard_map`) are gathered for
-    the products and the quantization, which read whole operands: the linear's output and gradients
-    equal those of unsharded operands, and each gradient comes back in its operand's sharding."""
-    from jax.sharding import AxisType, NamedSharding, PartitionSpec
-
-    mesh = jax.make_mesh((2,), ("ep",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2])
-    x = jax.random.normal(jax.random.PRNGKey(0), (96, 256), jnp.float32)
-    w = _weights((4, 200, 256), jnp.float32)
-    gs = jnp.array([30, 0, 40, 26], jnp.int32)
-
-    def loss(x, w):
-        y = fp8_grouped_linear(x, w, gs, backend="auto", input_gradient=input_gradient)
-        return jnp.sum(jnp.square(y))
-
-    want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)
-    with jax.set_mesh(mesh):
-        w_sharded = jax.device_put(w, NamedSharding(mesh, PartitionSpec("ep")))
-        x_sharded = jax.device_put(x, NamedSharding(mesh, PartitionSpec("ep")))
-        got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x_sharded, w_sharded)
-    assert got[1][0].sharding.spec == PartitionSpec("ep", None)
-    assert got[1][1].sharding.spec == PartitionSpec("ep", None, None)
-    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-6, atol=1e-6)
-
-
 def test_explicitly_sharded_weights_lower_the_kernel_for_two_h200s():
     """On two H200s under an Explicit mesh the layer's quantization gathers the sharded weights and
     runs the kernel (before the gather, Pallas refused the sharded ref)."""

@@ -44,6 +44,8 @@ kernel).
 
 Group sizes follow `grouped_linear`'s contract: empty groups are legal, rows past
 `sum(group_sizes)` get zero output and zero input gradient and add nothing to the weight gradient.
+Operands an Explicit mesh axis shards (outside `shard_map`) are gathered first, as the grouped
+GEMM's are (`moe_jax.ops.sharding`); their gradients come back in their shardings.
 """
 
 from __future__ import annotations
