@@ -20,6 +20,7 @@ from jax.ad_checkpoint import print_saved_residuals
 from moe_jax.ops import (RowGather, fp8_grouped_linear, gather_rows, gmm_fp8_reference, grouped_linear,
                          tgmm_reference)
 from moe_jax.ops.fp8 import FP8_DTYPE, dequantize_rows, quantize_rows, quantize_weights
+from tests.helpers import mesh_devices
 
 # The op scales each product term, the reference each 128-wide partial sum: fp32 rounding only.
 FP32_TOL = dict(rtol=2e-5, atol=2e-5)
@@ -262,13 +263,15 @@ def test_explicitly_sharded_rows_and_master_weights(input_gradient):
     equal those of unsharded operands, and each gradient comes back in its operand's sharding."""
     from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-    mesh = jax.make_mesh((2,), ("ep",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2])
-    x = jax.random.normal(jax.random.PRNGKey(0), (96, 256), jnp.float32)
-    w = jax.random.normal(jax.random.PRNGKey(1), (4, 200, 256), jnp.float32)
-    gs = jnp.array([30, 0, 40, 26], jnp.int32)
+    devices = mesh_devices(2)  # two GPUs where the host has them, else host devices (on the XLA path)
+    mesh = jax.make_mesh((2,), ("ep",), axis_types=(AxisType.Explicit,), devices=devices)
+    x = jax.device_put(jax.random.normal(jax.random.PRNGKey(0), (96, 256), jnp.float32), devices[0])
+    w = jax.device_put(jax.random.normal(jax.random.PRNGKey(1), (4, 200, 256), jnp.float32), devices[0])
+    gs = jax.device_put(jnp.array([30, 0, 40, 26], jnp.int32), devices[0])
+    backend = "auto" if devices[0].platform == "gpu" else "xla"
 
     def loss(x, w):
-        y = fp8_grouped_linear(x, w, gs, backend="auto", input_gradient=input_gradient)
+        y = fp8_grouped_linear(x, w, gs, backend=backend, input_gradient=input_gradient)
         return jnp.sum(jnp.square(y))
 
     want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)

@@ -18,7 +18,8 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec
 
-__all__ = ["explicit_out_sharding", "explicitly_sharded", "replicate_explicit", "vary_to_union", "varying_like"]
+__all__ = ["explicit_out_sharding", "explicitly_sharded", "replicate_explicit", "vary_to_union", "varying_like",
+           "varying_output"]
 
 
 def _explicit_context() -> bool:
@@ -63,3 +64,14 @@ def varying_like(out_shape, inputs: tuple) -> tuple:
         return out_shape, inputs
     mat = jax.sharding.ManualAxisType(varying=varying)
     return jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, manual_axis_type=mat), out_shape), inputs
+
+
+def varying_output(out, inputs: tuple):
+    """`out`, the arrays a Mosaic GPU kernel returned from `inputs`, cast to vary over the union of
+    the axes `inputs` vary over: `plgpu.kernel` traces its body with shard_map's varying check off
+    and types its outputs as varying over nothing, whatever `out_type` declares."""
+    varying = frozenset().union(*(jax.typeof(a).manual_axis_type.varying for a in inputs))
+    if not varying:
+        return out
+    return jax.tree.map(lambda o: jax.lax.pcast(o, tuple(varying - jax.typeof(o).manual_axis_type.varying),
+                                                to="varying"), out)

@@ -39,6 +39,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from moe_jax.ops.fp8 import BLOCK, Fp8Rows, Fp8Weights
 from moe_jax.ops.gmm.mosaic_gpu.config import BARRIER_BYTES, RESERVED_BYTES, ROW_ALIGN
 from moe_jax.ops.gmm.mosaic_gpu.kernel import aligned_tiles, for_each_item, operand_transforms, store_rows
+from moe_jax.ops.sharding import varying_output
 
 __all__ = ["Fp8MosaicTiles", "fp8_mosaic_smem_bytes", "fp8_mosaic_support", "fp8_mosaic_tiles", "gmm_fp8_mosaic"]
 
@@ -204,4 +205,6 @@ def gmm_fp8_mosaic(rows: Fp8Rows, weights: Fp8Weights, group_sizes: jax.Array, *
     )
     real_tiles_1 = jnp.sum(meta_4W[0] < num_groups, dtype=jnp.int32)[None]
     with jax.enable_x64(False):  # as `kernel.gmm_mosaic`: Mosaic's pipelines loop in 32 bits
-        return call(meta_4W, real_tiles_1, values_MK, scale_KbM, values_ENK, scale_EKbN)
+        operands = (meta_4W, real_tiles_1, values_MK, scale_KbM, values_ENK, scale_EKbN)
+        # Inside shard_map the output varies as its operands do (`varying_output` says why).
+        return varying_output(call(*operands), operands)

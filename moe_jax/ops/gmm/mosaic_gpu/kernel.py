@@ -41,6 +41,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from moe_jax.ops.gmm.mosaic_gpu.config import ROW_ALIGN, MosaicConfig, runs_across_items
 from moe_jax.ops.gmm.schedule import clamp_group_sizes
+from moe_jax.ops.sharding import varying_output
 
 __all__ = ["WorkItem", "aligned_tiles", "for_each_item", "gmm_mosaic", "group_tiles", "num_work_tiles",
            "operand_transforms", "store_rows"]
@@ -267,4 +268,6 @@ def gmm_mosaic(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transp
     # Traced with 32-bit defaults: Mosaic GPU's pipelines loop over Python-int bounds, which under
     # jax_enable_x64 give 64-bit loop indices beside their 32-bit carries (a verifier error).
     with jax.enable_x64(False):
-        return call(meta_4W, real_tiles_1, lhs, rhs)
+        operands = (meta_4W, real_tiles_1, lhs, rhs)
+        # Inside shard_map the output varies as its operands do (`varying_output` says why).
+        return varying_output(call(*operands), operands)
