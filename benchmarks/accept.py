@@ -240,8 +240,10 @@ def ncu_table(args) -> None:
 
 # What XLA's own layer reports when a shape does not fit one GPU: `ragged_dot` is expanded densely
 # over the groups, so its memory grows with E (its autotuner fails the same way when what is left
-# cannot hold a candidate's buffers).
-XLA_OUT_OF_MEMORY = r"RESOURCE_EXHAUSTED: Out of memory|NOT_FOUND: All configs failed during profiling"
+# cannot hold a candidate's buffers: "All configs failed", or "Failed to get configs" under
+# RESOURCE_EXHAUSTED, whose example failure is an allocation).
+XLA_OUT_OF_MEMORY = (r"RESOURCE_EXHAUSTED: Out of memory|NOT_FOUND: All configs failed during profiling"
+                     r"|RESOURCE_EXHAUSTED: Failed to get configs")
 
 
 # The example runs of `accept-example` (benchmarks/gpu_run.sh): log suffix -> what it runs.

@@ -21,6 +21,9 @@ def _write_green(tmp_path):
                     cell = "ValueError: mosaic_gpu multiplies bf16/fp16 only (wgmma), not float32"
                 if backend == "xla" and shape == accept.LAYER_SHAPES[-1]:
                     cell = "JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying to allocate 48.00GiB"
+                if backend == "xla" and shape == accept.LAYER_SHAPES[-2] and dtype == "float32":  # its autotuner's
+                    cell = ("JaxRuntimeError: RESOURCE_EXHAUSTED: Failed to get configs for: 5 out of 36 "
+                            "instructions. See logs for all failures. Example failure: ")
                 rows.append(dict(shape=list(shape), dtype=dtype, backend=backend, cell=cell))
     (tmp_path / "accept_layers.json").write_text(json.dumps(rows))
     (tmp_path / "compiled.jsonl").write_text(json.dumps(dict(compiled=100, model=120)) + "\n")
