@@ -9,7 +9,9 @@
 # Phases: env | tests | parity | tune | run | run-quick | layer-time | drop-in | example | ep-check |
 #         ep-bench | parity-ep | example-ep | routed | jax-triton | backends | layer |
 #         decode | decode-ncu | wgrad-ncu | accept-tests | accept-example | accept-layers |
-#         accept-rerun | accept-compiled | accept-ncu | accept-summary | layer-profile   (each optionally :SECONDS)
+#         accept-rerun | accept-compiled | accept-ncu | accept-summary | layer-profile | pack   (each optionally :SECONDS)
+# pack: every file under $OUT so far into one $OUT/<lane->pack-<time>.tgz (a host that returns only a few files
+#   from $OUT still returns all of them; `tar xzf` each call's pack into one folder for accept-summary).
 # The GPU acceptance run (docs/acceptance.md) is `accept`: every accept-* phase in order, after
 # env and jax-triton; `accept-summary` writes $OUT/accept_summary.md (COMMIT names the commit, DEVICE the card).
 # Env: NPROC (xdist workers; NPROC_RERUN those of accept-rerun), TESTS / PARITY (paths), STEPS (example), TUNE_ONLY (all|prefill|decode),
@@ -95,6 +97,9 @@ for phase in "${phases[@]}"; do
                   python3 -m benchmarks.accept launch --labels "$OUT/${L}accept_labels.json" 2>&1 | tail -5
                 python3 -m benchmarks.accept ncu-table "$OUT/${L}accept_ncu.csv" --labels "$OUT/${L}accept_labels.json" \
                   --out "$OUT/${L}accept_resources.json" 2>&1 | tee "$OUT/${L}accept_resources.log" | tail -30 ;;
+    pack) files=$(cd "$OUT" && ls -A | grep -v -E '(^|-)pack-[0-9]+\.tgz$')
+          if [ -n "$files" ]; then (cd "$OUT" && tar czf "${L}pack-$(date -u +%H%M%S).tgz" --remove-files $files) && ls "$OUT"
+          else echo "nothing to pack"; fi ;;
     accept-summary) python3 -m benchmarks.accept summary "$OUT" --commit "${COMMIT:-unknown}" --device "${DEVICE:-one H200}" | tail -60 ;;
     layer) timeout "$limit" python3 -m benchmarks.layer ${LAYER_SHAPES:+--shapes $LAYER_SHAPES} ${LAYER_VARIANTS:+--variants $LAYER_VARIANTS} --json "$OUT/${L}layer.json" 2>&1 | tee "$OUT/${L}layer.log" | tail -20 ;;
     layer-profile) timeout "$limit" ncu --profile-from-start off --clock-control none --print-units base --csv --metrics gpu__time_duration.sum \
