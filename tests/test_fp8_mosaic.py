@@ -142,31 +142,6 @@ def _unchecked(a, a_s, b, b_s, gs, tiles, out_dtype):
     return gmm_fp8_mosaic(Fp8Rows(a, a_s), Fp8Weights(b, b_s), gs, out_dtype=out_dtype, num_ctas=132, tiles=tiles)
 
 
-@pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
-@pytest.mark.parametrize("input_gradient", ["fp8", "master"])
-def test_mosaic_kernels_lower_inside_shard_map_for_two_h200s(axis_type, input_gradient):
-    """Expert parallelism runs the linear inside `shard_map` (check_vma) on each device's experts:
-    the Mosaic kernels' outputs vary over the mesh axes their operands do (Mosaic cannot infer it;
-    without the declaration the backward's cotangent type mismatched on an H100). The FP8 forward,
-    and the input gradient on the FP8 or the 16-bit Mosaic kernel, lower for two H200s."""
-    from jax.sharding import AxisType, PartitionSpec
-
-    from tests.helpers import h200_mesh, sharded_aval
-
-    mesh = h200_mesh((2,), ("ep",), axis_types=(getattr(AxisType, axis_type),))
-    ep = PartitionSpec("ep")
-    local = jax.shard_map(lambda x, w, gs: fp8_grouped_linear(x, w, gs, backend="mosaic_gpu", input_gradient=input_gradient),
-                          mesh=mesh, in_specs=(ep, ep, ep), out_specs=ep)
-
-    def loss(x, w, gs):
-        return jax.value_and_grad(lambda x, w: jnp.sum(jnp.square(local(x, w, gs).astype(jnp.float32))), (0, 1))(x, w)
-
-    text = lower_for_gpu(loss, sharded_aval(mesh, (512, 256), jnp.bfloat16, ep),
-                         sharded_aval(mesh, (4, 384, 256), jnp.bfloat16, ep), sharded_aval(mesh, (4,), jnp.int32, ep),
-                         mesh=mesh)
-    assert text.count("mosaic_gpu") >= 2, "the forward and the input gradient both on Mosaic"
-
-
 def test_auto_takes_the_mosaic_kernel_for_prefill_problems_it_runs():
     """Where the Mosaic kernel runs (Hopper, or interpreted here), `auto` takes it for problems of
     at least `MOSAIC_MIN_ROWS` rows per group on average, packed rows, N and K multiples of 128;

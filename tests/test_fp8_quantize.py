@@ -280,16 +280,20 @@ def test_explicitly_sharded_weights_lower_the_kernel_for_two_h200s():
 
 @pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
 @pytest.mark.parametrize("input_gradient", ["fp8", "master"])
-def test_kernel_lowers_inside_shard_map_for_two_h200s(axis_type, input_gradient):
-    """Expert parallelism runs the linear inside `shard_map` on each device's experts: forward and
-    backward lower for two H200s with the kernel quantizing the local weights once."""
+@pytest.mark.parametrize("backend", ["auto", "mosaic_gpu"])
+def test_kernel_lowers_inside_shard_map_for_two_h200s(backend, axis_type, input_gradient):
+    """Expert parallelism runs the linear inside `shard_map` (check_vma) on each device's experts:
+    forward and backward lower for two H200s with the kernel quantizing the local weights once.
+    On the Mosaic products (`auto`'s on a Hopper GPU; XLA's off GPU) the kernels' outputs vary over
+    the mesh axes their operands do: `plgpu.kernel` types them invariant, and without the cast the
+    backward failed its custom VJP's type check on an H100."""
     from jax.sharding import AxisType, PartitionSpec
 
     from tests.helpers import h200_mesh, sharded_aval
 
     mesh = h200_mesh((2,), ("ep",), axis_types=(getattr(AxisType, axis_type),))
     ep = PartitionSpec("ep")
-    local = jax.shard_map(lambda x, w, gs: fp8_grouped_linear(x, w, gs, backend="auto", input_gradient=input_gradient),
+    local = jax.shard_map(lambda x, w, gs: fp8_grouped_linear(x, w, gs, backend=backend, input_gradient=input_gradient),
                           mesh=mesh, in_specs=(ep, ep, ep), out_specs=ep)
 
     def loss(x, w, gs):
@@ -299,3 +303,5 @@ def test_kernel_lowers_inside_shard_map_for_two_h200s(axis_type, input_gradient)
                          sharded_aval(mesh, (4, 384, 256), jnp.bfloat16, ep), sharded_aval(mesh, (4,), jnp.int32, ep),
                          mesh=mesh)
     assert text.count(KERNEL) == 1
+    if backend == "mosaic_gpu":  # the forward and the input gradient (FP8, or the 16-bit kernel's)
+        assert text.count("mosaic_gpu") >= 2
