@@ -15,12 +15,13 @@ import pytest
 
 from moe_jax.ops import TileConfig, device_facts, fp8_grouped_linear
 from moe_jax.ops.fp8 import Fp8Rows, Fp8Weights, quantize_rows, quantize_weights
-from moe_jax.ops.gmm.fp8_api import MOSAIC_MIN_ROWS, fp8_kernel, gmm_fp8
+from moe_jax.ops.gmm.fp8_api import MOSAIC_MIN_ROWS, fp8_backend, fp8_kernel, gmm_fp8
 from moe_jax.ops.gmm.mosaic_gpu.config import RESERVED_BYTES
 from moe_jax.ops.gmm.mosaic_gpu.fp8_kernel import (Fp8MosaicTiles, fp8_mosaic_smem_bytes, fp8_mosaic_support,
                                                    fp8_mosaic_tiles, gmm_fp8_mosaic)
 from moe_jax.ops.gmm.reference import gmm_fp8_reference
-from tests.helpers import ON_GPU, lower_for_gpu
+from moe_jax.ops.gmm.triton import have_jax_triton
+from tests.helpers import ON_GPU, h200_mesh, lower_for_gpu
 
 INTERPRETED_SLOW = [] if ON_GPU else [pytest.mark.slow]
 # Compiled, a step's e4m3 products are summed on the tensor cores, whose accumulation within the
@@ -135,6 +136,34 @@ def test_tiles_lower_for_h200_and_the_model_is_mosaics_count(n, k, out_dtype, ti
         lower_for_gpu(lambda a, a_s, b, b_s, gs: _unchecked(a, a_s, b, b_s, gs, over, out_dtype), *avals)
     counted = int(re.search(r"smem_bytes=(\d+)", str(info.value)).group(1))
     assert counted == fp8_mosaic_smem_bytes(over, out_dtype) - RESERVED_BYTES
+
+
+def test_auto_on_a_hopper_without_jax_triton_runs_mosaic_at_prefill_and_warns_at_decode():
+    """Lowered for an H200 from this host: `auto` keeps its kernels where only the Mosaic one runs
+    (no jax_triton): prefill lowers the Mosaic kernel; decode, which only the Triton kernel takes,
+    lowers the reference path with a warning naming why. Where jax_triton imports, decode is the
+    Triton kernel's."""
+    f8, S = jnp.float8_e4m3fn, jax.ShapeDtypeStruct
+    e, n, k = 16, 256, 256
+
+    def lower(m):
+        avals = (S((m, k), f8), S((m, k // 128), jnp.float32), S((e, n, k), f8), S((e, n // 128, k // 128), jnp.float32),
+                 S((e,), jnp.int32))
+        return lower_for_gpu(lambda a, a_s, b, b_s, gs: gmm_fp8(Fp8Rows(a, a_s), Fp8Weights(b, b_s), gs,
+                                                                out_dtype=jnp.bfloat16), *avals)
+
+    with jax.sharding.use_abstract_mesh(h200_mesh((1,), ("aot",))):
+        assert fp8_backend("auto") == "auto"
+        assert fp8_kernel(MOSAIC_MIN_ROWS * e, n, k, e) == "mosaic_gpu"
+        if have_jax_triton():
+            assert fp8_kernel(64, n, k, e) == "triton"
+            return
+        with pytest.warns(UserWarning, match=r"64 rows .* reference path .*jax_triton"):
+            assert fp8_kernel(64, n, k, e) == "xla"
+    assert "mosaic_gpu" in lower(MOSAIC_MIN_ROWS * e)
+    with pytest.warns(UserWarning, match="reference path"):
+        decode = lower(64)
+    assert "mosaic_gpu" not in decode and "triton" not in decode
 
 
 def _unchecked(a, a_s, b, b_s, gs, tiles, out_dtype):

@@ -20,9 +20,9 @@ Backends (`FP8_GEMM_BACKENDS`):
 - `xla`, `pallas_triton`: the operands dequantized to fp32 and multiplied by `gmm` at
   `Precision.HIGHEST` on that backend: `gmm_fp8_reference`'s value up to fp32 summation order,
   slower than a bf16 `gmm`.
-- `auto`: where the kernels run (e4m3 tensor cores and jax_triton), per problem `fp8_kernel`'s
-  choice: `mosaic_gpu` on Hopper for prefill-sized problems it supports (at least `MOSAIC_MIN_ROWS`
-  rows per group on average, no row ids), else `triton`; elsewhere `xla`.
+- `auto`: on a GPU where a kernel runs, per problem `fp8_kernel`'s choice: `mosaic_gpu` on Hopper
+  for prefill-sized problems it supports (at least `MOSAIC_MIN_ROWS` rows per group on average, no
+  row ids), else `triton`, else (no jax_triton) `xla` with a warning; off such a GPU `xla`.
 
 Contract as `gmm`'s: rows of group e are `lhs_e @ rhs[e]^T` (`transpose_rhs=True`) or
 `lhs_e @ rhs[e]` (False); empty groups are legal; rows past `sum(group_sizes)` are zero; under
@@ -32,6 +32,8 @@ per token, read by every expert that token goes to.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +48,7 @@ from moe_jax.ops.gmm.tiles import TileConfig, fit_tiles
 from moe_jax.ops.gmm.triton.backend import BACKEND as TRITON
 from moe_jax.ops.gmm.triton.launch import fp8_gmm_triton
 from moe_jax.ops.gmm.triton.rules import fp8_gmm_tiles
-from moe_jax.ops.platform import device_facts, interpret
+from moe_jax.ops.platform import device_facts, interpret, on_gpu
 from moe_jax.ops.sharding import replicate_explicit
 
 __all__ = ["FP8_GEMM_BACKENDS", "FP8_KERNEL_CAPABILITY", "MOSAIC_MIN_ROWS", "fp8_backend", "fp8_kernel", "fp8_tiles",
@@ -92,7 +94,7 @@ def fp8_backend(backend: str) -> str:
                          "and `mosaic_gpu` are its kernels; `xla` and `pallas_triton` multiply the dequantized "
                          "operands in fp32).")
     if backend == "auto":
-        return "xla" if _kernel_unavailable() else "auto"
+        return "auto" if on_gpu() and not (_kernel_unavailable() and _mosaic_unavailable()) else "xla"
     reason = {"triton": _kernel_unavailable, "mosaic_gpu": _mosaic_unavailable}.get(backend, lambda: None)()
     if reason:
         raise ValueError(f"backend={backend!r}: {reason}; pass backend='auto' (the reference path where no kernel "
@@ -101,13 +103,20 @@ def fp8_backend(backend: str) -> str:
 
 
 def fp8_kernel(m: int, n: int, k: int, num_groups: int, *, gather: bool = False, out_dtype=jnp.bfloat16) -> str:
-    """`auto`'s kernel for `m` rows against `[num_groups, n, k]` weights (`gather`: read through
+    """`auto`'s choice for `m` rows against `[num_groups, n, k]` weights (`gather`: read through
     row ids): `mosaic_gpu` where it runs here and supports the problem with at least
-    `MOSAIC_MIN_ROWS` rows per group on average and no row ids, else `triton`."""
-    if gather or _mosaic_unavailable() or m < MOSAIC_MIN_ROWS * num_groups:
-        return "triton"
-    reason = fp8_mosaic_support(m, n, k, fp8_mosaic_tiles(n), out_dtype, device_facts().smem_per_block)
-    return "triton" if reason else "mosaic_gpu"
+    `MOSAIC_MIN_ROWS` rows per group on average and no row ids, else `triton`; `xla` (the
+    reference path, with a warning) on a GPU where the Triton kernel cannot run (no jax_triton)."""
+    mosaic = not (gather or _mosaic_unavailable() or m < MOSAIC_MIN_ROWS * num_groups
+                  or fp8_mosaic_support(m, n, k, fp8_mosaic_tiles(n), out_dtype, device_facts().smem_per_block))
+    if mosaic:
+        return "mosaic_gpu"
+    reason = _kernel_unavailable() if on_gpu() else None
+    if reason:
+        warnings.warn(f"gmm_fp8: {m} rows against [{num_groups}, {n}, {k}] weights run on the reference path (fp32 "
+                      f"products, slower than bf16) because {reason}.", UserWarning, stacklevel=2)
+        return "xla"
+    return "triton"
 
 
 def fp8_tiles(m: int, n: int, k: int, num_groups: int, config: TileConfig | None = None) -> TileConfig:
@@ -179,6 +188,11 @@ def gmm_fp8(lhs: Fp8Rows, rhs: Fp8Weights, group_sizes: jax.Array, *, transpose_
     check_group_sizes(group_sizes, e, m, "rhs")
     name = fp8_backend(backend)
     out_dtype = jnp.dtype(out_dtype)
+    if name == "auto" and config is not None:
+        # the configuration names its kernel, which must run here
+        name = fp8_backend("mosaic_gpu" if isinstance(config, Fp8MosaicTiles) else "triton")
+    elif name == "auto":
+        name = fp8_kernel(m, out, c, e, gather=row_ids is not None, out_dtype=out_dtype)
     if name in ("xla", "pallas_triton"):
         if config is not None:
             raise ValueError(f"config={config!r} is the FP8 kernels'; backend {name!r} multiplies dequantized operands "
@@ -186,9 +200,6 @@ def gmm_fp8(lhs: Fp8Rows, rhs: Fp8Weights, group_sizes: jax.Array, *, transpose_
         return gmm(dequantize_rows(lhs), dequantize_weights(rhs), group_sizes, transpose_rhs=transpose_rhs,
                    backend=name, precision=jax.lax.Precision.HIGHEST, preferred_element_type=out_dtype,
                    row_ids=row_ids)
-    if name == "auto":
-        name = "mosaic_gpu" if isinstance(config, Fp8MosaicTiles) else "triton" if isinstance(config, TileConfig) else \
-            fp8_kernel(m, out, c, e, gather=row_ids is not None, out_dtype=out_dtype)
     if m == 0 or out == 0 or c == 0 or lhs.values_MK.shape[0] == 0:
         return jnp.zeros((m, out), out_dtype)
     if not transpose_rhs:
