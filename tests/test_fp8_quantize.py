@@ -284,9 +284,9 @@ def test_explicitly_sharded_weights_lower_the_kernel_for_two_h200s():
 def test_kernel_lowers_inside_shard_map_for_two_h200s(backend, axis_type, input_gradient):
     """Expert parallelism runs the linear inside `shard_map` (check_vma) on each device's experts:
     forward and backward lower for two H200s with the kernel quantizing the local weights once.
-    On the Mosaic products (`auto`'s on a Hopper GPU; XLA's off GPU) the kernels' outputs vary over
-    the mesh axes their operands do: `plgpu.kernel` types them invariant, and without the cast the
-    backward failed its custom VJP's type check on an H100."""
+    The kernels' outputs (Mosaic's, and on a GPU host with jax_triton the Triton kernels') vary
+    over the mesh axes their operands do: `plgpu.kernel` and `triton_call` type them invariant,
+    and without the cast the backward failed its custom VJP's type check on an H100 and an H200."""
     from jax.sharding import AxisType, PartitionSpec
 
     from tests.helpers import h200_mesh, sharded_aval

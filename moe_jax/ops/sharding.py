@@ -67,9 +67,10 @@ def varying_like(out_shape, inputs: tuple) -> tuple:
 
 
 def varying_output(out, inputs: tuple):
-    """`out`, the arrays a Mosaic GPU kernel returned from `inputs`, cast to vary over the union of
-    the axes `inputs` vary over: `plgpu.kernel` traces its body with shard_map's varying check off
-    and types its outputs as varying over nothing, whatever `out_type` declares."""
+    """`out`, the arrays a Mosaic GPU kernel or `jax_triton.triton_call` returned from `inputs`,
+    cast to vary over the union of the axes `inputs` vary over: `plgpu.kernel` traces its body with
+    shard_map's varying check off and `triton_call` builds its output types from shape and dtype
+    alone, so both type their outputs as varying over nothing, whatever was declared."""
     varying = frozenset().union(*(jax.typeof(a).manual_axis_type.varying for a in inputs))
     if not varying:
         return out

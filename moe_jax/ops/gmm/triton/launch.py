@@ -21,7 +21,7 @@ from moe_jax.ops.fp8 import Fp8Rows, Fp8Weights
 from moe_jax.ops.gmm.schedule import lane_sizes, max_tiles
 from moe_jax.ops.gmm.tiles import TileConfig
 from moe_jax.ops.pallas_triton import cdiv, next_pow2
-from moe_jax.ops.sharding import varying_like
+from moe_jax.ops.sharding import varying_like, varying_output
 
 __all__ = ["Launch", "fp8_gmm_launch", "fp8_gmm_torch", "fp8_gmm_triton", "gmm_launch", "import_jax_triton",
            "gmm_triton", "gmm_torch", "tgmm_launch", "tgmm_triton", "tgmm_torch"]
@@ -112,8 +112,10 @@ def import_jax_triton():
 def _triton_call(kernel, inputs, out_shape, launch, name: str):
     jax_triton = import_jax_triton()  # GPU-only dependency, imported where it is used
     out_shape, inputs = varying_like(out_shape, inputs)
-    return jax_triton.triton_call(*inputs, kernel=kernel, out_shape=out_shape, grid=launch.grid, name=name,
-                                  num_warps=launch.num_warps, num_stages=launch.num_stages, **launch.constants)
+    out = jax_triton.triton_call(*inputs, kernel=kernel, out_shape=out_shape, grid=launch.grid, name=name,
+                                 num_warps=launch.num_warps, num_stages=launch.num_stages, **launch.constants)
+    # Inside shard_map the output varies as its operands do (`varying_output` says why).
+    return varying_output(out, inputs)
 
 
 def gmm_triton(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool, tiles: TileConfig,
