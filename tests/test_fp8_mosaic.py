@@ -141,15 +141,16 @@ def test_tiles_lower_for_h200_and_the_model_is_mosaics_count(n, k, out_dtype, ti
 def test_auto_on_a_hopper_without_jax_triton_runs_mosaic_at_prefill_and_warns_at_decode():
     """Lowered for an H200 from this host: `auto` keeps its kernels where only the Mosaic one runs
     (no jax_triton): prefill lowers the Mosaic kernel; decode, which only the Triton kernel takes,
-    lowers the reference path with a warning naming why. Where jax_triton imports, decode is the
-    Triton kernel's."""
+    lowers the reference path with a warning naming why; a Triton `config` under `auto` is a
+    ValueError naming why its kernel cannot run. Where jax_triton imports, decode is the Triton
+    kernel's."""
     f8, S = jnp.float8_e4m3fn, jax.ShapeDtypeStruct
     e, n, k = 16, 256, 256
 
-    def lower(m):
+    def lower(m, config=None):
         avals = (S((m, k), f8), S((m, k // 128), jnp.float32), S((e, n, k), f8), S((e, n // 128, k // 128), jnp.float32),
                  S((e,), jnp.int32))
-        return lower_for_gpu(lambda a, a_s, b, b_s, gs: gmm_fp8(Fp8Rows(a, a_s), Fp8Weights(b, b_s), gs,
+        return lower_for_gpu(lambda a, a_s, b, b_s, gs: gmm_fp8(Fp8Rows(a, a_s), Fp8Weights(b, b_s), gs, config=config,
                                                                 out_dtype=jnp.bfloat16), *avals)
 
     with jax.sharding.use_abstract_mesh(h200_mesh((1,), ("aot",))):
@@ -161,6 +162,8 @@ def test_auto_on_a_hopper_without_jax_triton_runs_mosaic_at_prefill_and_warns_at
         with pytest.warns(UserWarning, match=r"64 rows .* reference path .*jax_triton"):
             assert fp8_kernel(64, n, k, e) == "xla"
     assert "mosaic_gpu" in lower(MOSAIC_MIN_ROWS * e)
+    with pytest.raises(ValueError, match=r"config=TileConfig.* triton FP8 kernel's, which cannot run here.*jax_triton"):
+        lower(64, TileConfig(block_m=16, block_n=128, block_k=128))
     with pytest.warns(UserWarning, match="reference path"):
         decode = lower(64)
     assert "mosaic_gpu" not in decode and "triton" not in decode

@@ -188,9 +188,12 @@ def gmm_fp8(lhs: Fp8Rows, rhs: Fp8Weights, group_sizes: jax.Array, *, transpose_
     check_group_sizes(group_sizes, e, m, "rhs")
     name = fp8_backend(backend)
     out_dtype = jnp.dtype(out_dtype)
-    if name == "auto" and config is not None:
-        # the configuration names its kernel, which must run here
-        name = fp8_backend("mosaic_gpu" if isinstance(config, Fp8MosaicTiles) else "triton")
+    if name == "auto" and config is not None:  # the configuration names its kernel, which must run here
+        name = "mosaic_gpu" if isinstance(config, Fp8MosaicTiles) else "triton"
+        reason = _mosaic_unavailable() if name == "mosaic_gpu" else _kernel_unavailable()
+        if reason:
+            raise ValueError(f"config={config!r} is the {name} FP8 kernel's, which cannot run here: {reason}. Pass "
+                             "config=None (auto chooses what runs).")
     elif name == "auto":
         name = fp8_kernel(m, out, c, e, gather=row_ids is not None, out_dtype=out_dtype)
     if name in ("xla", "pallas_triton"):
