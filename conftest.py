@@ -32,3 +32,9 @@ if not _ON_GPU and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # tensors. Set before any test module imports triton; an explicit setting is left alone.
 if not _ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# On a GPU, JAX's client would otherwise reserve 75% of the device's memory when it starts: a second
+# xdist worker (the README's `pytest -n 2`), or torch beside JAX in the parity tests, then runs out
+# of memory. Set before any test initializes a JAX backend; an explicit setting is left alone.
+if _ON_GPU:
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
