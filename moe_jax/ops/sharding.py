@@ -18,8 +18,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec
 
-__all__ = ["explicit_out_sharding", "explicitly_sharded", "replicate_explicit", "vary_to_union", "varying_like",
-           "varying_output"]
+__all__ = ["explicit_out_sharding", "replicate_explicit", "vary_to_union", "varying_like", "varying_output"]
 
 
 def _explicit_context() -> bool:
@@ -33,7 +32,7 @@ def explicit_out_sharding() -> PartitionSpec | None:
     return PartitionSpec() if _explicit_context() else None
 
 
-def explicitly_sharded(a) -> bool:
+def _explicitly_sharded(a) -> bool:
     """Whether an Explicit mesh axis shards `a` (outside `shard_map`; False with no mesh, under
     Auto axes, or inside `shard_map`)."""
     if not _explicit_context():
@@ -45,7 +44,7 @@ def explicitly_sharded(a) -> bool:
 def replicate_explicit(*arrays):
     """`arrays`, each resharded to replicated if an Explicit mesh axis shards it (outside
     `shard_map`); unchanged otherwise (no mesh, Auto axes, or inside `shard_map`)."""
-    return tuple(jax.sharding.reshard(a, PartitionSpec()) if explicitly_sharded(a) else a for a in arrays)
+    return tuple(jax.sharding.reshard(a, PartitionSpec()) if _explicitly_sharded(a) else a for a in arrays)
 
 
 def vary_to_union(arrays: tuple, also: tuple = ()) -> tuple[frozenset, tuple]:
@@ -71,8 +70,6 @@ def varying_output(out, inputs: tuple):
     cast to vary over the union of the axes `inputs` vary over: `plgpu.kernel` traces its body with
     shard_map's varying check off and `triton_call` builds its output types from shape and dtype
     alone, so both type their outputs as varying over nothing, whatever was declared."""
-    varying = frozenset().union(*(jax.typeof(a).manual_axis_type.varying for a in inputs))
-    if not varying:
-        return out
-    return jax.tree.map(lambda o: jax.lax.pcast(o, tuple(varying - jax.typeof(o).manual_axis_type.varying),
-                                                to="varying"), out)
+    leaves, tree = jax.tree.flatten(out)
+    _, leaves = vary_to_union(tuple(leaves), inputs)
+    return jax.tree.unflatten(tree, leaves)

@@ -85,6 +85,11 @@ def _mosaic_unavailable() -> str | None:
     return None
 
 
+def _unavailable(backend: str) -> str | None:
+    """None where `backend` runs here (the reference paths always do), else why not."""
+    return {"triton": _kernel_unavailable, "mosaic_gpu": _mosaic_unavailable}.get(backend, lambda: None)()
+
+
 def fp8_backend(backend: str) -> str:
     """What runs `gmm_fp8` for `backend`: `auto` stays `auto` where the FP8 kernels run (each
     problem then takes `fp8_kernel`'s choice), else it is `xla`. ValueError for a name outside
@@ -95,7 +100,7 @@ def fp8_backend(backend: str) -> str:
                          "operands in fp32).")
     if backend == "auto":
         return "auto" if on_gpu() and not (_kernel_unavailable() and _mosaic_unavailable()) else "xla"
-    reason = {"triton": _kernel_unavailable, "mosaic_gpu": _mosaic_unavailable}.get(backend, lambda: None)()
+    reason = _unavailable(backend)
     if reason:
         raise ValueError(f"backend={backend!r}: {reason}; pass backend='auto' (the reference path where no kernel "
                          "runs) or 'xla'.")
@@ -190,7 +195,7 @@ def gmm_fp8(lhs: Fp8Rows, rhs: Fp8Weights, group_sizes: jax.Array, *, transpose_
     out_dtype = jnp.dtype(out_dtype)
     if name == "auto" and config is not None:  # the configuration names its kernel, which must run here
         name = "mosaic_gpu" if isinstance(config, Fp8MosaicTiles) else "triton"
-        reason = _mosaic_unavailable() if name == "mosaic_gpu" else _kernel_unavailable()
+        reason = _unavailable(name)
         if reason:
             raise ValueError(f"config={config!r} is the {name} FP8 kernel's, which cannot run here: {reason}. Pass "
                              "config=None (auto chooses what runs).")

@@ -21,7 +21,7 @@ from moe_jax.ops.fp8 import Fp8Rows, Fp8Weights
 from moe_jax.ops.gmm.schedule import lane_sizes, max_tiles
 from moe_jax.ops.gmm.tiles import TileConfig
 from moe_jax.ops.pallas_triton import cdiv, next_pow2
-from moe_jax.ops.sharding import varying_like, varying_output
+from moe_jax.ops.sharding import vary_to_union, varying_output
 
 __all__ = ["Launch", "fp8_gmm_launch", "fp8_gmm_torch", "fp8_gmm_triton", "gmm_launch", "import_jax_triton",
            "gmm_triton", "gmm_torch", "tgmm_launch", "tgmm_triton", "tgmm_torch"]
@@ -111,10 +111,11 @@ def import_jax_triton():
 
 def _triton_call(kernel, inputs, out_shape, launch, name: str):
     jax_triton = import_jax_triton()  # GPU-only dependency, imported where it is used
-    out_shape, inputs = varying_like(out_shape, inputs)
+    _, inputs = vary_to_union(inputs)
     out = jax_triton.triton_call(*inputs, kernel=kernel, out_shape=out_shape, grid=launch.grid, name=name,
                                  num_warps=launch.num_warps, num_stages=launch.num_stages, **launch.constants)
-    # Inside shard_map the output varies as its operands do (`varying_output` says why).
+    # Inside shard_map the output varies as its operands do: triton_call ignores a declared
+    # varying type (`varying_output` says why).
     return varying_output(out, inputs)
 
 
