@@ -2,9 +2,10 @@
 
 Legend: M rows, K reduction width, N output width, E groups.
 
-Both gather each row's group weight explicitly (memory `M*N*K`), so they are for tests and small
-shapes only. They follow the same clamping of `group_sizes` as the kernels (negative sizes are
-empty; rows past `M` are ignored), and rows outside every group come out zero.
+They compute far more than the ops do (every row against every group's weight, a one-hot over
+groups, or each row's weights gathered), so they are for tests and moderate shapes only. They
+follow the same clamping of `group_sizes` as the kernels (negative sizes are empty; rows past `M`
+are ignored), and rows outside every group come out zero.
 """
 
 from __future__ import annotations
@@ -29,15 +30,21 @@ def row_groups(group_sizes: jax.Array, num_rows: int) -> jax.Array:
 def gmm_reference(
     lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *, transpose_rhs: bool = True,
 ) -> jax.Array:
-    """fp32 `out[M,N]`: row r of group e is `lhs[r] @ rhs[e]^T` (rhs `[E,N,K]`) or `lhs[r] @ rhs[e]` (rhs `[E,K,N]`)."""
-    num_groups = rhs.shape[0]
+    """fp32 `out[M,N]`: row r of group e is `lhs[r] @ rhs[e]^T` (rhs `[E,N,K]`) or `lhs[r] @ rhs[e]` (rhs `[E,K,N]`).
+
+    Every row against every group's weight, one group at a time, each row keeping its own group's
+    product: `E` times the products, but memory `M*N` (a per-row gathered weight would be `M*K*N`)."""
     g_M = row_groups(group_sizes, lhs.shape[0])
-    w_EKN = rhs.astype(jnp.float32)
-    if transpose_rhs:
-        w_EKN = jnp.swapaxes(w_EKN, 1, 2)
-    w_MKN = jnp.take(w_EKN, jnp.minimum(g_M, num_groups - 1), axis=0)
-    out = jnp.einsum("mk,mkn->mn", lhs.astype(jnp.float32), w_MKN, precision=_HI)
-    return jnp.where((g_M < num_groups)[:, None], out, 0.0)
+    x_MK = lhs.astype(jnp.float32)
+
+    def one_group(out_MN, group):
+        e, w = group
+        w_KN = w.T if transpose_rhs else w
+        return jnp.where((g_M == e)[:, None], jnp.dot(x_MK, w_KN, precision=_HI), out_MN), None
+
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    groups = (jnp.arange(rhs.shape[0], dtype=jnp.int32), rhs.astype(jnp.float32))
+    return jax.lax.scan(one_group, jnp.zeros((lhs.shape[0], n), jnp.float32), groups)[0]
 
 
 def tgmm_reference(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array) -> jax.Array:
