@@ -143,6 +143,23 @@ def test_weights_past_int32_offsets_address_in_64_bits():
     assert "arith.constant 29360128 : i64" in module  # an expert's stride, N * K, multiplied in i64
 
 
+@pytest.mark.parametrize("backend", ["auto", "pallas_triton"])
+def test_weights_whose_e4m3_values_pallas_would_offset_in_int32_run_on_xla(backend):
+    """JAX's Pallas Triton lowering offsets a ref of at most 2**32 bytes in int32, so e4m3 outputs
+    of 2**31 to 2**32 values (DeepSeek-V3's gate experts, [256, 2048, 7168]) would wrap: no kernel
+    is lowered for them, on either backend that would run it; at the band's lower edge the kernel's
+    e4m3 pointers are offset in int32, which holds them."""
+    def value_offsets(shape):
+        modules = _triton_modules(lambda w: quantize_master_weights(w, transposed=True, backend=backend),
+                                  jax.ShapeDtypeStruct(shape, jnp.bfloat16))
+        return [line.rstrip().rsplit("x", 1)[-1] for module in modules for line in module.splitlines()
+                if "tt.addptr" in line and "x!tt.ptr<f8E4M3FN>" in line]
+
+    assert value_offsets((256, 2048, 7168)) == []  # 3.76e9 values
+    assert value_offsets((129, 2048, 8192)) == []  # 2**31 + 2**24 values
+    assert value_offsets((128, 2048, 8192)) == ["i32>", "i32>"]  # 2**31 values: the last offset is 2**31 - 1
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("transposed", [False, True])
 def test_kernel_lowers_for_h200(dtype, transposed):

@@ -21,9 +21,11 @@ from moe_jax.ops.platform import BackendName, implementation
 from moe_jax.ops.quantize import backends  # noqa: F401  (registers the two backends)
 from moe_jax.ops.sharding import replicate_explicit
 
-__all__ = ["QUANTIZE_BACKENDS", "quantize_master_weights"]
+__all__ = ["E4M3_INT32_BAND", "QUANTIZE_BACKENDS", "quantize_master_weights"]
 
 QUANTIZE_BACKENDS = ("auto", "pallas_triton", "xla")
+# Values per e4m3 output past which Pallas' int32 offsets wrap, and up to which it still uses them.
+E4M3_INT32_BAND = (2**31, 2**32)
 
 
 def quantize_master_weights(
@@ -37,7 +39,9 @@ def quantize_master_weights(
       transposed: also return the same values as `[E, K, N]` with scales `[E, Kb, Nb]`
         (`transpose_weights` of the first result), written in the same pass.
       backend: `"auto"` (the kernel on a GPU, XLA elsewhere), `"pallas_triton"` (interpreted off
-        GPU) or `"xla"`. Weights an Explicit mesh axis shards are gathered first on every backend
+        GPU) or `"xla"`. Weights of more than 2**31 and at most 2**32 values (e.g. DeepSeek-V3's
+        gate, up or down experts, 3.8e9) run on XLA on every backend: the kernel's e4m3 outputs
+        would be offset in int32 there (`E4M3_INT32_BAND`). Weights an Explicit mesh axis shards are gathered first on every backend
         (`moe_jax.ops.sharding.replicate_explicit`), as the grouped GEMMs gather their operands.
 
     Returns `Fp8Weights(values_ENK [E, N, K] e4m3, scale_ENbKb [E, Nb, Kb] fp32)`, or with
@@ -57,6 +61,11 @@ def quantize_master_weights(
     # Both backends read whole weights: the kernel indexes experts, XLA's blocks reshape every axis.
     (w_ENK,) = replicate_explicit(w_ENK)
     if w_ENK.size == 0:  # no block to launch a program for: XLA's empty arrays
+        backend = "xla"
+    elif E4M3_INT32_BAND[0] < w_ENK.size <= E4M3_INT32_BAND[1]:
+        # JAX's Pallas Triton lowering offsets a ref of at most 2**32 bytes in int32
+        # (`_compute_offsets_from_indices`): e4m3 outputs of more than 2**31 values, up to 2**32,
+        # would be addressed past int32 and wrap. XLA writes them (two reads of the weights).
         backend = "xla"
     impl = implementation("quantize_master_weights", backend)
     wq, wq_t = impl(w_ENK, transposed)
