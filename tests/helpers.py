@@ -8,6 +8,7 @@ from unittest import mock
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
 
@@ -122,3 +123,30 @@ def emulated_ragged_all_to_all(
 def poisoned_ragged():
     """Patch ragged_all_to_all with the emulation, NaN in every row no sender writes."""
     return mock.patch.object(jax.lax, "ragged_all_to_all", functools.partial(emulated_ragged_all_to_all, fill=jnp.nan))
+
+
+def assert_same_bits(got, want):
+    """Equal bit for bit, except that any NaN matches any NaN (e4m3 has two NaN encodings)."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, got.shape, want.dtype, want.shape)
+    nan = np.isnan(want.astype(np.float32))
+    np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan)
+    uint = np.uint8 if got.dtype.itemsize == 1 else np.uint32
+    np.testing.assert_array_equal(got.view(uint)[~nan], want.view(uint)[~nan])
+
+
+def triton_modules(fn, *avals) -> list[str]:
+    """The Triton IR of every Pallas kernel of `fn` lowered for an H200."""
+    from jax._src.pallas.triton import pallas_call_registration as registration
+
+    modules, lower = [], registration.lowering.lower_jaxpr_to_triton_module
+
+    def keep(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        modules.append(result.module.operation.get_asm(enable_debug_info=False))
+        return result
+
+    with jax.sharding.use_abstract_mesh(h200_mesh((1,), ("aot",))), \
+            mock.patch.object(registration.lowering, "lower_jaxpr_to_triton_module", keep):
+        jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",))
+    return modules

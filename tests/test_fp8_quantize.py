@@ -24,7 +24,7 @@ from moe_jax.ops.fp8 import FP8_DTYPE, quantize_weights, transpose_weights
 from moe_jax.ops.fp8_linear import fp8_grouped_linear
 from moe_jax.ops.quantize import backends, quantize_master_weights, quantize_master_weights_reference
 from moe_jax.ops.quantize.kernel import quantize_weights_pallas
-from tests.helpers import ON_GPU, lower_for_gpu
+from tests.helpers import ON_GPU, assert_same_bits, lower_for_gpu, triton_modules
 
 DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
 KERNEL = 'name = "moe_jax_quantize_weights"'
@@ -41,19 +41,9 @@ def _weights(shape, dtype, seed=0):
     return w.astype(dtype)
 
 
-def _assert_same_bits(got, want):
-    """Equal bit for bit, except that any NaN matches any NaN (e4m3 has two NaN encodings)."""
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, got.shape, want.dtype, want.shape)
-    nan = np.isnan(want.astype(np.float32))
-    np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan)
-    uint = np.uint8 if got.dtype.itemsize == 1 else np.uint32
-    np.testing.assert_array_equal(got.view(uint)[~nan], want.view(uint)[~nan])
-
-
 def _assert_same_weights(got, want):
-    _assert_same_bits(got.values_ENK, want.values_ENK)
-    _assert_same_bits(got.scale_ENbKb, want.scale_ENbKb)
+    assert_same_bits(got.values_ENK, want.values_ENK)
+    assert_same_bits(got.scale_ENbKb, want.scale_ENbKb)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -105,8 +95,8 @@ def test_nan_and_inf_stay_in_their_block():
     poisoned[1, 128:, :128] = True
     scales = np.ones((2, 2, 2), bool)
     scales[1, 1, 0] = False
-    _assert_same_bits(np.asarray(wq.values_ENK)[~poisoned], np.asarray(want.values_ENK)[~poisoned])
-    _assert_same_bits(np.asarray(wq.scale_ENbKb)[scales], np.asarray(want.scale_ENbKb)[scales])
+    assert_same_bits(np.asarray(wq.values_ENK)[~poisoned], np.asarray(want.values_ENK)[~poisoned])
+    assert_same_bits(np.asarray(wq.scale_ENbKb)[scales], np.asarray(want.scale_ENbKb)[scales])
     np.testing.assert_array_equal(np.asarray(wq_t.values_ENK).view(np.uint8),
                                   np.swapaxes(np.asarray(wq.values_ENK), 1, 2).view(np.uint8))
 
@@ -134,7 +124,7 @@ def test_weights_past_int32_offsets_address_in_64_bits():
     """DeepSeek-V3's gate+up (7.5e9 elements, past int32 offsets) runs the kernel: Pallas' Triton
     lowering widens the block index to 64 bits before it multiplies it by the expert's stride, so
     every pointer into the values is offset in i64 (read off the Triton IR lowered for an H200)."""
-    (module,) = _triton_modules(
+    (module,) = triton_modules(
         lambda w: quantize_master_weights(w, transposed=True, backend="pallas_triton"),
         jax.ShapeDtypeStruct((256, 4096, 7168), jnp.bfloat16))
     value_ptrs = [line for line in module.splitlines() if "tt.addptr" in line and "x!tt.ptr<" in line]
@@ -150,7 +140,7 @@ def test_weights_whose_e4m3_values_pallas_would_offset_in_int32_run_on_xla(backe
     is lowered for them, on either backend that would run it; at the band's lower edge the kernel's
     e4m3 pointers are offset in int32, which holds them."""
     def value_offsets(shape):
-        modules = _triton_modules(lambda w: quantize_master_weights(w, transposed=True, backend=backend),
+        modules = triton_modules(lambda w: quantize_master_weights(w, transposed=True, backend=backend),
                                   jax.ShapeDtypeStruct(shape, jnp.bfloat16))
         return [line.rstrip().rsplit("x", 1)[-1] for module in modules for line in module.splitlines()
                 if "tt.addptr" in line and "x!tt.ptr<f8E4M3FN>" in line]
@@ -171,25 +161,6 @@ def test_kernel_lowers_for_h200(dtype, transposed):
         assert text.count(KERNEL) == 1
 
 
-def _triton_modules(fn, *avals) -> list[str]:
-    """The Triton IR of every Pallas kernel of `fn` lowered for an H200."""
-    from jax._src.pallas.triton import pallas_call_registration as registration
-
-    from tests.helpers import h200_mesh
-
-    modules, lower = [], registration.lowering.lower_jaxpr_to_triton_module
-
-    def keep(*args, **kwargs):
-        result = lower(*args, **kwargs)
-        modules.append(result.module.operation.get_asm(enable_debug_info=False))
-        return result
-
-    with jax.sharding.use_abstract_mesh(h200_mesh((1,), ("aot",))), \
-            mock.patch.object(registration.lowering, "lower_jaxpr_to_triton_module", keep):
-        jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",))
-    return modules
-
-
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_compiled_for_sm90(dtype):
     """The kernel's Triton IR compiled for sm_90 by the Triton wheel: the division and the e4m3
@@ -200,7 +171,7 @@ def test_compiled_for_sm90(dtype):
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
 
-    (module,) = _triton_modules(
+    (module,) = triton_modules(
         lambda w: quantize_weights_pallas(w, transposed=True, num_warps=backends.NUM_WARPS[True], interpret=False),
         jax.ShapeDtypeStruct((3, 200, 136), dtype))
     with tempfile.TemporaryDirectory() as tmp:
