@@ -41,8 +41,9 @@ def quantize_master_weights(
       backend: `"auto"` (the kernel on a GPU, XLA elsewhere), `"pallas_triton"` (interpreted off
         GPU) or `"xla"`. Weights of more than 2**31 and at most 2**32 values (e.g. DeepSeek-V3's
         gate, up or down experts, 3.8e9) run on XLA on every backend: the kernel's e4m3 outputs
-        would be offset in int32 there (`E4M3_INT32_BAND`). Weights an Explicit mesh axis shards are gathered first on every backend
-        (`moe_jax.ops.sharding.replicate_explicit`), as the grouped GEMMs gather their operands.
+        would be offset in int32 there (`E4M3_INT32_BAND`). Weights an Explicit mesh axis shards
+        are gathered first on every backend (`moe_jax.ops.sharding.replicate_explicit`), as the
+        grouped GEMMs gather their operands.
 
     Returns `Fp8Weights(values_ENK [E, N, K] e4m3, scale_ENbKb [E, Nb, Kb] fp32)`, or with
     `transposed` the pair `(that, Fp8Weights(values [E, K, N], scales [E, Kb, Nb]))`. Not
