@@ -145,6 +145,10 @@ def test_weights_whose_e4m3_values_pallas_would_offset_in_int32_run_on_xla(backe
         return [line.rstrip().rsplit("x", 1)[-1] for module in modules for line in module.splitlines()
                 if "tt.addptr" in line and "x!tt.ptr<f8E4M3FN>" in line]
 
+    from moe_jax.ops.pallas_triton import int32_offsets_wrap
+
+    assert [int32_offsets_wrap(n, FP8_DTYPE) for n in (2**31, 2**31 + 1, 2**32, 2**32 + 1)] == [False, True, True, False]
+    assert not int32_offsets_wrap(2**31 + 1, jnp.bfloat16)  # past 2**32 bytes: 64-bit offsets
     assert value_offsets((256, 2048, 7168)) == []  # 3.76e9 values
     assert value_offsets((129, 2048, 8192)) == []  # 2**31 + 2**24 values
     assert value_offsets((128, 2048, 8192)) == ["i32>", "i32>"]  # 2**31 values: the last offset is 2**31 - 1

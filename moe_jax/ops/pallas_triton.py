@@ -14,7 +14,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from moe_jax.ops.sharding import varying_like
 
-__all__ = ["cdiv", "launch", "masked_load", "next_pow2", "outer_and"]
+__all__ = ["cdiv", "int32_offsets_wrap", "launch", "masked_load", "next_pow2", "outer_and"]
 
 
 def cdiv(a, b):
@@ -25,6 +25,15 @@ def cdiv(a, b):
 def next_pow2(x: int) -> int:
     """The smallest power of two `>= x` (1 for `x <= 1`)."""
     return 1 << max(int(x) - 1, 0).bit_length()
+
+
+def int32_offsets_wrap(size: int, dtype) -> bool:
+    """Whether a ref of `size` elements of `dtype` would be addressed past int32 in a kernel: JAX's
+    Pallas Triton lowering offsets refs of at most 2**32 bytes in int32
+    (`jax._src.pallas.triton.lowering._compute_offsets_from_indices`), which holds 2**31 elements
+    of 2 bytes or more but not the more than 2**31 elements of a 1-byte array of 2-4 GiB (e4m3:
+    DeepSeek-V3's gate, up or down expert weights, 3.8e9 values). Such arrays need another path."""
+    return jnp.dtype(dtype).itemsize * size <= 2**32 and size > 2**31
 
 
 def outer_and(row_ok, col_ok, shape):

@@ -17,15 +17,14 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax.ops.fp8 import FP8_DTYPE, Fp8Weights
+from moe_jax.ops.pallas_triton import int32_offsets_wrap
 from moe_jax.ops.platform import BackendName, implementation
 from moe_jax.ops.quantize import backends  # noqa: F401  (registers the two backends)
 from moe_jax.ops.sharding import replicate_explicit
 
-__all__ = ["E4M3_INT32_BAND", "QUANTIZE_BACKENDS", "quantize_master_weights"]
+__all__ = ["QUANTIZE_BACKENDS", "quantize_master_weights"]
 
 QUANTIZE_BACKENDS = ("auto", "pallas_triton", "xla")
-# Values per e4m3 output past which Pallas' int32 offsets wrap, and up to which it still uses them.
-E4M3_INT32_BAND = (2**31, 2**32)
 
 
 def quantize_master_weights(
@@ -41,9 +40,9 @@ def quantize_master_weights(
       backend: `"auto"` (the kernel on a GPU, XLA elsewhere), `"pallas_triton"` (interpreted off
         GPU) or `"xla"`. Weights of more than 2**31 and at most 2**32 values (e.g. DeepSeek-V3's
         gate, up or down experts, 3.8e9) run on XLA on every backend: the kernel's e4m3 outputs
-        would be offset in int32 there (`E4M3_INT32_BAND`). Weights an Explicit mesh axis shards
-        are gathered first on every backend (`moe_jax.ops.sharding.replicate_explicit`), as the
-        grouped GEMMs gather their operands.
+        would be offset in int32 there (`moe_jax.ops.pallas_triton.int32_offsets_wrap`). Weights an
+        Explicit mesh axis shards are gathered first on every backend
+        (`moe_jax.ops.sharding.replicate_explicit`), as the grouped GEMMs gather their operands.
 
     Returns `Fp8Weights(values_ENK [E, N, K] e4m3, scale_ENbKb [E, Nb, Kb] fp32)`, or with
     `transposed` the pair `(that, Fp8Weights(values [E, K, N], scales [E, Kb, Nb]))`. Not
@@ -63,10 +62,7 @@ def quantize_master_weights(
     (w_ENK,) = replicate_explicit(w_ENK)
     if w_ENK.size == 0:  # no block to launch a program for: XLA's empty arrays
         backend = "xla"
-    elif E4M3_INT32_BAND[0] < w_ENK.size <= E4M3_INT32_BAND[1]:
-        # JAX's Pallas Triton lowering offsets a ref of at most 2**32 bytes in int32
-        # (`_compute_offsets_from_indices`): e4m3 outputs of more than 2**31 values, up to 2**32,
-        # would be addressed past int32 and wrap. XLA writes them (two reads of the weights).
+    elif int32_offsets_wrap(w_ENK.size, FP8_DTYPE):  # the kernel's e4m3 outputs: XLA writes them
         backend = "xla"
     impl = implementation("quantize_master_weights", backend)
     wq, wq_t = impl(w_ENK, transposed)
