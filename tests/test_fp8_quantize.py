@@ -149,6 +149,9 @@ def test_weights_whose_e4m3_values_pallas_would_offset_in_int32_run_on_xla(backe
 
     assert [int32_offsets_wrap(n, FP8_DTYPE) for n in (2**31, 2**31 + 1, 2**32, 2**32 + 1)] == [False, True, True, False]
     assert not int32_offsets_wrap(2**31 + 1, jnp.bfloat16)  # past 2**32 bytes: 64-bit offsets
+    with pytest.raises(ValueError, match=r"output 0 \(float8_e4m3fn \(256, 2048, 7168\)\) would be addressed past int32"):
+        jax.eval_shape(lambda w: quantize_weights_pallas(w, transposed=False, num_warps=4, interpret=False),
+                       jax.ShapeDtypeStruct((256, 2048, 7168), jnp.bfloat16))  # the launcher's own guard
     assert value_offsets((256, 2048, 7168)) == []  # 3.76e9 values
     assert value_offsets((129, 2048, 8192)) == []  # 2**31 + 2**24 values
     assert value_offsets((128, 2048, 8192)) == ["i32>", "i32>"]  # 2**31 values: the last offset is 2**31 - 1

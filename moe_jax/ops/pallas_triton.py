@@ -7,6 +7,8 @@ inside `shard_map`. Blocks are powers of two (Triton's rule); `next_pow2` rounds
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -32,7 +34,8 @@ def int32_offsets_wrap(size: int, dtype) -> bool:
     Pallas Triton lowering offsets refs of at most 2**32 bytes in int32
     (`jax._src.pallas.triton.lowering._compute_offsets_from_indices`), which holds 2**31 elements
     of 2 bytes or more but not the more than 2**31 elements of a 1-byte array of 2-4 GiB (e4m3:
-    DeepSeek-V3's gate, up or down expert weights, 3.8e9 values). Such arrays need another path."""
+    DeepSeek-V3's gate, up or down expert weights, 3.8e9 values). `launch` refuses such arrays;
+    callers route them to another path."""
     return jnp.dtype(dtype).itemsize * size <= 2**32 and size > 2**31
 
 
@@ -77,6 +80,12 @@ def launch(kernel, inputs, *, out_shape, grid, num_warps: int, num_stages: int, 
         def call_kernel(*refs):
             return kernel(*refs[:first], *refs[len(inputs):])  # drop the aliased input refs
 
+    outs = out_shape if isinstance(out_shape, tuple) else (out_shape,)
+    for i, a in enumerate((*inputs, *outs)):
+        if int32_offsets_wrap(math.prod(a.shape), a.dtype):
+            what = f"input {i}" if i < len(inputs) else f"output {i - len(inputs)}"
+            raise ValueError(f"{name}: {what} ({a.dtype} {tuple(a.shape)}) would be addressed past int32 by Pallas' "
+                             "Triton lowering (int32_offsets_wrap); route such arrays to another backend.")
     context = jax.sharding.get_abstract_mesh()
     if interpret and context.manual_axes:
         # JAX's Pallas interpreter pads with mesh-invariant constants, which shard_map's varying
