@@ -3,7 +3,7 @@ backend and dtype at the layer shapes, the resource model against the compiled k
 run's summary. `benchmarks/gpu_run.sh accept` runs every phase in order; docs/acceptance.md says
 what each proves.
 
-    python -m benchmarks.accept layers [--shapes 3,4] [--json PATH]  # the fp32/bf16 layer table
+    python -m benchmarks.accept layers [--shapes 3,4] [--dtypes D] [--backends B] [--json PATH]  # the layer table
     python -m benchmarks.accept launch --labels PATH         # each Pallas/Mosaic kernel once (under ncu)
     python -m benchmarks.accept ncu-table CSV --labels PATH  # their shared memory beside the model's
     python -m benchmarks.accept summary OUT_DIR              # the committed summary, from the logs
@@ -18,7 +18,9 @@ take).
 `launch`: one configuration of each kind of `pallas_triton` kernel the choosers reach (the one the
 model gives the most bytes, `tests.compiled_resources.sample`; every configuration is compiled by
 the Triton wheel in the `compiled` step), every `mosaic_gpu` configuration they reach and the
-Mosaic FP8 kernel at both branches of its tile rule (`fp8_mosaic_tiles`), each run once on small inputs, in order, with its label and the model's bytes written to `--labels`;
+Mosaic FP8 kernel at both branches of its tile rule (`fp8_mosaic_tiles`), each run once on small
+inputs, in order; `--labels` holds each one's label and the model's bytes from the start, each
+marked `launched` once it has run;
 `ncu-table` pairs Nsight Compute's `launch__shared_mem_per_block_dynamic` + `..._static` of those
 launches (XLA's own compilation of the kernels) with the labels.
 """
@@ -50,6 +52,7 @@ LAYER_SHAPES = ((64, 256, 256, 16, 4), (512, 256, 256, 16, 4), (2048, 512, 512, 
 # quantization without the copy, 16-bit input gradients); both compared with the unquantized reference.
 LAYER_BACKENDS = ("auto", "pallas_triton", "triton", "mosaic_gpu", "xla", "fp8", "fp8-master")
 FP8_CELLS = {"fp8": dict(), "fp8-master": dict(input_gradient="master")}
+DTYPES = ("float32", "bfloat16")
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2}  # relative error against the xla layer (bf16 rounds twice)
 FP8_TOLERANCE = 8e-2  # e4m3's 3 mantissa bits: the recipe's GEMMs are ~3e-2 from exact products
 # Names of our kernels in a profile: the Pallas Triton ones carry ours; Mosaic GPU's its body's.
@@ -84,13 +87,17 @@ def _rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def _shape_rows(shape) -> list[dict]:
-    """The cells of one layer shape: each dtype on each backend, `xla` first: the reference is the
-    first backend whose layer runs (`xla`'s ragged_dot needs tens of GiB at fp32 prefill sizes)."""
+def _shape_rows(shape, dtypes=DTYPES, backends=LAYER_BACKENDS, on_row=lambda row: None) -> list[dict]:
+    """The cells of one layer shape: each of `dtypes` on each of `backends`, `xla` first. The reference
+    is the first backend whose layer runs (`xla`'s ragged_dot needs tens of GiB at fp32 prefill sizes),
+    whether or not `backends` names it: a backend left out runs only while no reference has, and
+    gives no cell. `on_row` sees each cell as it is made."""
     rows = []
-    for dtype in ("float32", "bfloat16"):
+    for dtype in dtypes:
         ref = None
         for backend in ("xla",) + tuple(b for b in LAYER_BACKENDS if b != "xla"):
+            if backend not in backends and ref is not None:
+                continue
             start = time.perf_counter()
             try:
                 y, dx, dparams = _layer_step(shape, jnp.dtype(dtype), backend)
@@ -103,21 +110,42 @@ def _shape_rows(shape) -> list[dict]:
             except Exception as exc:  # noqa: BLE001  (every failure is a cell of the table)
                 err, cell = None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
                 traceback.print_exc(limit=3)
+            if backend not in backends:
+                continue
             rows.append(dict(shape=shape, dtype=dtype, backend=backend, cell=cell, rel_err=err,
                              reference=None if ref is None else ref_backend,
                              seconds=round(time.perf_counter() - start, 1)))
             print(json.dumps(rows[-1]), flush=True)
+            on_row(rows[-1])
     return rows
+
+
+def _names(arg, known, what):
+    if not arg:
+        return known
+    names = tuple(arg.split(","))
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"--{what}: {unknown} not among {list(known)}")
+    return names
 
 
 def layers(args) -> None:
     # One process, one cell after another: XLA's fp32 layer needs 48-64 GiB at the two largest
     # shapes, and beside a second process its allocations or its autotuning failed.
     shapes = [LAYER_SHAPES[int(i)] for i in args.shapes.split(",")] if args.shapes else LAYER_SHAPES
-    rows = [row for shape in shapes for row in _shape_rows(shape)]
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(rows, fh, indent=1)
+    dtypes = _names(args.dtypes, DTYPES, "dtypes")
+    backends = _names(args.backends, LAYER_BACKENDS, "backends")
+    rows = []
+
+    def keep(row):  # the file holds every cell made so far, so a phase stopped at its limit keeps them
+        rows.append(row)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(rows, fh, indent=1)
+
+    for shape in shapes:
+        _shape_rows(shape, dtypes, backends, keep)
     print(layer_table(rows))
 
 
@@ -126,7 +154,7 @@ def layer_table(rows) -> str:
              "|---|---|" + "---|" * len(LAYER_BACKENDS)]
     cells = {(tuple(r["shape"]), r["dtype"], r["backend"]): r for r in rows}
     for shape in LAYER_SHAPES:
-        for dtype in ("float32", "bfloat16"):
+        for dtype in DTYPES:
             out = []
             for b in LAYER_BACKENDS:
                 r = cells.get((shape, dtype, b))
@@ -161,7 +189,10 @@ def _launch_one(c, dtype):
                                   **common)
 
 
-def launch(args) -> None:
+def launch_plan() -> list[tuple[dict, object]]:
+    """`(label, run)` for each kernel `launch` runs, in order: one configuration of each kind of
+    `pallas_triton` kernel the choosers reach, every `mosaic_gpu` configuration they reach and the
+    Mosaic FP8 kernel at both branches of its tile rule. `run()` launches it once and waits."""
     from moe_jax.ops import gmm
     from moe_jax.ops.fp8 import quantize_rows, quantize_weights
     from moe_jax.ops.gmm.fp8_api import gmm_fp8
@@ -170,44 +201,68 @@ def launch(args) -> None:
     from tests.compiled_resources import compilations, model_bytes, reachable, sample
 
     reached = reachable()
-    labels = []
+    plan = []
     for c in sample(compilations(reached)):
         if c.backend != "pallas_triton":
             continue
-        jax.block_until_ready(jax.jit(lambda c=c: _launch_one(c, jnp.dtype(c.dtype)))())
-        labels.append(dict(backend=c.backend, kernel=c.kernel, family=c.family, tiles=list(c.tiles.__dict__.values()),
-                           dtype=c.dtype, ieee=c.ieee, gather=c.gather, model=model_bytes(c)))
+        plan.append((dict(backend=c.backend, kernel=c.kernel, family=c.family, tiles=list(c.tiles.__dict__.values()),
+                          dtype=c.dtype, ieee=c.ieee, gather=c.gather, model=model_bytes(c)),
+                     lambda c=c: jax.block_until_ready(jax.jit(lambda: _launch_one(c, jnp.dtype(c.dtype)))())))
     mosaic = sorted({(r.problem.kernel, r.problem.dtype.name, r.config) for r in reached if r.backend == "mosaic_gpu"},
                     key=str)
     for kernel, dtype, config in mosaic:
-        m, n, k, e = 4096, 4 * config.cta_n, 8 * config.tile_k, 16
-        nt = kernel == "gmm_nt"
-        x = jnp.ones((m, k), dtype)
-        w = jnp.ones((e, n, k) if nt else (e, k, n), dtype)
-        sizes = jnp.full((e,), m // e, jnp.int32)
-        jax.block_until_ready(jax.jit(lambda x, w, s: gmm(x, w, s, transpose_rhs=nt, backend="mosaic_gpu",
-                                                          config=config))(x, w, sizes))
-        labels.append(dict(backend="mosaic_gpu", kernel=kernel, family=str(config), tiles=[], dtype=dtype, ieee=False,
-                           gather=False, model=smem_bytes(config, dtype, dtype)))
+        def run(kernel=kernel, dtype=dtype, config=config):
+            m, n, k, e = 4096, 4 * config.cta_n, 8 * config.tile_k, 16
+            nt = kernel == "gmm_nt"
+            x = jnp.ones((m, k), dtype)
+            w = jnp.ones((e, n, k) if nt else (e, k, n), dtype)
+            sizes = jnp.full((e,), m // e, jnp.int32)
+            jax.block_until_ready(jax.jit(lambda x, w, s: gmm(x, w, s, transpose_rhs=nt, backend="mosaic_gpu",
+                                                              config=config))(x, w, sizes))
+        plan.append((dict(backend="mosaic_gpu", kernel=kernel, family=str(config), tiles=[], dtype=dtype, ieee=False,
+                          gather=False, model=smem_bytes(config, dtype, dtype)), run))
     for n in (256, 384):  # the Mosaic FP8 kernel at both branches of its rule, in the layer's bf16 output
-        tiles, m, k, e = fp8_mosaic_tiles(n), 4096, 512, 16
-        rows = quantize_rows(jnp.ones((m, k), jnp.float32))
-        wq = quantize_weights(jnp.ones((e, n, k), jnp.float32))
-        sizes = jnp.full((e,), m // e, jnp.int32)
-        jax.block_until_ready(jax.jit(lambda r, w, s, t=tiles: gmm_fp8(r, w, s, backend="mosaic_gpu", config=t,
-                                                                       out_dtype=jnp.bfloat16))(rows, wq, sizes))
-        labels.append(dict(backend="mosaic_gpu", kernel="gmm_fp8", family=str(tiles), tiles=[], dtype="float8_e4m3fn",
-                           ieee=False, gather=False, model=fp8_mosaic_smem_bytes(tiles, jnp.bfloat16)))
-    with open(args.labels, "w") as fh:
-        json.dump(labels, fh, indent=1)
+        tiles = fp8_mosaic_tiles(n)
+
+        def run(n=n, tiles=tiles):
+            m, k, e = 4096, 512, 16
+            rows = quantize_rows(jnp.ones((m, k), jnp.float32))
+            wq = quantize_weights(jnp.ones((e, n, k), jnp.float32))
+            sizes = jnp.full((e,), m // e, jnp.int32)
+            jax.block_until_ready(jax.jit(lambda r, w, s: gmm_fp8(r, w, s, backend="mosaic_gpu", config=tiles,
+                                                                  out_dtype=jnp.bfloat16))(rows, wq, sizes))
+        plan.append((dict(backend="mosaic_gpu", kernel="gmm_fp8", family=str(tiles), tiles=[], dtype="float8_e4m3fn",
+                          ieee=False, gather=False, model=fp8_mosaic_smem_bytes(tiles, jnp.bfloat16)), run))
+    return plan
+
+
+def run_plan(plan, labels_path: str) -> None:
+    """Launch each of `plan` in order. `labels_path` holds every label from the start, each marked
+    `launched` once its kernel has run, so a run stopped at its limit still pairs what it profiled and
+    the verdict sees what it did not reach."""
+    labels = [dict(label, launched=False) for label, _ in plan]
+
+    def write():
+        with open(labels_path, "w") as fh:
+            json.dump(labels, fh, indent=1)
+
+    write()
+    for label, (_, run) in zip(labels, plan):
+        run()
+        label["launched"] = True
+        write()
     print(f"{len(labels)} kernels launched")
+
+
+def launch(args) -> None:
+    run_plan(launch_plan(), args.labels)
 
 
 def ncu_table(args) -> None:
     """Pair the profiled launches (in order; the kernels of our names) with the labels."""
     import csv
 
-    labels = json.load(open(args.labels))
+    labels = [label for label in json.load(open(args.labels)) if label.get("launched", True)]
     launches, others = {}, set()
     with open(args.csv) as fh:
         for row in csv.DictReader(line for line in fh if not line.startswith("==")):
@@ -314,7 +369,7 @@ def verdict(out: str) -> list[tuple[str, bool, str]]:
     twice = len(rows) - len({(tuple(r["shape"]), r["dtype"], r["backend"]) for r in rows})
     bad = [r for r in rows if not (r["cell"] == "ok" or (r["backend"] != "xla" and r["cell"].startswith("ValueError"))
                                    or (r["backend"] == "xla" and re.search(XLA_OUT_OF_MEMORY, r["cell"])))]
-    cells = len(LAYER_SHAPES) * 2 * len(LAYER_BACKENDS)
+    cells = len(LAYER_SHAPES) * len(DTYPES) * len(LAYER_BACKENDS)
     checks.append(("layer table", len(rows) == cells and not bad and not twice,
                    f"{len(rows)} of {cells} cells; not ok: {[(r['shape'], r['dtype'], r['backend']) for r in bad]}"
                    + (f"; {twice} cells more than once" if twice else "")))
@@ -393,6 +448,9 @@ def main(argv=None) -> None:
     q = sub.add_parser("layers")
     q.add_argument("--json", default=None)
     q.add_argument("--shapes", default=None, help="indices into LAYER_SHAPES, e.g. 3,4 (default: all)")
+    q.add_argument("--dtypes", default=None, help="some of DTYPES, e.g. bfloat16 (default: all)")
+    q.add_argument("--backends", default=None,
+                   help="some of LAYER_BACKENDS, e.g. mosaic_gpu,fp8 (default: all; the reference runs regardless)")
     q = sub.add_parser("launch")
     q.add_argument("--labels", required=True)
     q = sub.add_parser("ncu-table")

@@ -24,7 +24,9 @@
 #        candidate when no decode phase ran before it in this call),
 #      EP_ARGS (e.g. --skip-ragged; --chunks 1,2,4 adds the chunked-exchange rows),
 #      EP_RANKS (ep size of ep-bench and example-ep; default 2),
-#      ACCEPT_SHAPES (accept-layers: indices into benchmarks.accept's LAYER_SHAPES; default all),
+#      ACCEPT_SHAPES / ACCEPT_DTYPES / ACCEPT_BACKENDS (accept-layers: indices into benchmarks.accept's
+#        LAYER_SHAPES, some of its DTYPES, some of its LAYER_BACKENDS; default all: a later lane can make
+#        exactly the cells an earlier one did not reach),
 #      PARITY_EP (the EP test paths; the EP parity test runs each world size on NCCL when it sees that many GPUs).
 # ep-check runs tests/test_ep_moe.py (ep 2 and 4, on GPUs where the host has that many, else on host
 #   devices), then its ragged cases once more under XLA's ragged_all_to_all decomposer flag.
@@ -89,7 +91,7 @@ for phase in "${phases[@]}"; do
                         | tr '\r' '\n' | grep -v '^ *$' > "$OUT/${L}example_$run.log"
                       echo "exit ${PIPESTATUS[0]}" >> "$OUT/${L}example_$run.log"; tail -4 "$OUT/${L}example_$run.log"
                     done ;;
-    accept-layers) timeout "$limit" python3 -m benchmarks.accept layers ${ACCEPT_SHAPES:+--shapes $ACCEPT_SHAPES} --json "$OUT/${L}accept_layers.json" 2>&1 | tee "$OUT/${L}accept_layers.log" | tail -14 ;;
+    accept-layers) timeout "$limit" python3 -m benchmarks.accept layers ${ACCEPT_SHAPES:+--shapes $ACCEPT_SHAPES} ${ACCEPT_DTYPES:+--dtypes $ACCEPT_DTYPES} ${ACCEPT_BACKENDS:+--backends $ACCEPT_BACKENDS} --json "$OUT/${L}accept_layers.json" 2>&1 | tee "$OUT/${L}accept_layers.log" | tail -14 ;;
     accept-compiled) timeout "$limit" env -u TRITON_INTERPRET python3 -m tests.compiled_resources --jobs ${NPROC:-14} > "$OUT/${L}compiled.jsonl" 2> "$OUT/${L}compiled.err"
                      python3 -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]; print(len(r), 'compiled; model below the compiler on', sum(x['compiled']>x['model'] for x in r), '; exact on', sum(x['compiled']==x['model'] for x in r))" "$OUT/${L}compiled.jsonl" ;;
     accept-ncu) timeout "$limit" ncu --clock-control none --print-units base --csv --log-file "$OUT/${L}accept_ncu.csv" \

@@ -137,3 +137,45 @@ def test_failed_tests_count_only_when_all_pass_rerun_alone(tmp_path, rerun, gree
     (tmp_path / "tests_rerun_ids.txt").write_text("\n".join(accept.failed_ids(log)) + "\n")
     (tmp_path / "tests_rerun.log").write_text(rerun)
     assert _failed(tmp_path) == ([] if green else ["tests and parity compiled"])
+
+
+def test_a_later_lane_makes_only_the_cells_it_names(tmp_path):
+    """`--dtypes` / `--backends` make exactly the cells an earlier lane did not reach: the reference
+    (`xla` here) runs but gives no cell, and the file holds each cell as it is made."""
+    import argparse
+
+    path = tmp_path / "c-accept_layers.json"
+    accept.layers(argparse.Namespace(shapes="0", dtypes="float32", backends="auto", json=str(path)))
+    rows = json.loads(path.read_text())
+    assert [(r["dtype"], r["backend"], r["reference"], r["cell"]) for r in rows] == [("float32", "auto", "xla", "ok")]
+    with pytest.raises(ValueError, match="--backends.*'cuda'"):
+        accept.layers(argparse.Namespace(shapes="0", dtypes=None, backends="auto,cuda", json=None))
+
+
+def test_launches_stopped_at_the_limit_keep_their_labels_and_stay_red(tmp_path):
+    """`run_plan` writes every label before the first launch and marks each once it ran: a run
+    killed mid-way pairs what Nsight profiled with the labels launched, and the verdict counts the
+    labels never reached."""
+    import argparse
+
+    def stopped():
+        raise TimeoutError("the phase's limit")
+
+    label = dict(family="group_major", tiles=[128, 128], dtype="bfloat16", ieee=False, gather=False)
+    plan = [(dict(label, backend="pallas_triton", kernel="gmm", model=100), lambda: None),
+            (dict(label, backend="mosaic_gpu", kernel="gmm", model=200), stopped)]
+    (tmp_path / "ncu").mkdir()
+    labels = tmp_path / "ncu" / "accept_labels.json"
+    with pytest.raises(TimeoutError):
+        accept.run_plan(plan, str(labels))
+    assert [label["launched"] for label in json.loads(labels.read_text())] == [True, False]
+    csv = tmp_path / "ncu" / "accept_ncu.csv"
+    csv.write_text('"ID","Kernel Name","Metric Name","Metric Value"\n'
+                   '"0","moe_jax_gmm_group_major","launch__shared_mem_per_block_dynamic","96"\n')
+    resources = tmp_path / "ncu" / "accept_resources.json"
+    accept.ncu_table(argparse.Namespace(csv=str(csv), labels=str(labels), out=str(resources)))
+    assert [(r["kernel"], r["compiled"], r["ok"]) for r in json.loads(resources.read_text())] == [("gmm", 96, True)]
+    _write_green(tmp_path)
+    (tmp_path / "accept_labels.json").write_text(labels.read_text())
+    (tmp_path / "accept_resources.json").write_text(resources.read_text())
+    assert _failed(tmp_path) == ["model vs launched kernels"]
