@@ -326,9 +326,17 @@ def loss_curves(bf16_log: str, fp8_log: str, every: int = 50) -> str:
     return "\n".join(out)
 
 
+def summary_line(log: str) -> str | None:
+    """pytest's final `N passed, M failed ... in Ts` line of a log (not a test id that holds such
+    words, as `--durations` lists them), or None."""
+    found = [ln for ln in log.splitlines()
+             if re.search(r"\b\d+ (passed|failed|errors?)\b.* in [\d.]+s", ln) and "::" not in ln]
+    return found[-1].strip("= ") if found else None
+
+
 def outcome_counts(log: str) -> dict[str, int]:
-    """pytest's summary counts (`passed`, `failed`, `error(s)`) from a log."""
-    return {w: int(n) for n, w in re.findall(r"(\d+) (passed|failed|error|errors)\b", log)}
+    """pytest's summary counts (`passed`, `failed`, `error(s)`) from a log's final line."""
+    return {w: int(n) for n, w in re.findall(r"(\d+) (passed|failed|error|errors)\b", summary_line(log) or "")}
 
 
 def failed_ids(log: str) -> list[str]:
@@ -408,13 +416,9 @@ def summary(args) -> None:
     lines += [f"- {'pass' if ok else 'FAIL'}: {name} ({detail})" for name, ok, detail in checks] + [""]
     pip = "; ".join(re.sub(r"\s+", " ", ln.strip()) for ln in read("pip.txt").splitlines() if ln.strip())
     lines += [f"Versions: {pip}", ""]
-    def result_line(log):  # pytest's last "N passed, M failed ..." line
-        found = [ln for ln in log.splitlines() if re.search(r"\d+ (passed|failed)", ln)]
-        return found[-1].strip("= ") if found else None
-
-    lines += [f"- `pytest tests parity` compiled: {result_line(read('tests.log')) or 'no result (see the log)'}"]
-    if result_line(read("tests_rerun.log")):
-        lines += [f"- the tests that failed, rerun alone (`accept-rerun`): {result_line(read('tests_rerun.log'))}"]
+    lines += [f"- `pytest tests parity` compiled: {summary_line(read('tests.log')) or 'no result (see the log)'}"]
+    if summary_line(read("tests_rerun.log")):
+        lines += [f"- the tests that failed, rerun alone (`accept-rerun`): {summary_line(read('tests_rerun.log'))}"]
     for run, title in EXAMPLE_RUNS.items():
         tail = [ln for ln in read(f"example_{run}.log").splitlines() if ln.strip()][-3:]
         lines += [f"- {title}:", "", "  ```", *("  " + ln for ln in tail), "  ```"]

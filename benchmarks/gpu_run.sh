@@ -76,7 +76,8 @@ for phase in "${phases[@]}"; do
                  --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__throughput.avg.pct_of_peak_sustained_elapsed,l1tex__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size,launch__block_size,launch__registers_per_thread,launch__shared_mem_per_block_dynamic \
                  -k 'regex:tgmm|device_kernel' python3 -m benchmarks.wgrad_profile 2>&1 | tail -5
                python3 -m benchmarks.wgrad_profile table "$OUT/${L}wgrad_ncu.csv" 2>&1 | tail -30 ;;
-    accept-tests) timeout "$limit" python3 -m pytest tests parity -q -n ${NPROC:-14} -p no:cacheprovider 2>&1 | tee "$OUT/${L}tests.log" | tail -25 ;;
+    accept-tests) timeout "$limit" python3 -m pytest tests parity -q -n ${NPROC:-14} -p no:cacheprovider --durations=40 2>&1 | tee "$OUT/${L}tests.log" \
+                    | grep -v -E '^[0-9.]+s (call|setup|teardown) ' | tail -25 ;;  # the slowest 40 stay in the log
     accept-rerun) python3 -m benchmarks.accept failed-ids "$OUT/${L}tests.log" > "$OUT/${L}tests_rerun_ids.txt"
                   # tests that ran out of device memory beside the other workers (and the example) on a smaller card
                   if [ -s "$OUT/${L}tests_rerun_ids.txt" ]; then

@@ -9,7 +9,10 @@ from benchmarks import accept
 
 
 def _write_green(tmp_path):
-    (tmp_path / "tests.log").write_text("....\n943 passed, 3 skipped, 2 warnings in 319.83s (0:05:19)\n")
+    (tmp_path / "tests.log").write_text(  # `--durations` lists the slowest tests, names with "failed" among them
+        "....\n============ slowest 40 durations ============\n"
+        "41.20s call     tests/test_bench_accept.py::test_failed_tests_count_only_when_all_pass_rerun_alone[2 failed]\n"
+        "943 passed, 3 skipped, 2 warnings in 319.83s (0:05:19)\n")
     for run in accept.EXAMPLE_RUNS:
         (tmp_path / f"example_{run}.log").write_text("done: steps 0..300 in 39.3 s | loss 5.645 -> 2.273 | val 2.3\nexit 0\n")
     rows = []
