@@ -64,15 +64,29 @@ def lower_for_gpu(fn, *avals, mesh: jax.sharding.AbstractMesh | None = None) -> 
     the MLIR verifier, so unsupported primitives, non-power-of-two blocks or bad indexing fail
     here, in CI, without a GPU.
     """
+    return _lower_for_gpu(fn, avals, mesh, modules=None)
+
+
+def triton_modules(fn, *avals) -> list[str]:
+    """The Triton IR of every Pallas kernel of `fn` lowered for an H200 (each verified, as in
+    `lower_for_gpu`). Pass a fresh `fn`: a function lowered before at the same avals is not
+    lowered again."""
+    modules = []
+    _lower_for_gpu(fn, avals, None, modules=modules)
+    return modules
+
+
+def _lower_for_gpu(fn, avals, mesh, *, modules: list | None) -> str:
     mesh = h200_mesh((1,), ("aot",)) if mesh is None else mesh
-    with jax.sharding.use_abstract_mesh(mesh), _verify_triton_modules():
+    with jax.sharding.use_abstract_mesh(mesh), _verify_triton_modules(modules):
         return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @contextlib.contextmanager
-def _verify_triton_modules():
+def _verify_triton_modules(modules: list | None):
     """Run the MLIR verifier on every Triton module Pallas emits (XLA verifies only when it parses
-    the module on the GPU host; this reaches through a private JAX module to do it here)."""
+    the module on the GPU host; this reaches through a private JAX module to do it here), keeping
+    each module's text in `modules` when given."""
     from jax._src.pallas.triton import pallas_call_registration as registration
 
     lower = registration.lowering.lower_jaxpr_to_triton_module
@@ -80,6 +94,8 @@ def _verify_triton_modules():
     def lower_and_verify(*args, **kwargs):
         result = lower(*args, **kwargs)
         result.module.operation.verify()  # raises MLIRError with the op and source line
+        if modules is not None:
+            modules.append(result.module.operation.get_asm(enable_debug_info=False))
         return result
 
     with mock.patch.object(registration.lowering, "lower_jaxpr_to_triton_module", lower_and_verify):
@@ -131,22 +147,5 @@ def assert_same_bits(got, want):
     assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, got.shape, want.dtype, want.shape)
     nan = np.isnan(want.astype(np.float32))
     np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan)
-    uint = np.uint8 if got.dtype.itemsize == 1 else np.uint32
+    uint = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[got.dtype.itemsize]
     np.testing.assert_array_equal(got.view(uint)[~nan], want.view(uint)[~nan])
-
-
-def triton_modules(fn, *avals) -> list[str]:
-    """The Triton IR of every Pallas kernel of `fn` lowered for an H200."""
-    from jax._src.pallas.triton import pallas_call_registration as registration
-
-    modules, lower = [], registration.lowering.lower_jaxpr_to_triton_module
-
-    def keep(*args, **kwargs):
-        result = lower(*args, **kwargs)
-        modules.append(result.module.operation.get_asm(enable_debug_info=False))
-        return result
-
-    with jax.sharding.use_abstract_mesh(h200_mesh((1,), ("aot",))), \
-            mock.patch.object(registration.lowering, "lower_jaxpr_to_triton_module", keep):
-        jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",))
-    return modules
