@@ -9,7 +9,7 @@
 # Phases: env | tests | parity | tune | run | run-quick | layer-time | drop-in | example | ep-check |
 #         ep-bench | parity-ep | example-ep | routed | jax-triton | backends | layer |
 #         decode | decode-ncu | wgrad-ncu | accept-tests | accept-example | accept-layers |
-#         accept-rerun | accept-compiled | accept-ncu | accept-summary | layer-profile | pack   (each optionally :SECONDS)
+#         accept-rerun | accept-compiled | accept-ncu | accept-summary | layer-profile | fp8 | combine | pack   (each optionally :SECONDS)
 # pack: every file under $OUT so far into one $OUT/<lane->pack-<time>.tgz (a host that returns only a few files
 #   from $OUT still returns all of them; `tar xzf` each call's pack into one folder for accept-summary).
 # The GPU acceptance run (docs/acceptance.md) is `accept`: every accept-* phase in order, after
@@ -104,6 +104,9 @@ for phase in "${phases[@]}"; do
           if [ -n "$files" ]; then (cd "$OUT" && tar czf "${L}pack-$(date -u +%H%M%S).tgz" --remove-files $files) && ls "$OUT"
           else echo "nothing to pack"; fi ;;
     accept-summary) python3 -m benchmarks.accept summary "$OUT" --commit "${COMMIT:-unknown}" --device "${DEVICE:-one H200}" | tail -60 ;;
+    fp8) timeout "$limit" python3 -m benchmarks.fp8 --sections ${FP8_SECTIONS:-wgrad,fb} ${FP8_SHAPES:+--shapes $FP8_SHAPES} --variants \
+           --json "$OUT/${L}fp8.json" 2>&1 | grep -v -E "rematerialization|gpu_hlo_schedule|Warning|warner" | tee "$OUT/${L}fp8.log" | tail -40 ;;
+    combine) timeout "$limit" python3 -m benchmarks.combine --json "$OUT/${L}combine.json" 2>&1 | tee "$OUT/${L}combine.log" | tail -8 ;;
     layer) timeout "$limit" python3 -m benchmarks.layer ${LAYER_SHAPES:+--shapes $LAYER_SHAPES} ${LAYER_VARIANTS:+--variants $LAYER_VARIANTS} --json "$OUT/${L}layer.json" 2>&1 | tee "$OUT/${L}layer.log" | tail -20 ;;
     layer-profile) timeout "$limit" ncu --profile-from-start off --clock-control none --print-units base --csv --metrics gpu__time_duration.sum \
                      --log-file "$OUT/${L}layer_profile.csv" python3 -m benchmarks.layer_profile run --shape ${PROFILE_SHAPE:-0} \

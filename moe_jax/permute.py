@@ -126,7 +126,7 @@ def pack(expert_idx_TK: jax.Array, num_experts: int, *, mask_T: jax.Array | None
     rank_R, counts = stable_rank(key_R, num_experts + 1)
     inverse_R = exclusive_cumsum(counts)[key_R] + rank_R
     route_R = jnp.arange(key_R.shape[0], dtype=jnp.int32)
-    order_R = jnp.zeros_like(route_R).at[inverse_R].set(route_R)
+    order_R = jnp.zeros_like(route_R).at[inverse_R].set(route_R, unique_indices=True)  # a permutation
     group_sizes_E = counts[:num_experts]
     return Packing(order_R=order_R, token_R=order_R // top_k, inverse_R=inverse_R, group_sizes_E=group_sizes_E)
 
@@ -184,7 +184,8 @@ def combine(
       y_RD: expert outputs in the packed layout `[R, D]`. Rows past `sum(group_sizes_E)` are never
         read (they may hold anything, NaN included).
       weights_TK: routing weights `[T, K]`.
-      packing: the `Packing` of the same routes.
+      packing: the `Packing` of the same routes, as `pack` returns it (`inverse_R` a permutation of
+        `[R]`: the backward writes each packed row once).
       mask_T: optional bool `[T]`; tokens with False get a zero output (as do routes `pack` left
         out).
 
@@ -209,7 +210,11 @@ def combine(
         valid_R &= jnp.repeat(mask_T, top_k)
     valid_TK1 = valid_R.reshape(num_tokens, top_k, 1)
     # Select before multiplying: w * garbage would send 0 * NaN into the weight gradient.
-    y_TKD = y_RD[packing.inverse_R].reshape(num_tokens, top_k, y_RD.shape[1]).astype(jnp.float32)
+    # `inverse_R` is a permutation, so the gather's transpose (the backward) writes each packed row
+    # once: declared unique, XLA scatters without atomics or the sort its deterministic scatter
+    # needs for indices that may repeat.
+    y_TKD = y_RD.at[packing.inverse_R].get(unique_indices=True)
+    y_TKD = y_TKD.reshape(num_tokens, top_k, y_RD.shape[1]).astype(jnp.float32)
     y_TKD = jnp.where(valid_TK1, y_TKD, 0.0)
     w_TK1 = jnp.where(valid_TK1, weights_TK.astype(jnp.float32)[:, :, None], 0.0)
     return jnp.sum(w_TK1 * y_TKD, axis=1).astype(y_RD.dtype)

@@ -128,6 +128,26 @@ def test_combine_matches_direct_sum_and_gradients():
     assert np.all(np.asarray(dw)[~mask] == 0.0)
 
 
+def test_combine_backward_scatters_unique_rows():
+    """`inverse_R` is a permutation, and the backward says so: the scatter that returns the packed
+    rows' gradient is declared with unique indices (no atomics, no sort for repeated indices on a
+    GPU), as is `pack`'s inverse of it."""
+    num_tokens, top_k, num_experts, width = 16, 2, 4, 8
+    idx = jnp.asarray(np.random.default_rng(3).integers(0, num_experts, (num_tokens, top_k)), jnp.int32)
+
+    def loss(y_rows, w, idx):
+        return jnp.sum(combine(y_rows, w, pack(idx, num_experts)))
+
+    def scatters(fn, *args):
+        return [line for line in jax.jit(fn).lower(*args).as_text().splitlines() if '"stablehlo.scatter"' in line]
+
+    backward = scatters(jax.grad(loss, argnums=(0, 1)), jnp.zeros((num_tokens * top_k, width)),
+                        jnp.ones((num_tokens, top_k)), idx)
+    inverse = scatters(lambda idx: pack(idx, num_experts).order_R, idx)
+    assert len(backward) == 1 and len(inverse) == 1, (backward, inverse)
+    assert all("unique_indices = true" in line for line in backward + inverse), (backward, inverse)
+
+
 def test_combine_mask_argument_masks_tokens_packed_without_mask():
     idx = jnp.asarray([[0, 1], [1, 2], [2, 0]], jnp.int32)
     p = pack(idx, 3)
