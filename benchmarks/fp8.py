@@ -320,6 +320,9 @@ def main(argv=None):
                         "QUANTIZE_WARPS (quantize)")
     args = p.parse_args(argv)
     sections = args.sections.split(",")
+    unknown = sorted(set(sections) - {"dense", "gemm", "fb", "quantize", "decode"})
+    if unknown:
+        p.error(f"--sections: unknown {unknown}; choose from dense, gemm, fb, quantize, decode")
     shapes = [S.PREFILL[int(i)] for i in args.shapes.split(",")] if args.shapes else list(S.PREFILL)
     result = dict(meta=run_meta("python -m benchmarks.fp8 " + " ".join(argv if argv is not None else sys.argv[1:])))
     if "dense" in sections:

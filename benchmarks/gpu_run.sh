@@ -104,7 +104,7 @@ for phase in "${phases[@]}"; do
           if [ -n "$files" ]; then (cd "$OUT" && tar czf "${L}pack-$(date -u +%H%M%S).tgz" --remove-files $files) && ls "$OUT"
           else echo "nothing to pack"; fi ;;
     accept-summary) python3 -m benchmarks.accept summary "$OUT" --commit "${COMMIT:-unknown}" --device "${DEVICE:-one H200}" | tail -60 ;;
-    fp8) timeout "$limit" python3 -m benchmarks.fp8 --sections ${FP8_SECTIONS:-wgrad,fb} ${FP8_SHAPES:+--shapes $FP8_SHAPES} --variants \
+    fp8) timeout "$limit" python3 -m benchmarks.fp8 --sections ${FP8_SECTIONS:-gemm,fb} ${FP8_SHAPES:+--shapes $FP8_SHAPES} --variants \
            --json "$OUT/${L}fp8.json" 2>&1 | grep -v -E "rematerialization|gpu_hlo_schedule|Warning|warner" | tee "$OUT/${L}fp8.log" | tail -40 ;;
     combine) timeout "$limit" python3 -m benchmarks.combine --json "$OUT/${L}combine.json" 2>&1 | tee "$OUT/${L}combine.log" | tail -8 ;;
     layer) timeout "$limit" python3 -m benchmarks.layer ${LAYER_SHAPES:+--shapes $LAYER_SHAPES} ${LAYER_VARIANTS:+--variants $LAYER_VARIANTS} --json "$OUT/${L}layer.json" 2>&1 | tee "$OUT/${L}layer.log" | tail -20 ;;

@@ -254,6 +254,15 @@ def test_benchmark_checks_the_kernels_bits_before_timing():
     assert sorted(rec["ms"]) == ["fused", "fused + transposed", "xla", "xla + transposed"]
 
 
+def test_benchmark_refuses_an_unknown_section(capsys):
+    """A section the benchmark does not have is an error naming it, not a run that times nothing."""
+    from benchmarks.fp8 import main
+
+    with pytest.raises(SystemExit):
+        main(["--sections", "wgrad"])
+    assert "unknown ['wgrad']" in capsys.readouterr().err
+
+
 def test_explicitly_sharded_weights_lower_the_kernel_for_two_h200s():
     """On two H200s under an Explicit mesh the layer's quantization gathers the sharded weights and
     runs the kernel (before the gather, Pallas refused the sharded ref)."""
