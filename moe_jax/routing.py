@@ -130,7 +130,17 @@ def _select(scores_TE: jax.Array, top_k: int) -> jax.Array:
 
 
 def _gather(values_TE: jax.Array, idx_TK: jax.Array) -> jax.Array:
-    return jnp.take_along_axis(values_TE, idx_TK, axis=-1)
+    """`values_TE[t, idx_TK[t, k]]` for the indices `_select` returns.
+
+    `take_along_axis` with its indices declared unique: `top_k` picks K distinct experts per row, so
+    the transpose (the backward) writes each entry at most once, and XLA scatters it without atomics
+    or the sort its deterministic scatter adds for indices that may repeat.
+    """
+    dims = jax.lax.GatherDimensionNumbers(
+        offset_dims=(), collapsed_slice_dims=(1,), start_index_map=(1,),
+        operand_batching_dims=(0,), start_indices_batching_dims=(0,))
+    return jax.lax.gather(values_TE, idx_TK[:, :, None], dims, slice_sizes=(1, 1), unique_indices=True,
+                          mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
 
 
 @jax.custom_jvp

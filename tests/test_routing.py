@@ -233,6 +233,22 @@ def test_router_grads_match_finite_differences(router):
     )
 
 
+@pytest.mark.parametrize(
+    "router",
+    [SelectedSoftmax(top_k=2), SoftmaxTopK(top_k=2), SoftmaxTopK(top_k=2, renormalize=True),
+     SigmoidGroupedTopK(top_k=3, n_group=3, topk_group=2)],
+    ids=repr,
+)
+def test_router_backward_scatters_unique_entries(router):
+    """A row's K experts are distinct, and the backward says so: the scatter that returns the
+    routing weights' gradient to the logits is declared with unique indices (no atomics, no sort
+    for repeated indices on a GPU)."""
+    logits = jnp.asarray(np.random.default_rng(5).normal(size=(8, 6)), jnp.float32)
+    text = jax.jit(jax.grad(lambda l: jnp.sum(router.route(l).weights_TK ** 2))).lower(logits).as_text()
+    scatters = [line for line in text.splitlines() if '"stablehlo.scatter"' in line]
+    assert scatters and all("unique_indices = true" in line for line in scatters), scatters
+
+
 @pytest.mark.parametrize("normalize", [True, False])
 def test_sigmoid_router_gradients_stay_finite_for_very_negative_logits(normalize):
     """Every logit of a token below -45: the scores underflow and autodiff of s / (S + 1e-20)
