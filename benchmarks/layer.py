@@ -251,15 +251,19 @@ def _torch_side(layer: MoE, x, top_k: int, reps: int, linear=torch_grouped_linea
     """Time `torch_layer` with `linear` on `layer`'s weights and `x`: (seconds, peak bytes, output, top-k ids)."""
     import torch
 
-    params = {k: to_torch(getattr(layer, k)[...]).detach().clone().requires_grad_(True)
+    # The weights alias our layer's buffers (DLPack, no copy; nothing writes them): a copy would hold
+    # a second set beside ours, which at DeepSeek-V3 (22.5 GB) does not fit an 80 GB card. They
+    # count in torch's peak as the weights a torch layer holds.
+    params = {k: to_torch(getattr(layer, k)[...]).detach().requires_grad_(True)
               for k in ("w_router", "w_gate", "w_up", "w_down")}
+    weight_bytes = sum(w.numel() * w.element_size() for w in params.values())
     tx = to_torch(x).detach().clone().requires_grad_(True)
     y, _, idx = torch_layer(params, tx, top_k, linear)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     torch_layer(params, tx, top_k, linear)
     torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated()
+    peak = torch.cuda.max_memory_allocated() + weight_bytes
     t = time_torch(lambda: torch_layer(params, tx, top_k, linear), [()], reps=reps, trials=5, graph=False)
     return t, peak, y.detach(), idx
 
