@@ -141,6 +141,12 @@ def poisoned_ragged():
     return mock.patch.object(jax.lax, "ragged_all_to_all", functools.partial(emulated_ragged_all_to_all, fill=jnp.nan))
 
 
+def scatter_lines(fn, *args) -> list[str]:
+    """The `stablehlo.scatter` ops of `fn` lowered at `args` (here, for this host), one line each:
+    tests read their attributes, e.g. `unique_indices = true`."""
+    return [line for line in jax.jit(fn).lower(*args).as_text().splitlines() if '"stablehlo.scatter"' in line]
+
+
 def assert_same_bits(got, want):
     """Equal bit for bit, except that any NaN matches any NaN (e4m3 has two NaN encodings)."""
     got, want = np.asarray(got), np.asarray(want)

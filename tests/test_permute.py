@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe_jax.permute import Packing, combine, gather_rows, pack, pack_rows, stable_rank
+from tests.helpers import scatter_lines
 
 SETTINGS = settings(derandomize=True, max_examples=12, deadline=None)
 
@@ -138,12 +139,9 @@ def test_combine_backward_scatters_unique_rows():
     def loss(y_rows, w, idx):
         return jnp.sum(combine(y_rows, w, pack(idx, num_experts)))
 
-    def scatters(fn, *args):
-        return [line for line in jax.jit(fn).lower(*args).as_text().splitlines() if '"stablehlo.scatter"' in line]
-
-    backward = scatters(jax.grad(loss, argnums=(0, 1)), jnp.zeros((num_tokens * top_k, width)),
+    backward = scatter_lines(jax.grad(loss, argnums=(0, 1)), jnp.zeros((num_tokens * top_k, width)),
                         jnp.ones((num_tokens, top_k)), idx)
-    inverse = scatters(lambda idx: pack(idx, num_experts).order_R, idx)
+    inverse = scatter_lines(lambda idx: pack(idx, num_experts).order_R, idx)
     assert len(backward) == 1 and len(inverse) == 1, (backward, inverse)
     assert all("unique_indices = true" in line for line in backward + inverse), (backward, inverse)
 

@@ -18,6 +18,7 @@ from moe_jax.routing import (
     update_selection_bias,
     z_loss,
 )
+from tests.helpers import scatter_lines
 
 # T=2 tokens, E=4 experts, all logits distinct so the top-k order is unambiguous.
 LOGITS_24 = np.array([[1.0, 3.0, 2.0, 0.0], [0.5, -1.0, 2.0, 4.0]], np.float32)
@@ -244,8 +245,7 @@ def test_router_backward_scatters_unique_entries(router):
     routing weights' gradient to the logits is declared with unique indices (no atomics, no sort
     for repeated indices on a GPU)."""
     logits = jnp.asarray(np.random.default_rng(5).normal(size=(8, 6)), jnp.float32)
-    text = jax.jit(jax.grad(lambda l: jnp.sum(router.route(l).weights_TK ** 2))).lower(logits).as_text()
-    scatters = [line for line in text.splitlines() if '"stablehlo.scatter"' in line]
+    scatters = scatter_lines(jax.grad(lambda l: jnp.sum(router.route(l).weights_TK ** 2)), logits)
     assert scatters and all("unique_indices = true" in line for line in scatters), scatters
 
 
