@@ -108,11 +108,8 @@ for phase in "${phases[@]}"; do
            --json "$OUT/${L}fp8.json" 2>&1 | grep -v -E "rematerialization|gpu_hlo_schedule|Warning|warner" | tee "$OUT/${L}fp8.log" | tail -40 ;;
     combine) timeout "$limit" python3 -m benchmarks.combine --json "$OUT/${L}combine.json" 2>&1 | tee "$OUT/${L}combine.log" | tail -8 ;;
     layer) timeout "$limit" python3 -m benchmarks.layer ${LAYER_SHAPES:+--shapes $LAYER_SHAPES} ${LAYER_VARIANTS:+--variants $LAYER_VARIANTS} --json "$OUT/${L}layer.json" 2>&1 | tee "$OUT/${L}layer.log" | tail -20 ;;
-    layer-profile) timeout "$limit" ncu --profile-from-start off --clock-control none --print-units base --csv --metrics gpu__time_duration.sum \
-                     --log-file "$OUT/${L}layer_profile.csv" python3 -m benchmarks.layer_profile run --shape ${PROFILE_SHAPE:-0} \
-                     --variants ${PROFILE_VARIANTS:-auto,fp8} --labels "$OUT/${L}layer_profile_labels.json" 2>&1 | tail -5
-                   python3 -m benchmarks.layer_profile table "$OUT/${L}layer_profile.csv" --labels "$OUT/${L}layer_profile_labels.json" 2>&1 \
-                     | tee "$OUT/${L}layer_profile.md" | head -80 ;;
+    layer-profile) timeout -k 10 "$limit" python3 -m benchmarks.layer_profile --shape ${PROFILE_SHAPE:-0} --variants ${PROFILE_VARIANTS:-auto,fp8} \
+                     --out "$OUT/${L}layer_profile" 2>&1 | grep -v -E "DeprecationWarning|stats = dict" | tail -50 ;;
     *) echo "unknown phase $name" ;;
   esac
   echo "=== $name done rc=${PIPESTATUS[0]} $(date -u +%T)"

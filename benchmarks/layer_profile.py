@@ -1,117 +1,131 @@
 """Where a layer's forward+backward step spends its GPU time: one step of each variant of
-`benchmarks.layer` at one of its shapes, each kernel's duration read by Nsight Compute, grouped by
-kernel (a diagnosis; the figures to quote are `benchmarks.layer`'s back-to-back steps).
+`benchmarks.layer` at one of its shapes, traced by JAX's profiler (CUPTI on a GPU), each kernel's
+duration grouped (a diagnosis; the figures to quote are `benchmarks.layer`'s back-to-back steps).
 
-    ncu --profile-from-start off --metrics gpu__time_duration.sum --csv --log-file OUT.csv \\
-        python -m benchmarks.layer_profile run --shape 0 --variants auto,fp8 --labels LABELS.json
-    python -m benchmarks.layer_profile table OUT.csv --labels LABELS.json     # no GPU needed
+    python -m benchmarks.layer_profile --shape 0 --variants auto,fp8 --out DIR
 
-`run` compiles each variant's step and runs it twice, then profiles one more step between
-`cudaProfilerStart` and `cudaProfilerStop`, after one torch fill kernel that marks where the
-variant's kernels begin (the steps themselves launch no torch kernels). `table` splits the log at
-the markers and prints, per variant, the step's summed kernel time and its largest kernel groups
-(XLA's numbered fusions of one kind, e.g. `loop_convert_fusion_3`, counted as one group).
+Each variant's step is compiled and run twice, then one more step runs under
+`jax.profiler.trace`. The kernels are the events on the device's stream lines, each with the HLO
+op XLA annotated it with (on a machine without a GPU, the host's XLA thunks).
+Per variant it prints the step's summed kernel time, its span (first kernel's start to the last
+one's end: the difference is time the device waited), and its largest groups: kernels of one name
+with XLA's trailing fusion number dropped (`loop_convert_fusion_3` and `_12` are one group), with
+the HLO ops they came from. `DIR/layer_profile.json` keeps every kernel.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import csv
+import glob
 import json
 import os
 import re
 import sys
+import tempfile
+from typing import NamedTuple
 
-os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # torch shares the GPU
-
-MARKER = "FillFunctor"  # torch's fill kernel, launched before each variant's profiled step
-TOP = 16
+TOP = 18
 
 
-def run(shape_index: int, variants: list[str], labels: str) -> int:
+class Kernel(NamedTuple):
+    """One traced kernel: its name, the HLO op XLA ran it for, start and duration in ns."""
+
+    name: str
+    hlo_op: str
+    start_ns: float
+    duration_ns: float
+
+
+def trace_kernels(xspace_path: str) -> list[Kernel]:
+    """The kernels of one trace file: every event on the GPU planes' stream lines (`hlo_op` is the
+    HLO op XLA annotated it with, "" if none), or, when the trace has no GPU plane, the events with
+    an `hlo_op` on the host's XLA threads."""
+    import jax
+
+    data = jax.profiler.ProfileData.from_file(xspace_path)
+    planes = [p for p in data.planes if p.name.startswith("/device:GPU")]
+    host = not planes
+    if host:
+        planes = [p for p in data.planes if p.name == "/host:CPU"]
+    out = []
+    for plane in planes:
+        for line in plane.lines:
+            if not host and not line.name.startswith("Stream"):
+                continue  # "XLA Ops" / "XLA Modules" restate the stream's kernels
+            for e in line.events:
+                hlo_op = dict(e.stats).get("hlo_op")
+                if hlo_op is not None or not host:  # a stream's copies and library kernels count too
+                    out.append(Kernel(e.name, str(hlo_op or ""), float(e.start_ns), float(e.duration_ns)))
+    return sorted(out, key=lambda k: k.start_ns)
+
+
+def group(name: str) -> str:
+    """A kernel's group: its name up to the argument list, XLA's trailing fusion number dropped."""
+    return re.sub(r"(_|\.)\d+$", "", name.split("(")[0].split("<")[0].strip())
+
+
+def table(label: str, kernels: list[Kernel]) -> list[str]:
+    """Markdown lines for one profiled step: summed kernel time, span, and the `TOP` largest groups."""
+    if not kernels:
+        raise ValueError(f"{label}: the trace holds no kernels.")
+    total = sum(k.duration_ns for k in kernels)
+    span = max(k.start_ns + k.duration_ns for k in kernels) - min(k.start_ns for k in kernels)
+    time: dict = collections.Counter()
+    count: dict = collections.Counter()
+    ops: dict = collections.defaultdict(collections.Counter)
+    for k in kernels:
+        g = group(k.name)
+        time[g] += k.duration_ns
+        count[g] += 1
+        ops[g][group(k.hlo_op)] += 1
+    out = [f"## {label}: {total / 1e6:.3f} ms in {len(kernels)} kernels, span {span / 1e6:.3f} ms",
+           "| kernel | ms | launches | share | HLO ops |", "|---|---|---|---|---|"]
+    for g, ns in time.most_common(TOP):
+        names = ", ".join(f"{op}" + (f" x{n}" if n > 1 else "") for op, n in ops[g].most_common(3))
+        out.append(f"| `{g[:60]}` | {ns / 1e6:.3f} | {count[g]} | {ns / total:.1%} | {names[:80]} |")
+    out.append("")
+    return out
+
+
+def profile(shape_index: int, variants: list[str], out_dir: str) -> list[str]:
     import jax
     import jax.numpy as jnp
-    import torch
 
     from benchmarks.layer import SHAPES, build_layer, grad_step, variant_layer
 
     shape = SHAPES[shape_index]
     base = build_layer(shape)
     x = jax.random.normal(jax.random.PRNGKey(1), (shape.tokens, shape.d_model), jnp.bfloat16)
-    marker = torch.empty(1, device="cuda")
+    lines, record = [], {}
     for v in variants:
         step, state = grad_step(variant_layer(base, shape, v))
         compiled = jax.jit(step).lower(state, x).compile()
         for _ in range(2):
             jax.block_until_ready(compiled(state, x))
-        torch.cuda.synchronize()
-        torch.cuda.cudart().cudaProfilerStart()
-        marker.fill_(0)
-        jax.block_until_ready(compiled(state, x))
-        torch.cuda.synchronize()
-        torch.cuda.cudart().cudaProfilerStop()
-        print(shape.name, v, "profiled", flush=True)
-    with open(labels, "w") as f:
-        json.dump(dict(shape=shape.name, variants=variants), f)
-    return 0
-
-
-def _group(name: str) -> str:
-    """A kernel's group: its name up to the argument list, XLA's trailing fusion number dropped."""
-    return re.sub(r"_\d+$", "", name.split("(")[0].split("<")[0].strip())
-
-
-def table(path: str, labels: str) -> list[str]:
-    """Per profiled variant: the summed kernel time of its step and its `TOP` largest groups."""
-    with open(path) as f:
-        rows = list(csv.reader(line for line in f if line.startswith('"')))
-    col = {name: i for i, name in enumerate(rows[0])}
-    kernels: dict = collections.OrderedDict()
-    for r in rows[1:]:
-        if r[col["Metric Name"]] == "gpu__time_duration.sum":
-            kernels[r[col["ID"]]] = (r[col["Kernel Name"]], float(r[col["Metric Value"]]))
-    with open(labels) as f:
-        meta = json.load(f)
-    steps: list[list] = []
-    for name, ns in kernels.values():
-        if MARKER in name:
-            steps.append([])
-        elif steps:
-            steps[-1].append((name, ns))
-    if len(steps) != len(meta["variants"]):
-        raise ValueError(f"{path}: {len(steps)} profiled steps for the {len(meta['variants'])} variants of {labels}.")
-    out = []
-    for variant, kernels_of_step in zip(meta["variants"], steps):
-        total = sum(ns for _, ns in kernels_of_step)
-        groups: dict = collections.Counter()
-        counts: dict = collections.Counter()
-        for name, ns in kernels_of_step:
-            groups[_group(name)] += ns
-            counts[_group(name)] += 1
-        out.append(f"## {meta['shape']} {variant}: {total / 1e6:.3f} ms in {len(kernels_of_step)} kernels")
-        out.append("| kernel | ms | launches | share |")
-        out.append("|---|---|---|---|")
-        for g, ns in groups.most_common(TOP):
-            out.append(f"| `{g[:70]}` | {ns / 1e6:.3f} | {counts[g]} | {ns / total:.1%} |")
-        out.append("")
-    return out
+        with tempfile.TemporaryDirectory() as trace_dir:
+            with jax.profiler.trace(trace_dir):
+                jax.block_until_ready(compiled(state, x))
+            (path,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+            kernels = trace_kernels(path)
+        lines += table(f"{shape.name} {v}", kernels)
+        record[v] = [k._asdict() for k in kernels]
+        print("\n".join(lines[-TOP - 5:]), flush=True)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "layer_profile.json"), "w") as f:
+        json.dump(dict(shape=shape.name, device=str(jax.devices()[0]), kernels=record), f)
+    with open(os.path.join(out_dir, "layer_profile.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return lines
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run")
-    r.add_argument("--shape", type=int, default=0)
-    r.add_argument("--variants", default="auto,fp8")
-    r.add_argument("--labels", required=True)
-    t = sub.add_parser("table")
-    t.add_argument("csv")
-    t.add_argument("--labels", required=True)
+    p.add_argument("--shape", type=int, default=0, help="index into benchmarks.layer's SHAPES")
+    p.add_argument("--variants", default="auto,fp8")
+    p.add_argument("--out", required=True, help="folder for layer_profile.json and layer_profile.md")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    if args.cmd == "run":
-        return run(args.shape, args.variants.split(","), args.labels)
-    print("\n".join(table(args.csv, args.labels)))
+    profile(args.shape, args.variants.split(","), args.out)
     return 0
 
 

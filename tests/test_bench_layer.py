@@ -3,6 +3,7 @@ its output and every gradient equal ours, so the GPU timings compare like with l
 is that layer with its expert GEMMs in the rowwise-FP8 recipe, checked on CPU through an emulation
 of `torch._scaled_grouped_mm` (which CUDA alone runs) and, on a GPU, that emulation against it."""
 
+import glob
 import json
 from functools import partial
 
@@ -14,7 +15,7 @@ import torch
 from flax import nnx
 
 from benchmarks.layer import LayerShape, build_layer, grad_step, torch_fp8_grouped_linear, torch_layer
-from benchmarks.layer_profile import table
+from benchmarks.layer_profile import Kernel, table, trace_kernels
 from moe_jax.layers import GemmOptions, MoE
 from moe_jax.routing import SoftmaxTopK
 from moe_jax.testing import assert_close, rel_err
@@ -138,19 +139,24 @@ def test_grad_step_is_the_layers_forward_and_gradients():
     assert jax.tree.structure(g_state) == jax.tree.structure(state)
 
 
-def test_layer_profile_table_splits_the_steps_at_the_markers(tmp_path):
-    header = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
-    kernels = [("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>()", 1000),
-               ("loop_convert_fusion_3", 2_000_000), ("loop_convert_fusion_12", 1_000_000), ("moe_jax_gmm", 1_000_000),
-               ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>()", 1000),
-               ("moe_jax_gmm", 3_000_000)]
-    lines = [f'"{i}","{name}","gpu__time_duration.sum","ns","{ns}"\n' for i, (name, ns) in enumerate(kernels)]
-    (tmp_path / "ncu.csv").write_text("==PROF== noise\n" + header + "".join(lines))
-    (tmp_path / "labels.json").write_text(json.dumps(dict(shape="tiny", variants=["auto", "fp8"])))
-    out = table(str(tmp_path / "ncu.csv"), str(tmp_path / "labels.json"))
-    assert out[0] == "## tiny auto: 4.000 ms in 3 kernels"
-    assert "| `loop_convert_fusion` | 3.000 | 2 | 75.0% |" in out
-    assert "## tiny fp8: 3.000 ms in 1 kernels" in out
-    (tmp_path / "labels.json").write_text(json.dumps(dict(shape="tiny", variants=["auto"])))
-    with pytest.raises(ValueError, match="2 profiled steps for the 1 variants"):
-        table(str(tmp_path / "ncu.csv"), str(tmp_path / "labels.json"))
+def test_layer_profile_reads_the_kernels_of_a_trace(tmp_path):
+    f = jax.jit(lambda a: jnp.sin(a) @ a)
+    a = jnp.ones((64, 64))
+    jax.block_until_ready(f(a))
+    with jax.profiler.trace(str(tmp_path)):
+        jax.block_until_ready(f(a))
+    (path,) = glob.glob(str(tmp_path / "**" / "*.xplane.pb"), recursive=True)
+    kernels = trace_kernels(path)
+    assert kernels and all(k.duration_ns >= 0 for k in kernels)
+    assert [k.start_ns for k in kernels] == sorted(k.start_ns for k in kernels)
+    assert any("sine" in k.hlo_op for k in kernels), [k.hlo_op for k in kernels]
+
+
+def test_layer_profile_table_groups_numbered_fusions():
+    kernels = [Kernel("loop_convert_fusion_3", "convert.3", 0, 2_000_000), Kernel("loop_convert_fusion_12", "convert.12", 3e6, 1e6),
+               Kernel("moe_jax_gmm", "custom-call.1", 4e6, 1e6)]
+    out = table("tiny auto", kernels)
+    assert out[0] == "## tiny auto: 4.000 ms in 3 kernels, span 5.000 ms"
+    assert "| `loop_convert_fusion` | 3.000 | 2 | 75.0% | convert x2 |" in out
+    with pytest.raises(ValueError, match="tiny fp8: the trace holds no kernels."):
+        table("tiny fp8", [])
