@@ -10,13 +10,14 @@ Routes of masked tokens (and routes with an expert id outside `[0, E)`) are not 
 group and sort past `sum(group_sizes_E)`: the grouped GEMM skips them and `pack_rows` zeroes them.
 `pack_rows` gathers the token rows into that layout; `combine` is the reverse: every route reads
 its packed row through the inverse permutation and the K rows of a token are summed with the
-routing weights in float32.
+routing weights in float32; its backward works in the packed order (each packed row reads its
+token's cotangent through `order_R`), so both directions are gathers.
 
 Everything is `jnp` (the row gather is `moe_jax.ops.gather_rows`) with static shapes (R rows
 whatever the routing), traceable under `jit`, and differentiable in the float arrays: `pack_rows`'
 backward sums each token's K packed-row cotangents in float32 (a gather through `inverse_R`, no
-atomics, the same bits every run), `combine`'s gather of each route's row transposes to a scatter
-with distinct rows; gradients reach `x_TD`, `y_RD` and `weights_TK`; the integer `Packing` is not
+atomics, the same bits every run), `combine`'s backward gathers each packed row's token cotangent
+(no scatter); gradients reach `x_TD`, `y_RD` and `weights_TK`; the integer `Packing` is not
 differentiated.
 """
 
@@ -185,7 +186,8 @@ def combine(
         read (they may hold anything, NaN included).
       weights_TK: routing weights `[T, K]`.
       packing: the `Packing` of the same routes, as `pack` returns it (`inverse_R` a permutation of
-        `[R]`: the backward writes each packed row once).
+        `[R]` and `order_R` its inverse: the backward reads each packed row's token through
+        `order_R` and each route's weight gradient through `inverse_R`).
       mask_T: optional bool `[T]`; tokens with False get a zero output (as do routes `pack` left
         out).
 
@@ -208,13 +210,38 @@ def combine(
     valid_R = _packed_routes(packing)
     if mask_T is not None:
         valid_R &= jnp.repeat(mask_T, top_k)
+    return _weighted_sum(y_RD, weights_TK, packing.inverse_R, packing.order_R, valid_R)
+
+
+@jax.custom_vjp
+def _weighted_sum(y_RD, weights_TK, inverse_R, order_R, valid_R):
+    num_tokens, top_k = weights_TK.shape
     valid_TK1 = valid_R.reshape(num_tokens, top_k, 1)
     # Select before multiplying: w * garbage would send 0 * NaN into the weight gradient.
-    # `inverse_R` is a permutation, so the gather's transpose (the backward) writes each packed row
-    # once: declared unique, XLA scatters without atomics or the sort its deterministic scatter
-    # needs for indices that may repeat.
-    y_TKD = y_RD.at[packing.inverse_R].get(unique_indices=True)
+    y_TKD = y_RD.at[inverse_R].get(unique_indices=True)
     y_TKD = y_TKD.reshape(num_tokens, top_k, y_RD.shape[1]).astype(jnp.float32)
     y_TKD = jnp.where(valid_TK1, y_TKD, 0.0)
     w_TK1 = jnp.where(valid_TK1, weights_TK.astype(jnp.float32)[:, :, None], 0.0)
     return jnp.sum(w_TK1 * y_TKD, axis=1).astype(y_RD.dtype)
+
+
+def _weighted_sum_fwd(y_RD, weights_TK, inverse_R, order_R, valid_R):
+    return _weighted_sum(y_RD, weights_TK, inverse_R, order_R, valid_R), (y_RD, weights_TK, inverse_R, order_R, valid_R)
+
+
+def _weighted_sum_bwd(res, g_TD):
+    # Both gradients are computed in the packed order, reading each packed row's token cotangent
+    # through `order_R`: a gather, where the transpose of the forward's gather would be a scatter of
+    # [R, D] rows (and a [T, K, D] product materialized before it).
+    y_RD, weights_TK, inverse_R, order_R, valid_R = res
+    top_k = weights_TK.shape[1]
+    valid_R1 = valid_R[order_R][:, None]  # packed row i's route is counted
+    g_RD = g_TD.astype(jnp.float32)[order_R // top_k]
+    w_R1 = weights_TK.astype(jnp.float32).reshape(-1)[order_R][:, None]
+    dy_RD = jnp.where(valid_R1, w_R1 * g_RD, 0.0).astype(y_RD.dtype)
+    dw_R = jnp.sum(jnp.where(valid_R1, g_RD * y_RD.astype(jnp.float32), 0.0), axis=1)
+    dw_TK = dw_R.at[inverse_R].get(unique_indices=True).reshape(weights_TK.shape).astype(weights_TK.dtype)
+    return dy_RD, dw_TK, None, None, None
+
+
+_weighted_sum.defvjp(_weighted_sum_fwd, _weighted_sum_bwd)
