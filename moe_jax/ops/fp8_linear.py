@@ -27,9 +27,9 @@ arXiv:2412.19437, section 3.3; the quantization itself is `moe_jax.ops.fp8`):
   the FP8 rows, not `x`, for the backward: that is its activation-memory saving) and the
   unquantized `dy`: bf16 when `x` is (an FP8 weight gradient is for the kernels to measure).
 - Read through row ids (`rows=RowGather(...)`, as `grouped_linear`'s): the source rows `[T, K]`
-  are quantized once each and the FP8 kernel reads them through the ids (`gmm_fp8(row_ids=)`):
-  the packed bf16 rows are never written, a token routed to k experts is quantized once, not k
-  times, and the backward keeps `T` FP8 rows instead of `M`.
+  are quantized once each, and their e4m3 bytes and scales gathered once into the packed layout
+  that every weight's product reads: the packed bf16 rows are never written, a token routed to k
+  experts is quantized once, not k times, and the backward keeps `T` FP8 rows instead of `M`.
 - The weight quantization is passed through by a straight-through estimator: `dw` is the gradient
   of the master weights as if `quantize_weights` were the identity (as is the rows' quantization
   for `dx`).
@@ -55,8 +55,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from moe_jax.ops.fp8 import BLOCK, FP8_DTYPE, Fp8Weights, dequantize_rows, quantize_rows, transpose_weights
-from moe_jax.ops.gather import sum_of_readers
+from moe_jax.ops.fp8 import BLOCK, FP8_DTYPE, Fp8Rows, Fp8Weights, dequantize_rows, quantize_rows, transpose_weights
+from moe_jax.ops.gather import gather_rows, sum_of_readers
 from moe_jax.ops.gmm import SUPPORTED_DTYPES, RowGather, gmm, tgmm
 from moe_jax.ops.gmm.api import check_rows
 from moe_jax.ops.gmm.fp8_api import FP8_GEMM_BACKENDS, fp8_backend, gmm_fp8
@@ -83,8 +83,13 @@ def _quantize(backend, w, transposed: bool):
 def _forward(backend, x, wqs, group_sizes, rows):
     """The outputs of every weight in `wqs` (quantized) and the FP8 rows they all read."""
     fp8_rows = quantize_rows(x)  # with `rows`, x's source rows: each quantized once, read by all its readers
-    ids = None if rows is None else rows.ids_M
-    ys = tuple(gmm_fp8(fp8_rows, wq, group_sizes, backend=backend, out_dtype=x.dtype, row_ids=ids) for wq in wqs)
+    packed = fp8_rows
+    if rows is not None:
+        # The e4m3 bytes and scales are gathered once for every weight (a quarter of the bf16 rows'
+        # traffic with the scales), so each product reads packed rows on whichever kernel is fastest
+        # for them (the Mosaic one reads no ids).
+        packed = Fp8Rows(gather_rows(fp8_rows.values_MK, rows.ids_M), gather_rows(fp8_rows.scale_MKb, rows.ids_M))
+    ys = tuple(gmm_fp8(packed, wq, group_sizes, backend=backend, out_dtype=x.dtype) for wq in wqs)
     return ys, fp8_rows
 
 
