@@ -46,7 +46,7 @@ class GemmOptions:
       still regrouped first); `"separate"`, a row gather writes the packed rows first; `"auto"`
       (default), fused on the backends where that measured faster (`moe_jax.ops.AUTO_FUSED_GATHER`,
       none on the H200 yet; never for FP8 experts, which with `"fused"` quantize each token row
-      once and read it through the ids). Equal results.
+      once and gather its e4m3 bytes). Equal results.
     precision: a `jax.lax.Precision` for the expert, shared-expert and latent GEMMs (default None:
       HIGHEST for fp32 operands).
     fused_gate_up: run gate and up as one grouped GEMM of 2F columns. This is also the parameter

@@ -119,9 +119,9 @@ class ExpertStage:
                                  fused_gate_up=self.fused_gate_up, backend=self.backend, precision=self.precision,
                                  kernel="auto" if self.kernel == "auto" else None)
         if gather is None and self.quantization is not None and self.row_gather == "auto":
-            # FP8 experts pack first: reading the FP8 token rows through ids measured slower at
-            # Mixtral's shape, a little faster at Qwen3-30B-A3B's (docs/decisions.md, "FP8 experts:
-            # gate and up in one call, and the row gather").
+            # FP8 experts pack first: gathering the quantized token rows measured slower at
+            # Mixtral's shape, a little faster at Qwen3-30B-A3B's and DeepSeek-V3's (docs/decisions.md,
+            # "FP8 experts: gate and up in one call, and the row gather").
             gather = False
         if gather is not None:
             return make(gather=gather)
