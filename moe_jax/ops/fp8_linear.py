@@ -221,8 +221,8 @@ def fp8_grouped_linear(
         as in `grouped_linear`. Each source row is quantized once (a 1 x 128 tile lies within one
         row, so this equals quantizing the gathered rows) and its e4m3 bytes and scales are
         gathered once for every weight's product; the backward keeps the `[T, K]` FP8 source rows,
-        its weight gradient reads
-        them through the ids and the input gradient sums each source row's readers in fp32
+        its weight gradient reads them through the ids and the input gradient sums each source
+        row's readers in fp32
         (`moe_jax.ops.gather.sum_of_readers`). Equal to `fp8_grouped_linear` on
         `gather_rows(x, rows.ids_M, inverse_N=rows.readers_TK)`.
     """
