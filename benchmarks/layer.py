@@ -4,19 +4,20 @@
 
 Shapes (routed experts only, top-k softmax routing renormalised, bf16 weights and activations):
 Qwen3-30B-A3B (T=4096, D=2048, F=768, top-8 of 128), Mixtral-8x7B (T=8192, D=4096, F=14336,
-top-2 of 8), DeepSeek-V3 (T=4096, D=7168, F=2048, top-8 of 256; its torch peer needs more than an
-H100's 80 GB beside ours: on an H100 pass `--shapes 0,1`).
+top-2 of 8), DeepSeek-V3 (T=4096, D=7168, F=2048, top-8 of 256; its torch peer's weights alias
+ours through DLPack, so it fits beside ours on an 80 GB H100; torch's FP8 layer does not).
 
 Ours: `moe_jax.layers.MoE` (one variant per `--variants` entry: `auto` the default layer, whose
 `backend="auto"` picks per kernel (`moe_jax.ops.gmm.plan`); `pallas` all on
 `pallas_triton`; `static` that with `GemmOptions(kernel="static")`; `triton` all GEMMs on `triton`; `mosaic` all on
 `mosaic_gpu`; `mosaic-dgrad` / `mosaic-fwd-dgrad` the default's table (`moe_jax.ops.BackendTable`)
 with the prefill input gradient / forward and input gradient on `mosaic_gpu` where it takes the
-shapes; `fused` / `separate` the default with `row_gather` forced either way; `fp8` the routed
+shapes; `fused` / `separate` the default with `row_gather` forced either way; `fused-gate-up` the
+default with gate and up as one `[E, 2F, D]` weight (`GemmOptions(fused_gate_up=True)`); `fp8` the routed
 experts in blockwise FP8 with trainable master weights, `GemmOptions(quantization=Fp8Blockwise())`,
 its error to the bf16 torch layer the recipe's quantization; `fp8-gather` that with
-`row_gather="fused"` (each token row quantized once and read through the packing's ids; `fp8`
-packs the bf16 rows first); `fp8-triton` that with every FP8 product on the Triton FP8 kernel
+`row_gather="fused"` (each token row quantized once and its e4m3 bytes gathered; `fp8` packs
+the bf16 rows first); `fp8-triton` that with every FP8 product on the Triton FP8 kernel
 (`auto` takes the Mosaic GPU one where it runs the shape); `fp8-master-dgrad` with the input
 gradients from the master weights in bf16, `Fp8Blockwise(input_gradient="master")` (no e4m3 weights
 kept for the backward); `fp8-stored` with
@@ -64,6 +65,7 @@ from flax import nnx
 from benchmarks.fp8 import torch_fp8_rowwise
 from benchmarks.gmm import to_torch
 from benchmarks.timing import compile_jax, run_meta, time_compiled, time_torch
+from moe_jax.experts import fuse_gate_up
 from moe_jax.layers import Fp8Blockwise, GemmOptions, MoE, stored_fp8
 from moe_jax.ops import H200_BACKENDS
 from moe_jax.routing import SoftmaxTopK
@@ -94,6 +96,7 @@ MOSAIC_FIRST = ("mosaic_gpu", "triton", "pallas_triton")  # Mosaic where it take
 VARIANTS = {"auto": dict(), "pallas": dict(backend="pallas_triton"), "static": dict(backend="pallas_triton", kernel="static"),
             "triton": dict(backend="triton"), "separate": dict(row_gather="separate"),
             "fused": dict(row_gather="fused"), "mosaic": dict(backend="mosaic_gpu"),
+            "fused-gate-up": dict(fused_gate_up=True),
             "fp8": dict(quantization=Fp8Blockwise()),
             "fp8-gather": dict(quantization=Fp8Blockwise(), row_gather="fused"),
             "fp8-triton": dict(backend="triton", quantization=Fp8Blockwise()),
@@ -118,6 +121,10 @@ def variant_layer(base: MoE, shape: LayerShape, variant: str) -> MoE:
     if gemm.get("quantization") is not None and gemm["quantization"].stored:
         return stored_fp8(base)
     layer = build_layer(shape, **gemm)
+    if gemm.get("fused_gate_up"):  # base's gate and up weights as one [E, 2F, D] weight
+        layer.w_router[...], layer.w_down[...] = base.w_router[...], base.w_down[...]
+        layer.w_gate_up[...] = fuse_gate_up(base.w_gate[...], base.w_up[...])
+        return layer
     nnx.update(layer, nnx.state(base))
     return layer
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from flax import nnx
 
-from benchmarks.layer import LayerShape, build_layer, grad_step, torch_fp8_grouped_linear, torch_layer
+from benchmarks.layer import LayerShape, build_layer, grad_step, torch_fp8_grouped_linear, torch_layer, variant_layer
 from benchmarks.layer_profile import Kernel, table, trace_kernels
 from moe_jax.layers import GemmOptions, MoE
 from moe_jax.routing import SoftmaxTopK
@@ -160,3 +160,12 @@ def test_layer_profile_table_groups_numbered_fusions():
     assert "| `loop_convert_fusion` | 3.000 | 2 | 75.0% | convert x2 |" in out
     with pytest.raises(ValueError, match="tiny fp8: the trace holds no kernels."):
         table("tiny fp8", [])
+
+
+def test_fused_gate_up_variant_holds_the_base_layers_weights():
+    shape = LayerShape("tiny", tokens=24, d_model=32, d_ff=48, experts=4, top_k=2)
+    base = build_layer(shape)
+    fused = variant_layer(base, shape, "fused-gate-up")
+    assert fused.fused_gate_up and not base.fused_gate_up
+    x = jax.random.normal(jax.random.PRNGKey(2), (shape.tokens, shape.d_model), jnp.bfloat16)
+    assert_close(fused(x)[0], base(x)[0], jnp.bfloat16, "y")
