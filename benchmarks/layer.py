@@ -1,6 +1,6 @@
 """The whole MoE layer, forward + backward, against a torch layer on `torch._grouped_mm` (GPU only).
 
-    python -m benchmarks.layer [--shapes 0,1,2] [--variants auto,static,triton,fp8] [--json PATH]
+    python -m benchmarks.layer [--shapes 0,1,2] [--variants auto,static,triton,fp8] [--micro-batches N] [--json PATH]
 
 Shapes (routed experts only, top-k softmax routing renormalised, bf16 weights and activations):
 Qwen3-30B-A3B (T=4096, D=2048, F=768, top-8 of 128), Mixtral-8x7B (T=8192, D=4096, F=14336,
@@ -24,7 +24,11 @@ kept for the backward); `fp8-stored` with
 stored e4m3 weights, `Fp8Blockwise(weights="stored")`: no weight quantization and no weight
 gradient, the rest of the step as `fp8`), the gradient of
 `sum(y**2)` with respect to the input and every parameter, jitted; device memory is the compiled
-step's footprint (`memory_analysis`: arguments + outputs + temporaries - aliased).
+step's footprint (`memory_analysis`: arguments + outputs + temporaries - aliased). With
+`--micro-batches N` our step accumulates N micro-batches of the shape's tokens in one `lax.scan`
+(gradient accumulation, `grad_step`), timed per micro-batch: what a training step that
+accumulates pays per pass, where work that depends only on the weights (FP8's weight
+quantization) need not repeat; the torch layers still run one pass.
 Torch: the same weights and tokens through router (fp32 logits, softmax, top-k, renormalise), a
 stable sort by expert, the row gather, `torch._grouped_mm` for gate, up and down, SwiGLU, the
 weighted combine (`index_add_`), and autograd for every gradient; memory is
@@ -129,13 +133,15 @@ def variant_layer(base: MoE, shape: LayerShape, variant: str) -> MoE:
     return layer
 
 
-def grad_step(layer: MoE):
+def grad_step(layer: MoE, micro_batches: int = 1):
     """`(step, state)`: `step(state, x) -> (y, grads)` is the layer's forward and backward (the
     gradients of `sum(y^2)` for its variables and `x`), as a training step runs it; `state` is the
-    layer's variables."""
+    layer's variables. With `micro_batches` N > 1, `x` is `[N, T, D]` and the step is gradient
+    accumulation: one forward and backward per micro-batch in a `lax.scan`, the variables'
+    gradients summed (in their own dtype), `y` and `x`'s gradient stacked."""
     graph, state = nnx.split(layer)
 
-    def step(state, x):
+    def one(state, x):
         def loss(state, x):
             y, _ = nnx.merge(graph, state)(x)
             return jnp.sum(y.astype(jnp.float32) ** 2), y
@@ -143,11 +149,33 @@ def grad_step(layer: MoE):
         (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(state, x)
         return y, grads
 
-    return step, state
+    if micro_batches == 1:
+        return one, state
+
+    def accumulated(state, xs):
+        def body(acc, x):
+            y, (g_state, g_x) = one(state, x)
+            return jax.tree.map(jnp.add, acc, g_state), (y, g_x)
+
+        zeros = jax.tree.map(jnp.zeros_like, state)
+        acc, (ys, g_xs) = jax.lax.scan(body, zeros, xs)
+        return ys, (acc, g_xs)
+
+    return accumulated, state
 
 
-def _ours(layer: MoE, x, reps: int):
-    step, state = grad_step(layer)
+def micro_batch_tokens(x_TD: jax.Array, micro_batches: int) -> jax.Array:
+    """`x` alone for one micro-batch, else `[N, T, D]`: micro-batch i is `x * (1 + i / 8)` (the
+    first is `x`; no two are the same computation)."""
+    if micro_batches == 1:
+        return x_TD
+    return jnp.stack([x_TD * (1 + i / 8) for i in range(micro_batches)]).astype(x_TD.dtype)
+
+
+def _ours(layer: MoE, x, reps: int, micro_batches: int = 1):
+    """(seconds per micro-batch, footprint bytes, output of the micro-batch that is `x`)."""
+    step, state = grad_step(layer, micro_batches)
+    x = micro_batch_tokens(x, micro_batches)
     compiled = jax.jit(step).lower(state, x).compile()
     mem = compiled.memory_analysis()
     footprint = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
@@ -158,7 +186,8 @@ def _ours(layer: MoE, x, reps: int):
         del grads
         run, reps = (lambda: compiled(state, x)[0]), 1
         y = run()
-    return time_compiled(run, reps, trials=5), footprint, y
+    t = time_compiled(run, reps, trials=5) / micro_batches
+    return t, footprint, (y if micro_batches == 1 else y[0])
 
 
 def _device_bytes() -> int:
@@ -284,8 +313,13 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default=",".join(str(i) for i in range(len(SHAPES))))
     p.add_argument("--variants", default="auto,pallas,static,triton")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="N > 1: our step accumulates N micro-batches of the shape's tokens in one lax.scan "
+                        "(timed per micro-batch; the torch layers run one pass)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    if args.micro_batches < 1:
+        p.error(f"--micro-batches={args.micro_batches}: pass 1 (one pass) or more.")
     import torch
 
     variants = args.variants.split(",")
@@ -301,7 +335,8 @@ def main(argv=None) -> int:
         t_torch, peak_torch, y_torch, idx_torch = _torch_side(base, x, shape.top_k, args.reps)
         y_ref = y_torch.float().cpu().numpy()
         torch.cuda.empty_cache()
-        row = dict(shape=shape.name, **dataclasses.asdict(shape), flops=shape.flops, torch_ms=t_torch * 1e3,
+        row = dict(shape=shape.name, **dataclasses.asdict(shape), flops=shape.flops, micro_batches=args.micro_batches,
+                   torch_ms=t_torch * 1e3,
                    torch_peak_gib=peak_torch / 2**30, variants={})
         if "fp8" in variants:
             try:
@@ -319,7 +354,7 @@ def main(argv=None) -> int:
         for v in variants:
             layer = variant_layer(base, shape, v)
             try:
-                t, footprint, y = _ours(layer, x, args.reps)
+                t, footprint, y = _ours(layer, x, args.reps, args.micro_batches)
             except Exception as e:  # a variant that cannot run here is reported, not fatal
                 row["variants"][v] = dict(error=_error(e))
                 print(f"  {shape.name} {v}: {row['variants'][v]['error']}", flush=True)

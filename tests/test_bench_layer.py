@@ -14,7 +14,15 @@ import pytest
 import torch
 from flax import nnx
 
-from benchmarks.layer import LayerShape, build_layer, grad_step, torch_fp8_grouped_linear, torch_layer, variant_layer
+from benchmarks.layer import (
+    LayerShape,
+    build_layer,
+    grad_step,
+    micro_batch_tokens,
+    torch_fp8_grouped_linear,
+    torch_layer,
+    variant_layer,
+)
 from benchmarks.layer_profile import Kernel, table, trace_kernels
 from moe_jax.layers import GemmOptions, MoE
 from moe_jax.routing import SoftmaxTopK
@@ -169,3 +177,23 @@ def test_fused_gate_up_variant_holds_the_base_layers_weights():
     assert fused.fused_gate_up and not base.fused_gate_up
     x = jax.random.normal(jax.random.PRNGKey(2), (shape.tokens, shape.d_model), jnp.bfloat16)
     assert_close(fused(x)[0], base(x)[0], jnp.bfloat16, "y")
+
+
+def test_micro_batch_step_accumulates_each_pass():
+    """`grad_step(layer, 3)`: the stacked outputs and x gradients are each micro-batch's own, and the
+    variables' gradients their sum."""
+    shape = LayerShape("tiny", tokens=24, d_model=32, d_ff=48, experts=4, top_k=2)
+    layer = build_layer(shape)
+    x = jax.random.normal(jax.random.PRNGKey(1), (shape.tokens, shape.d_model), jnp.bfloat16)
+    xs = micro_batch_tokens(x, 3)
+    assert xs.shape == (3, *x.shape) and bool(jnp.array_equal(xs[0], x))
+    step, state = grad_step(layer)
+    acc_step, _ = grad_step(layer, 3)
+    ys, (acc, g_xs) = jax.jit(acc_step)(state, xs)
+    singles = [jax.jit(step)(state, xs[i]) for i in range(3)]
+    for i, (y, (_, g_x)) in enumerate(singles):
+        assert_close(ys[i], y, jnp.bfloat16, f"y[{i}]")
+        assert_close(g_xs[i], g_x, jnp.bfloat16, f"dx[{i}]")
+    want = jax.tree.map(lambda *g: sum(a.astype(jnp.float32) for a in g), *(g for _, (g, _) in singles))
+    for path_got, path_want in zip(jax.tree.leaves(acc), jax.tree.leaves(want)):
+        assert_close(path_got, path_want, jnp.bfloat16, "accumulated gradient")
