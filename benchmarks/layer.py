@@ -366,7 +366,8 @@ def main(argv=None) -> int:
             if v == "fp8" and "torch_fp8_ms" in row:
                 rec["torch_fp8_over_ours"] = row["torch_fp8_ms"] / rec["ms"]
                 versus_fp8 = f" | torch fp8/ours x{rec['torch_fp8_over_ours']:4.2f}"
-            print(f"  {shape.name:<14} {v:<7} {t * 1e3:8.3f} ms ({shape.flops / t / 1e12:5.0f} TF/s) | torch "
+            per = f" per micro-batch of {args.micro_batches}" if args.micro_batches > 1 else ""
+            print(f"  {shape.name:<14} {v:<7} {t * 1e3:8.3f} ms{per} ({shape.flops / t / 1e12:5.0f} TF/s) | torch "
                   f"{t_torch * 1e3:8.3f} ms | torch/ours x{t_torch / t:4.2f}{versus_fp8} | memory ours "
                   f"{footprint / 2**30:6.2f} GiB torch {peak_torch / 2**30:6.2f} GiB | rel err {err:.1e}", flush=True)
         rows.append(row)
@@ -374,7 +375,8 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(dict(meta=run_meta("python -m benchmarks.layer " + " ".join(sys.argv[1:])), rows=rows), f,
                       indent=1)
-    print("\nshape | variant | ms | torch ms | torch/ours | torch fp8/ours | GiB ours | GiB torch")
+    ours_ms = "ms per micro-batch" if args.micro_batches > 1 else "ms"
+    print(f"\nshape | variant | {ours_ms} | torch ms | torch/ours | torch fp8/ours | GiB ours | GiB torch")
     for r in rows:
         for v, rec in r["variants"].items():
             if "ms" in rec:
