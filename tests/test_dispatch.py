@@ -428,7 +428,8 @@ def test_masked_tokens_and_a_rank_without_tokens():
 @pytest.mark.parametrize("pair", [False, True])
 def test_nan_in_padding_rows_never_leaks(pair):
     """Expert outputs past sum(group_sizes) are NaN; outputs and all gradients stay finite and
-    correct (combine reads valid rows only, with `where`, not a multiply by a mask)."""
+    correct (combine's row gather reads delivered routes' rows only: dropped routes get zero rows
+    without reading, never a multiply by a mask)."""
     keep, packed, _ = _check_linear(_mesh(2, 2), "skewed", pair=pair, poison=True, seed=5)
     # Dropless buffers: M = P*T*K rows per rank, far more than any rank receives here.
     assert all(len(packed[dev][0]) < 2 * T * 2 for dev in range(4))
@@ -609,9 +610,14 @@ def test_pairwise_padded_path_lowers_for_gpu():
     assert text.count("stablehlo.collective_permute") == 4
     assert "all_to_all" not in text
     # Forward: the peer send gather, the regroup from (x, peer block) as one launch per source, the
-    # peer un-regroup (4); the own block is never built. Backward, through the inverses: the
-    # regroup's peer source and the peer un-regroup (2); x's share of the regroup and of the peer
-    # send gather sum each token's rows (XLA gathers, no scatter-add).
-    assert text.count('name = "moe_jax_gather_rows"') == 6
-    # The only scatters: the integer packed-to-receive map and combine's backward (distinct rows).
-    assert text.count('"stablehlo.scatter"(') == 2
+    # peer un-regroup, the combine's read of each route's row from (packed rows, returned peer
+    # block) as one launch per source (6); neither the own block nor the returned pair is built.
+    # Backward, through the inverses: the regroup's peer source, the peer un-regroup and the
+    # combine's two sources (4); x's share of the regroup and of the peer send gather sum each
+    # token's rows (XLA gathers, no scatter-add).
+    assert text.count('name = "moe_jax_gather_rows"') == 10
+    # The only scatters: two integer maps (packed row to receive slot; returned row to its route).
+    lines = text.splitlines()
+    starts = [i for i, line in enumerate(lines) if '"stablehlo.scatter"(' in line]
+    result_types = [next(line for line in lines[i:] if line.lstrip().startswith("})")).split("->")[-1] for i in starts]
+    assert len(result_types) == 2 and all("xi32>" in t for t in result_types), result_types

@@ -371,14 +371,11 @@ def ep_combine(packed_y_MD: jax.Array, weights_TK: jax.Array, plan: EPPlan, *, a
             f"{tuple(packed_y_MD.shape)}."
         )
     routes = tokens * top_k
-    zero = jnp.zeros((), packed_y_MD.dtype)
     if routes == 0:
         return jnp.zeros((tokens, packed_y_MD.shape[1]), packed_y_MD.dtype)
     moved = plan.transport_for(packed_y_MD)
     send_rows, _ = buffer_rows(moved.layout, routes, plan.send_counts_P.shape[0], plan.capacity)
 
-    # Routes without a row (-1) read row 0 below and are zeroed by a select, never a multiply by a
-    # mask: that row may be padding (NaN included), and the select's gradient there is exactly 0.
     row_R = plan.route_row_TK.reshape(routes)
     if moved.pairwise:
         # Only the peer block goes back; routes this rank served itself read their packed rows
@@ -389,14 +386,21 @@ def ep_combine(packed_y_MD: jax.Array, weights_TK: jax.Array, plan: EPPlan, *, a
         peer_y = moved.exchange(peer_back, plan.exchange.reversed(), out_rows=plan.capacity, axis_name=axis_name)
         row_R = jnp.where(pair.own_packed_R >= 0, pair.own_packed_R,
                           jnp.where(pair.peer_slot_R >= 0, packed_y_MD.shape[0] + pair.peer_slot_R, -1))
-        returned_SD = jnp.concatenate([packed_y_MD, peer_y])
+        returned = (packed_y_MD, peer_y)  # read as their concatenation, never built
     else:
         back_MD = gather_rows(packed_y_MD, plan.recv_to_packed_M, inverse_N=plan.packed_to_recv_M, backend=backend)
-        returned_SD = moved.exchange(back_MD, plan.exchange.reversed(), out_rows=send_rows, axis_name=axis_name)
+        returned = (moved.exchange(back_MD, plan.exchange.reversed(), out_rows=send_rows, axis_name=axis_name),)
     # Materialised once: fused into the weighted sum below, XLA recomputed the index arithmetic
     # behind it for every element (docs/decisions.md, "index arithmetic behind a barrier").
     row_R = lax.optimization_barrier(row_R)
-    y_RD = jnp.where((row_R >= 0)[:, None], returned_SD[jnp.maximum(row_R, 0)], zero)
+    # Every returned row is read by at most one route, so the gather's backward is a gather through
+    # the inverse (no scatter-add). Routes without a row (-1) read nothing (a zero row) and add
+    # nothing: the rows they would have read may be padding, NaN included.
+    num_rows = sum(r.shape[0] for r in returned)
+    slot_R = jnp.where(row_R >= 0, row_R, num_rows + jnp.arange(routes, dtype=jnp.int32))  # distinct, dropped
+    inverse_S = jnp.full((num_rows,), -1, jnp.int32).at[slot_R].set(
+        jnp.arange(routes, dtype=jnp.int32), mode="drop", unique_indices=True)
+    y_RD = gather_rows(returned, row_R, inverse_N=inverse_S, backend=backend)
     y_TKD = y_RD.reshape(tokens, top_k, -1).astype(jnp.float32)
     y_TD = jnp.sum(y_TKD * weights_TK.astype(jnp.float32)[:, :, None], axis=1)
     return y_TD.astype(packed_y_MD.dtype)
