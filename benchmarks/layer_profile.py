@@ -3,6 +3,7 @@
 duration grouped (a diagnosis; the figures to quote are `benchmarks.layer`'s back-to-back steps).
 
     python -m benchmarks.layer_profile --shape 0 --variants auto,fp8 --out DIR
+    python -m benchmarks.layer_profile --compare A/layer_profile.json B/layer_profile.json   # no GPU needed
 
 Each variant's step is compiled and run twice, then one more step runs under
 `jax.profiler.trace`. The kernels are the events on the device's stream lines, each with the HLO
@@ -10,7 +11,9 @@ op XLA annotated it with (on a machine without a GPU, the host's XLA thunks).
 Per variant it prints the step's summed kernel time, its span (first kernel's start to the last
 one's end: the difference is time the device waited), and its largest groups: kernels of one name
 with XLA's trailing fusion number dropped (`loop_convert_fusion_3` and `_12` are one group), with
-the HLO ops they came from. `DIR/layer_profile.json` keeps every kernel.
+the HLO ops they came from. `DIR/layer_profile.json` keeps every kernel. `--compare` reads two
+such files (e.g. two trees of the code profiled on one card) and prints, per variant both hold,
+each one's summed kernel time and span and the groups whose time changed most.
 """
 
 from __future__ import annotations
@@ -88,6 +91,30 @@ def table(label: str, kernels: list[Kernel]) -> list[str]:
     return out
 
 
+def compare(a: dict, b: dict, *, top: int = 10) -> list[str]:
+    """Markdown lines comparing two `layer_profile.json` records `a` and `b` (same shape): per
+    variant in both, the summed kernel time and span of each and the `top` groups by |b - a|."""
+    if a["shape"] != b["shape"]:
+        raise ValueError(f"compare: the profiles are of different shapes ({a['shape']} and {b['shape']}).")
+    out = []
+    for variant in (v for v in a["kernels"] if v in b["kernels"]):
+        ka, kb = ([Kernel(**k) for k in rec["kernels"][variant]] for rec in (a, b))
+        times = []
+        for ks in (ka, kb):
+            t: dict = collections.Counter()
+            for k in ks:
+                t[group(k.name)] += k.duration_ns
+            span = max(k.start_ns + k.duration_ns for k in ks) - min(k.start_ns for k in ks)
+            times.append((t, sum(t.values()), span))
+        (ta, sa, pa), (tb, sb, pb) = times
+        out += [f"## {a['shape']} {variant}: kernels {sa / 1e6:.3f} -> {sb / 1e6:.3f} ms ({sb / sa:.3f}x), "
+                f"span {pa / 1e6:.3f} -> {pb / 1e6:.3f} ms", "| kernel | a ms | b ms | b - a |", "|---|---|---|---|"]
+        for g in sorted(set(ta) | set(tb), key=lambda g: -abs(tb[g] - ta[g]))[:top]:
+            out.append(f"| `{g[:60]}` | {ta[g] / 1e6:.3f} | {tb[g] / 1e6:.3f} | {(tb[g] - ta[g]) / 1e6:+.3f} |")
+        out.append("")
+    return out
+
+
 def profile(shape_index: int, variants: list[str], out_dir: str) -> list[str]:
     import jax
     import jax.numpy as jnp
@@ -123,8 +150,18 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", type=int, default=0, help="index into benchmarks.layer's SHAPES")
     p.add_argument("--variants", default="auto,fp8")
-    p.add_argument("--out", required=True, help="folder for layer_profile.json and layer_profile.md")
+    p.add_argument("--out", help="folder for layer_profile.json and layer_profile.md")
+    p.add_argument("--compare", nargs=2, metavar=("A", "B"), help="two layer_profile.json files to compare")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.compare:
+        records = []
+        for path in args.compare:
+            with open(path) as f:
+                records.append(json.load(f))
+        print("\n".join(compare(*records)))
+        return 0
+    if not args.out:
+        p.error("--out is required to profile (or pass --compare A B)")
     profile(args.shape, args.variants.split(","), args.out)
     return 0
 

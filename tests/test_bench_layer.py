@@ -23,7 +23,8 @@ from benchmarks.layer import (
     torch_layer,
     variant_layer,
 )
-from benchmarks.layer_profile import Kernel, table, trace_kernels
+from benchmarks.layer_profile import Kernel, compare, table, trace_kernels
+from benchmarks.layer_profile import main as layer_profile_main
 from moe_jax.layers import GemmOptions, MoE
 from moe_jax.routing import SoftmaxTopK
 from moe_jax.testing import assert_close, rel_err
@@ -197,3 +198,20 @@ def test_micro_batch_step_accumulates_each_pass():
     want = jax.tree.map(lambda *g: sum(a.astype(jnp.float32) for a in g), *(g for _, (g, _) in singles))
     for path_got, path_want in zip(jax.tree.leaves(acc), jax.tree.leaves(want)):
         assert_close(path_got, path_want, jnp.bfloat16, "accumulated gradient")
+
+
+def test_layer_profile_compare_lists_the_groups_that_changed(tmp_path):
+    def record(kernels):
+        return dict(shape="tiny", device="cpu", kernels=dict(auto=[k._asdict() for k in kernels]))
+
+    a = record([Kernel("gmm_kernel", "a", 0, 2e6), Kernel("input_scatter_fusion_1", "s", 2e6, 1e6)])
+    b = record([Kernel("gmm_kernel", "a", 0, 2e6), Kernel("loop_gather_fusion", "g", 2e6, 0.25e6)])
+    out = compare(a, b)
+    assert out[0] == "## tiny auto: kernels 3.000 -> 2.250 ms (0.750x), span 3.000 -> 2.250 ms"
+    assert out[3] == "| `input_scatter_fusion` | 1.000 | 0.000 | -1.000 |"
+    assert "| `gmm_kernel` | 2.000 | 2.000 | +0.000 |" in out
+    with pytest.raises(ValueError, match="different shapes"):
+        compare(a, dict(b, shape="other"))
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    assert layer_profile_main(["--compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
