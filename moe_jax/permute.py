@@ -218,8 +218,7 @@ def _weighted_sum(y_RD, weights_TK, inverse_R, order_R, valid_R):
     num_tokens, top_k = weights_TK.shape
     valid_TK1 = valid_R.reshape(num_tokens, top_k, 1)
     # Select before multiplying: w * garbage would send 0 * NaN into the weight gradient.
-    y_TKD = y_RD.at[inverse_R].get(unique_indices=True)
-    y_TKD = y_TKD.reshape(num_tokens, top_k, y_RD.shape[1]).astype(jnp.float32)
+    y_TKD = y_RD[inverse_R].reshape(num_tokens, top_k, y_RD.shape[1]).astype(jnp.float32)
     y_TKD = jnp.where(valid_TK1, y_TKD, 0.0)
     w_TK1 = jnp.where(valid_TK1, weights_TK.astype(jnp.float32)[:, :, None], 0.0)
     return jnp.sum(w_TK1 * y_TKD, axis=1).astype(y_RD.dtype)
@@ -240,7 +239,7 @@ def _weighted_sum_bwd(res, g_TD):
     w_R1 = weights_TK.astype(jnp.float32).reshape(-1)[order_R][:, None]
     dy_RD = jnp.where(valid_R1, w_R1 * g_RD, 0.0).astype(y_RD.dtype)
     dw_R = jnp.sum(jnp.where(valid_R1, g_RD * y_RD.astype(jnp.float32), 0.0), axis=1)
-    dw_TK = dw_R.at[inverse_R].get(unique_indices=True).reshape(weights_TK.shape).astype(weights_TK.dtype)
+    dw_TK = dw_R[inverse_R].reshape(weights_TK.shape).astype(weights_TK.dtype)
     return dy_RD, dw_TK, None, None, None
 
 

@@ -49,6 +49,7 @@ from moe_jax.parallel import (
     check_capacity_factor,
     select_transport,
 )
+from moe_jax.parallel.layout import invert_rows
 from moe_jax.testing import assert_close
 from tests.helpers import (
     ON_GPU,
@@ -621,3 +622,11 @@ def test_pairwise_padded_path_lowers_for_gpu():
     starts = [i for i, line in enumerate(lines) if '"stablehlo.scatter"(' in line]
     result_types = [next(line for line in lines[i:] if line.lstrip().startswith("})")).split("->")[-1] for i in starts]
     assert len(result_types) == 2 and all("xi32>" in t for t in result_types), result_types
+
+
+def test_invert_rows_maps_each_row_to_its_reader():
+    """The inverse of an injective partial map: each row's reader, -1 for rows none reads; readers
+    of no row (-1) change nothing, however many there are."""
+    got = jax.jit(invert_rows, static_argnums=1)(jnp.asarray([3, -1, 0, -1, 5], jnp.int32), 6)
+    np.testing.assert_array_equal(np.asarray(got), [2, -1, -1, 0, -1, 4])
+    assert np.asarray(invert_rows(jnp.zeros((0,), jnp.int32), 3)).tolist() == [-1, -1, -1]

@@ -60,6 +60,7 @@ from moe_jax.parallel.chunks import check_chunks, token_chunks
 from moe_jax.parallel.layout import (
     BlockExchange,
     buffer_rows,
+    invert_rows,
     own_and_peer,
     pair_maps,
     plan_exchange,
@@ -396,10 +397,7 @@ def ep_combine(packed_y_MD: jax.Array, weights_TK: jax.Array, plan: EPPlan, *, a
     # Every returned row is read by at most one route, so the gather's backward is a gather through
     # the inverse (no scatter-add). Routes without a row (-1) read nothing (a zero row) and add
     # nothing: the rows they would have read may be padding, NaN included.
-    num_rows = sum(r.shape[0] for r in returned)
-    slot_R = jnp.where(row_R >= 0, row_R, num_rows + jnp.arange(routes, dtype=jnp.int32))  # distinct, dropped
-    inverse_S = jnp.full((num_rows,), -1, jnp.int32).at[slot_R].set(
-        jnp.arange(routes, dtype=jnp.int32), mode="drop", unique_indices=True)
+    inverse_S = invert_rows(row_R, sum(r.shape[0] for r in returned))
     y_RD = gather_rows(returned, row_R, inverse_N=inverse_S, backend=backend)
     y_TKD = y_RD.reshape(tokens, top_k, -1).astype(jnp.float32)
     y_TD = jnp.sum(y_TKD * weights_TK.astype(jnp.float32)[:, :, None], axis=1)

@@ -25,8 +25,8 @@ from jax import lax
 
 from moe_jax.permute import exclusive_cumsum
 
-__all__ = ["LAYOUTS", "BlockExchange", "PairMaps", "Regroup", "buffer_rows", "own_and_peer", "pair_maps",
-           "plan_exchange", "plan_regroup"]
+__all__ = ["LAYOUTS", "BlockExchange", "PairMaps", "Regroup", "buffer_rows", "invert_rows", "own_and_peer",
+           "pair_maps", "plan_exchange", "plan_regroup"]
 
 LAYOUTS = ("padded", "tight")
 
@@ -113,6 +113,16 @@ class Regroup(NamedTuple):
     group_sizes_El: jax.Array
 
 
+def invert_rows(rows_N: jax.Array, size: int) -> jax.Array:
+    """int32 `[size]`: for each row s, the n with `rows_N[n] == s`, -1 where none; `rows_N` maps
+    each n to a distinct row of `[0, size)` or to -1 (none). The map is injective, so the scatter
+    is declared unique (the -1 entries get distinct out-of-range slots, dropped)."""
+    n = rows_N.shape[0]
+    i_N = jnp.arange(n, dtype=jnp.int32)
+    slot_N = jnp.where(rows_N >= 0, rows_N, size + i_N)
+    return jnp.full((size,), -1, jnp.int32).at[slot_N].set(i_N, mode="drop", unique_indices=True)
+
+
 def plan_regroup(recv_PE, recv_offsets_P, rows: int, capacity: int | None) -> Regroup:
     """Map receive-buffer rows to the grouped-GEMM layout.
 
@@ -134,8 +144,7 @@ def plan_regroup(recv_PE, recv_offsets_P, rows: int, capacity: int | None) -> Re
     before = exclusive_cumsum(recv_PE, axis=0)[src_M, expert_M]  # rows of this expert from earlier sources
     packed_M = exclusive_cumsum(group_sizes_El)[expert_M] + before + (j_M - run_start)
     recv_to_packed_M = jnp.where(valid_M, packed_M, -1)
-    packed_to_recv_M = jnp.full((rows,), -1, jnp.int32).at[jnp.where(valid_M, packed_M, rows)].set(i_M, mode="drop")
-    return Regroup(recv_to_packed_M, packed_to_recv_M, group_sizes_El)
+    return Regroup(recv_to_packed_M, invert_rows(recv_to_packed_M, rows), group_sizes_El)
 
 
 def own_and_peer(ids_S, me, capacity: int):
