@@ -20,6 +20,8 @@ are chosen, never the weight values. Router math runs in float32 whatever the lo
 Expert selection is discrete, so gradients reach `logits_TE` only through `weights_TK` (and
 through `probs_TE` for the losses).
 
+`router_logits(x_TD, w_ED)` computes the logits a router reads: `x @ w^T` in float32 (below).
+
 Balancing: `aux_loss` (Switch/Megatron, counts held constant), `seq_aux_loss` (DeepSeek-V3's
 sequence-wise form), `z_loss` (router logit magnitude), and `update_selection_bias` (the loss-free
 feedback rule, applied outside the gradient from observed `expert_counts`). Every statistic takes
@@ -49,12 +51,59 @@ __all__ = [
     "SoftmaxTopK",
     "SigmoidGroupedTopK",
     "Router",
+    "router_logits",
     "expert_counts",
     "aux_loss",
     "seq_aux_loss",
     "z_loss",
     "update_selection_bias",
 ]
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+def router_logits(x_TD: jax.Array, w_ED: jax.Array) -> jax.Array:
+    """float32 `[T, E]` router logits `x_TD @ w_ED^T`, every product exact and summed in float32.
+
+    bfloat16 `x_TD` and `w_ED`: their products are exact in float32, so the forward runs one
+    bfloat16 tensor-core GEMM accumulating in float32 (the float32 product's value up to the order
+    of summation). The backward's float32 cotangent is split into two bfloat16 terms (`hi + lo`,
+    equal to it within 2^-16 relative), so both gradient products run on tensor cores too; the
+    gradients return in bfloat16, whose own rounding (2^-9 relative) is far coarser. Any other
+    dtypes (float32, float16, mixed): both operands in float32 at `Precision.HIGHEST`.
+    """
+    if x_TD.dtype == w_ED.dtype == jnp.bfloat16:
+        return _bf16_logits(x_TD, w_ED)
+    return jnp.dot(x_TD.astype(jnp.float32), w_ED.astype(jnp.float32).T, precision=_HI)
+
+
+def _dot_f32(a_MK: jax.Array, b_NK: jax.Array) -> jax.Array:
+    """`a @ b^T` with float32 accumulation and output."""
+    return jax.lax.dot_general(a_MK, b_NK, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+@jax.custom_vjp
+def _bf16_logits(x_TD, w_ED):
+    return _dot_f32(x_TD, w_ED)
+
+
+def _bf16_logits_fwd(x_TD, w_ED):
+    return _dot_f32(x_TD, w_ED), (x_TD, w_ED)
+
+
+def _bf16_logits_bwd(res, g_TE):
+    x_TD, w_ED = res
+    g_TE = g_TE.astype(jnp.float32)
+    hi_TE = g_TE.astype(jnp.bfloat16)
+    lo_TE = (g_TE - hi_TE.astype(jnp.float32)).astype(jnp.bfloat16)
+    # dx = hi @ w + lo @ w as one product over the concatenated contraction [hi | lo] . [w ; w].
+    dx_TD = _dot_f32(jnp.concatenate([hi_TE, lo_TE], axis=1), jnp.concatenate([w_ED, w_ED], axis=0).T)
+    dw_ED = _dot_f32(hi_TE.T, x_TD.T) + _dot_f32(lo_TE.T, x_TD.T)
+    return dx_TD.astype(x_TD.dtype), dw_ED.astype(w_ED.dtype)
+
+
+_bf16_logits.defvjp(_bf16_logits_fwd, _bf16_logits_bwd)
+
 
 # DeepSeek-V3 adds this to the normaliser of the selected sigmoid scores.
 _NORM_EPS = 1e-20

@@ -1,5 +1,7 @@
 """Tests of moe_jax.routing: routers against hand-computed cases, router gradients, balancing losses,
-masking, the loss-free bias update, configuration errors and jit."""
+masking, the loss-free bias update, configuration errors and jit; the router logits' products."""
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -14,11 +16,12 @@ from moe_jax.routing import (
     SoftmaxTopK,
     aux_loss,
     expert_counts,
+    router_logits,
     seq_aux_loss,
     update_selection_bias,
     z_loss,
 )
-from tests.helpers import scatter_lines
+from tests.helpers import lower_for_gpu, scatter_lines
 
 # T=2 tokens, E=4 experts, all logits distinct so the top-k order is unambiguous.
 LOGITS_24 = np.array([[1.0, 3.0, 2.0, 0.0], [0.5, -1.0, 2.0, 4.0]], np.float32)
@@ -593,3 +596,54 @@ def test_everything_under_jit(router):
     grad_fn = jax.jit(jax.grad(lambda l: jnp.sum(router.route(l).weights_TK ** 2)))
     g = grad_fn(logits_BSE.reshape(-1, 4).astype(jnp.float32))
     assert np.isfinite(np.asarray(g)).all()
+
+
+def _logits_reference(x_TD, w_ED):
+    return jnp.dot(x_TD.astype(jnp.float32), w_ED.astype(jnp.float32).T, precision=jax.lax.Precision.HIGHEST)
+
+
+@pytest.mark.parametrize("dtypes", [(jnp.float32, jnp.float32), (jnp.float16, jnp.float16), (jnp.bfloat16, jnp.float32)])
+def test_router_logits_other_dtypes_are_the_float32_product(dtypes):
+    kx, kw, kg = jax.random.split(jax.random.PRNGKey(7), 3)
+    x = jax.random.normal(kx, (48, 96)).astype(dtypes[0])
+    w = (0.1 * jax.random.normal(kw, (12, 96))).astype(dtypes[1])
+    g = jax.random.normal(kg, (48, 12))
+    y, vjp = jax.vjp(router_logits, x, w)
+    want, vjp_want = jax.vjp(_logits_reference, x, w)
+    assert y.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
+    for got, ref in zip(vjp(g), vjp_want(g)):
+        assert got.dtype == ref.dtype
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32)))
+
+
+def test_router_logits_bf16_products_are_exact_and_gradients_within_rounding():
+    """bf16 operands: float32 logits equal to the float32 product up to summation order; the
+    gradients (bf16) within one bf16 rounding of the float32 reference's, NaN-free on empty rows."""
+    kx, kw, kg = jax.random.split(jax.random.PRNGKey(8), 3)
+    x = jax.random.normal(kx, (40, 384)).astype(jnp.bfloat16).at[3].set(0)
+    w = (0.05 * jax.random.normal(kw, (16, 384))).astype(jnp.bfloat16)
+    g = 1e-3 * jax.random.normal(kg, (40, 16))
+    y, vjp = jax.vjp(router_logits, x, w)
+    want, vjp_want = jax.vjp(_logits_reference, x, w)
+    assert y.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=0, atol=2e-6 * float(jnp.max(jnp.abs(want))))
+    for got, ref in zip(vjp(g), vjp_want(g)):
+        assert got.dtype == jnp.bfloat16
+        got32, ref32 = np.asarray(got.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32))
+        assert np.all(np.isfinite(got32))
+        np.testing.assert_allclose(got32, ref32, rtol=2 ** -7, atol=1e-12)  # one bf16 ulp
+
+
+def test_router_logits_bf16_runs_every_product_on_bf16_operands():
+    """Lowered for a GPU: the forward and both gradient products take bf16 operands and return
+    float32 (tensor-core GEMMs), where the float32 path converts the operands first."""
+    x = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((16, 256), jnp.bfloat16)
+
+    def step(x, w):
+        return jax.grad(lambda x, w: jnp.sum(router_logits(x, w) ** 2), argnums=(0, 1))(x, w)
+
+    dots = [line for line in lower_for_gpu(step, x, w).splitlines() if "stablehlo.dot_general" in line]
+    assert len(dots) == 4, dots  # forward, dx, dw from hi, dw from lo
+    assert all(re.search(r"\(tensor<[0-9x]+xbf16>, tensor<[0-9x]+xbf16>\) -> tensor<[0-9x]+xf32>", d) for d in dots), dots

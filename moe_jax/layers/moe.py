@@ -6,7 +6,7 @@ per token.
 
 `MoE.__call__` runs one seam per stage:
 
-1. router (fp32 always): `logits_TE = x @ W_r^T`, `routing = router.route(logits_TE, bias)`; or
+1. router (fp32 always): `logits_TE = x @ W_r^T` (`routing.router_logits`: exact products summed in fp32), `routing = router.route(logits_TE, bias)`; or
    an injected `Routing` (skips the router).
 2. routed experts at width Din (`x @ W_ld^T` first for LatentMoE): `routed.single_device` or,
    with a mesh, `routed.routed_on_mesh` (data parallel, or expert parallel through
@@ -64,8 +64,6 @@ from moe_jax.parallel.replicas import physical_weights
 from moe_jax.validation import check_bool, check_int
 
 __all__ = ["GEMM_KERNELS", "MoE", "ROW_GATHERS", "Fp8Stored", "SelectionBias", "stored_fp8"]
-
-_HI = lax.Precision.HIGHEST
 
 
 class SelectionBias(nnx.Variable):
@@ -345,7 +343,7 @@ class MoE(nnx.Module):
             routing = on_tokens(routing_lib.Routing(*(jnp.asarray(a) for a in routing)), axes)
             z_loss = jnp.zeros((), jnp.float32)
         else:
-            logits_TE = jnp.dot(real_TD.astype(jnp.float32), self.w_router[...].astype(jnp.float32).T, precision=_HI)
+            logits_TE = routing_lib.router_logits(real_TD, self.w_router[...])
             routing = self.router.route(logits_TE, selection_bias_E=self.selection_bias[...])
             z_loss = routing_lib.z_loss(logits_TE, mask_T=mask_T)
 
