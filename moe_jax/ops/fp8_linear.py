@@ -131,11 +131,14 @@ def _master_linear_bwd(backend, input_gradient, res, dys):
     fp8_rows, kept, group_sizes, rows, witnesses, x_dtype = res
     x_dtype = x_dtype.dtype
     dx = _dgrad(backend, input_gradient, dys, kept, group_sizes, rows, x_dtype)
-    # dw from the dequantized FP8 rows (the source rows through the ids with `rows`).
+    # dw from the dequantized FP8 rows; with `rows` the source rows are dequantized once and gathered
+    # into the packed layout, so the weight gradient reads packed rows (read through ids, the bf16
+    # layer's weight gradient measured 3-8% slower: docs/decisions.md, the row gather).
     rows_x = dequantize_rows(fp8_rows).astype(x_dtype)
-    ids = None if rows is None else rows.ids_M
-    dws = tuple(tgmm(rows_x, dy.astype(x_dtype), group_sizes, backend=backend, precision=_HI,
-                     row_ids=ids).astype(w.dtype) for dy, w in zip(dys, witnesses))
+    if rows is not None:
+        rows_x = gather_rows(rows_x, rows.ids_M)
+    dws = tuple(tgmm(rows_x, dy.astype(x_dtype), group_sizes, backend=backend, precision=_HI).astype(w.dtype)
+                for dy, w in zip(dys, witnesses))
     return dx, dws, None, None
 
 
@@ -221,8 +224,8 @@ def fp8_grouped_linear(
         as in `grouped_linear`. Each source row is quantized once (a 1 x 128 tile lies within one
         row, so this equals quantizing the gathered rows) and its e4m3 bytes and scales are
         gathered once for every weight's product; the backward keeps the `[T, K]` FP8 source rows,
-        its weight gradient reads them through the ids and the input gradient sums each source
-        row's readers in fp32
+        its weight gradient gathers their dequantized values into the packed layout and the input
+        gradient sums each source row's readers in fp32
         (`moe_jax.ops.gather.sum_of_readers`). Equal to `fp8_grouped_linear` on
         `gather_rows(x, rows.ids_M, inverse_N=rows.readers_TK)`.
     """
