@@ -3,7 +3,9 @@ equals the recipe's `quantize_weights` / `transpose_weights` bit for bit (bf16, 
 K not multiples of 128; one block; all-zero blocks; every output element written), NaN and inf
 stay in their block, argument errors, the lowering for an H200 (and its Triton IR compiled for
 sm_90: XLA's division and e4m3 conversion instructions, shared memory), and `fp8_grouped_linear`
-on the fused path.
+on the fused path. Activation rows (`quantize_activations`): the rows kernel equals the recipe's
+`quantize_rows` bit for bit (ragged M and K, zero rows, every output written), NaN and inf stay in
+their tile, errors, the lowering for an H200 and its sm_90 instructions.
 
 The same bodies run the Pallas kernel compiled on a GPU and interpreted on CPU.
 
@@ -20,14 +22,15 @@ import numpy as np
 import pytest
 
 from moe_jax.ops import fp8_linear
-from moe_jax.ops.fp8 import FP8_DTYPE, quantize_weights, transpose_weights
+from moe_jax.ops.fp8 import FP8_DTYPE, quantize_rows, quantize_weights, transpose_weights
 from moe_jax.ops.fp8_linear import fp8_grouped_linear
-from moe_jax.ops.quantize import backends, quantize_master_weights, quantize_master_weights_reference
-from moe_jax.ops.quantize.kernel import quantize_weights_pallas
+from moe_jax.ops.quantize import backends, quantize_activations, quantize_master_weights, quantize_master_weights_reference
+from moe_jax.ops.quantize.kernel import quantize_rows_pallas, quantize_weights_pallas
 from tests.helpers import ON_GPU, assert_same_bits, lower_for_gpu, triton_modules
 
 DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
 KERNEL = 'name = "moe_jax_quantize_weights"'
+ROWS_KERNEL = 'name = "moe_jax_quantize_rows"'
 
 
 def _weights(shape, dtype, seed=0):
@@ -309,3 +312,94 @@ def test_kernel_lowers_inside_shard_map_for_two_h200s(backend, axis_type, input_
     assert text.count(KERNEL) == 1
     if backend == "mosaic_gpu":  # the forward and the input gradient (FP8, or the 16-bit kernel's)
         assert text.count("mosaic_gpu") >= 2
+
+
+def _rows(shape, dtype, seed=0):
+    """Normal rows with magnitudes spread over rows (x 1e-3 .. 1e2), row 1 all zero, the dtype's rounding."""
+    m, k = shape
+    x = jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32)
+    x = (x * jnp.logspace(-3, 2, m, dtype=jnp.float32).reshape(m, 1)).at[1].set(0.0)
+    return x.astype(dtype)
+
+
+def _assert_same_rows(got, want):
+    assert_same_bits(got.values_MK, want.values_MK)
+    assert_same_bits(got.scale_MKb, want.scale_MKb)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(70, 300), (32, 128), (5, 100)], ids=["ragged", "one-tile", "k-edge"])
+def test_rows_kernel_equals_the_recipe_bit_for_bit(dtype, shape):
+    x = _rows(shape, dtype)
+    got = quantize_activations(x, backend="pallas_triton")
+    _assert_same_rows(got, quantize_rows(x))
+    _assert_same_rows(quantize_activations(x, backend="xla"), quantize_rows(x))
+    assert np.all(np.asarray(got.scale_MKb[1]) == 1.0) and not np.any(np.asarray(got.values_MK[1], np.float32))
+
+
+def test_rows_kernel_writes_every_output_element():
+    x = _rows((70, 300), jnp.bfloat16, seed=1)
+    got = quantize_rows_pallas(x, block_m=backends.ROWS_BLOCK_M, num_warps=backends.ROWS_NUM_WARPS, interpret=not ON_GPU,
+                               out_init=(jnp.full((70, 300), jnp.nan, FP8_DTYPE), jnp.full((70, 3), jnp.nan, jnp.float32)))
+    _assert_same_rows(got, quantize_rows(x))
+
+
+def test_rows_nan_and_inf_stay_in_their_tile():
+    """A NaN makes its tile's scale and values NaN (the contract; XLA:CPU's reference can drop it
+    from the tile's max); an infinity gives its tile scale inf. Every other tile is the reference's."""
+    x = _rows((40, 300), jnp.float32, seed=2).at[3, 130].set(jnp.nan).at[7, 5].set(-jnp.inf)
+    got = quantize_activations(x, backend="pallas_triton")
+    assert np.isnan(float(got.scale_MKb[3, 1])) and np.all(np.isnan(np.asarray(got.values_MK[3, 128:256], np.float32)))
+    assert float(got.scale_MKb[7, 0]) == np.inf
+    want = quantize_rows(x)
+    poisoned = np.zeros((40, 300), bool)
+    poisoned[3, 128:256] = True
+    scales = np.ones((40, 3), bool)
+    scales[3, 1] = False
+    assert_same_bits(np.asarray(got.values_MK)[~poisoned], np.asarray(want.values_MK)[~poisoned])
+    assert_same_bits(np.asarray(got.scale_MKb)[scales], np.asarray(want.scale_MKb)[scales])
+
+
+def test_rows_errors_and_empty_rows():
+    x = jnp.ones((4, 8), jnp.float32)
+    with pytest.raises(ValueError, match="backend='triton'.*one of"):
+        quantize_activations(x, backend="triton")
+    with pytest.raises(TypeError, match="x_MK: expected bfloat16/float16/float32.*int32"):
+        quantize_activations(jnp.ones((4, 8), jnp.int32))
+    with pytest.raises(TypeError, match="x_MK: .*already quantized"):
+        quantize_activations(x.astype(FP8_DTYPE))
+    with pytest.raises(ValueError, match=r"x_MK: expected \[M, K\] rows"):
+        quantize_activations(jnp.ones((2, 4, 8)))
+    empty = quantize_activations(jnp.ones((0, 300)), backend="pallas_triton")
+    assert empty.values_MK.shape == (0, 300) and empty.scale_MKb.shape == (0, 3)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_rows_kernel_lowers_for_h200(dtype):
+    """`auto` on an H200 is the rows kernel, lowered through Pallas -> Triton with the verifier, at
+    Qwen3-30B-A3B's packed rows and at a ragged shape."""
+    for shape in [(32768, 2048), (70, 300)]:
+        text = lower_for_gpu(quantize_activations, jax.ShapeDtypeStruct(shape, dtype))
+        assert text.count(ROWS_KERNEL) == 1
+
+
+def test_rows_kernel_compiled_for_sm90():
+    """The rows kernel's Triton IR compiled for sm_90: XLA's division and e4m3 cast instructions
+    (as the weights kernel's), in no shared memory beyond the row maxima's reduction."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+
+    (module,) = triton_modules(
+        lambda x: quantize_rows_pallas(x, block_m=backends.ROWS_BLOCK_M, num_warps=backends.ROWS_NUM_WARPS,
+                                       interpret=False),
+        jax.ShapeDtypeStruct((70, 300), jnp.bfloat16))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "quantize_rows.ttir")
+        with open(path, "w") as fh:
+            fh.write(module)
+        compiled = triton.compile(path, target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=backends.ROWS_NUM_WARPS, num_stages=1))
+    ptx = compiled.asm["ptx"]
+    assert "div.full.f32" in ptx and "div.rn" not in ptx and "div.approx" not in ptx
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    assert compiled.metadata.shared <= 16 * 1024, compiled.metadata.shared

@@ -8,7 +8,8 @@ Legend: M packed rows, T source rows (read through row ids), K input width, N ou
 The recipe is DeepSeek-V3's blockwise FP8 (DeepSeek-AI, "DeepSeek-V3 Technical Report",
 arXiv:2412.19437, section 3.3; the quantization itself is `moe_jax.ops.fp8`):
 
-- Forward: `x` quantized per 1 x 128 tile of K (`quantize_rows`), the weights per 128 x 128 block
+- Forward: `x` quantized per 1 x 128 tile of K (`quantize_rows`; on a GPU by the rows kernel of
+  `moe_jax.ops.quantize.quantize_activations`, bit for bit), the weights per 128 x 128 block
   (`quantize_weights`, or given already quantized), `y = rows @ w^T` by the recipe. In a
   differentiated call the forward also writes the quantized master weights as `[E, K, N]`
   (`transpose_weights`), the layout the input gradient's product reads, in the quantization's own
@@ -55,12 +56,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from moe_jax.ops.fp8 import BLOCK, FP8_DTYPE, Fp8Rows, Fp8Weights, dequantize_rows, quantize_rows, transpose_weights
+from moe_jax.ops.fp8 import BLOCK, FP8_DTYPE, Fp8Rows, Fp8Weights, dequantize_rows, transpose_weights
 from moe_jax.ops.gather import gather_rows, sum_of_readers
 from moe_jax.ops.gmm import SUPPORTED_DTYPES, RowGather, gmm, tgmm
 from moe_jax.ops.gmm.api import check_rows
 from moe_jax.ops.gmm.fp8_api import FP8_GEMM_BACKENDS, fp8_backend, gmm_fp8
-from moe_jax.ops.quantize import quantize_master_weights
+from moe_jax.ops.quantize import quantize_activations, quantize_master_weights
 from moe_jax.ops.sharding import replicate_explicit
 
 __all__ = ["FP8_INPUT_GRADIENTS", "FP8_LINEAR_BACKENDS", "fp8_grouped_linear"]
@@ -80,9 +81,14 @@ def _quantize(backend, w, transposed: bool):
     return out if transposed else (out, None)
 
 
+def _quantize_rows(backend, x):
+    """`quantize_activations` of `x` for the layer's `backend`, chosen as `_quantize` chooses."""
+    return quantize_activations(x, backend=backend if backend in ("xla", "pallas_triton") else "auto")
+
+
 def _forward(backend, x, wqs, group_sizes, rows):
     """The outputs of every weight in `wqs` (quantized) and the FP8 rows they all read."""
-    fp8_rows = quantize_rows(x)  # with `rows`, x's source rows: each quantized once, read by all its readers
+    fp8_rows = _quantize_rows(backend, x)  # with `rows`, x's source rows: each quantized once, read by all its readers
     packed = fp8_rows
     if rows is not None:
         # The e4m3 bytes and scales are gathered once for every weight (a quarter of the bf16 rows'
@@ -103,7 +109,7 @@ def _dgrad(backend, input_gradient, dys, kept, group_sizes, rows, x_dtype):
     for dy, w in zip(dys, kept):
         dy = dy.astype(x_dtype)
         if input_gradient == "fp8":
-            part = gmm_fp8(quantize_rows(dy), w, group_sizes, backend=backend, out_dtype=x_dtype)
+            part = gmm_fp8(_quantize_rows(backend, dy), w, group_sizes, backend=backend, out_dtype=x_dtype)
         else:
             part = gmm(dy, w.astype(x_dtype), group_sizes, transpose_rhs=False, backend=backend, precision=_HI)
         dx = part if dx is None else dx + part

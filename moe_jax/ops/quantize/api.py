@@ -1,4 +1,5 @@
-"""Master weights to the FP8 recipe's blocks, as `fp8_grouped_linear` quantizes them in each call.
+"""Master weights to the FP8 recipe's blocks, as `fp8_grouped_linear` quantizes them in each call,
+and activation rows to its 1 x 128 tiles.
 
 Legend: E experts, N output width, K input width; Nb = ceil(N / 128), Kb = ceil(K / 128).
 
@@ -9,6 +10,10 @@ Backends (`backends`): `pallas_triton` (`kernel.quantize_weights_pallas`: one pr
 reads the weights once and writes every output) and `xla` (two passes over the weights: the block
 amax, then the divide and cast). At Qwen3-30B-A3B's expert weights the XLA path reads about twice
 the bytes the outputs need (docs/fp8.md, "Fused weight quantization").
+
+`quantize_activations(x_MK)` is `moe_jax.ops.fp8.quantize_rows(x_MK)` bit for bit, on the same two
+backends (`kernel.quantize_rows_pallas` reads the rows once; XLA takes the tiles' amax in one pass
+and divides and casts in another).
 """
 
 from __future__ import annotations
@@ -16,13 +21,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moe_jax.ops.fp8 import FP8_DTYPE, Fp8Weights
+from moe_jax.ops.fp8 import FP8_DTYPE, Fp8Rows, Fp8Weights
 from moe_jax.ops.pallas_triton import int32_offsets_wrap
 from moe_jax.ops.platform import BackendName, implementation
 from moe_jax.ops.quantize import backends  # noqa: F401  (registers the two backends)
 from moe_jax.ops.sharding import replicate_explicit
 
-__all__ = ["QUANTIZE_BACKENDS", "quantize_master_weights"]
+__all__ = ["QUANTIZE_BACKENDS", "quantize_activations", "quantize_master_weights"]
 
 QUANTIZE_BACKENDS = ("auto", "pallas_triton", "xla")
 
@@ -67,3 +72,30 @@ def quantize_master_weights(
     impl = implementation("quantize_master_weights", backend)
     wq, wq_t = impl(w_ENK, transposed)
     return (wq, wq_t) if transposed else wq
+
+
+def quantize_activations(x_MK: jax.Array, *, backend: BackendName = "auto") -> Fp8Rows:
+    """e4m3 rows of `x_MK` with one fp32 scale per 1 x 128 tile, equal bit for bit to
+    `quantize_rows(x_MK)`.
+
+    Args:
+      x_MK: `[M, K]` bfloat16/float16/float32 rows (a ragged last tile is scaled by its own columns).
+      backend: `"auto"` (the kernel on a GPU, XLA elsewhere), `"pallas_triton"` (interpreted off
+        GPU) or `"xla"`. Rows of more than 2**31 values run on XLA (the kernel's e4m3 output would
+        be offset in int32, `moe_jax.ops.pallas_triton.int32_offsets_wrap`); rows an Explicit mesh
+        axis shards are gathered first, as for the weights.
+
+    Returns `Fp8Rows(values_MK e4m3, scale_MKb [M, Kb] fp32)`. Not differentiable.
+    """
+    if backend not in QUANTIZE_BACKENDS:
+        raise ValueError(f"backend={backend!r}: quantize_activations runs on one of {QUANTIZE_BACKENDS}.")
+    x_MK = jnp.asarray(x_MK)
+    if x_MK.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        raise TypeError(f"x_MK: expected bfloat16/float16/float32 rows, got {x_MK.dtype}"
+                        + (" (already quantized)." if x_MK.dtype == FP8_DTYPE else "."))
+    if x_MK.ndim != 2:
+        raise ValueError(f"x_MK: expected [M, K] rows (2 dims), got shape {x_MK.shape}.")
+    (x_MK,) = replicate_explicit(x_MK)
+    if x_MK.size == 0 or int32_offsets_wrap(x_MK.size, FP8_DTYPE):
+        backend = "xla"
+    return implementation("quantize_activations", backend)(x_MK)
