@@ -290,7 +290,8 @@ def test_explicitly_sharded_weights_lower_the_kernel_for_two_h200s():
 @pytest.mark.parametrize("backend", ["auto", "mosaic_gpu"])
 def test_kernel_lowers_inside_shard_map_for_two_h200s(backend, axis_type, input_gradient):
     """Expert parallelism runs the linear inside `shard_map` (check_vma) on each device's experts:
-    forward and backward lower for two H200s with the kernel quantizing the local weights once.
+    forward and backward lower for two H200s with the kernel quantizing the local weights once
+    and the rows kernel the local rows (and `dy` for the FP8 input gradient).
     The kernels' outputs (Mosaic's, and on a GPU host with jax_triton the Triton kernels') vary
     over the mesh axes their operands do: `plgpu.kernel` and `triton_call` type them invariant,
     and without the cast the backward failed its custom VJP's type check on an H100 and an H200."""
@@ -310,6 +311,7 @@ def test_kernel_lowers_inside_shard_map_for_two_h200s(backend, axis_type, input_
                          sharded_aval(mesh, (4, 384, 256), jnp.bfloat16, ep), sharded_aval(mesh, (4,), jnp.int32, ep),
                          mesh=mesh)
     assert text.count(KERNEL) == 1
+    assert text.count(ROWS_KERNEL) == (2 if input_gradient == "fp8" else 1)  # x's rows; dy's for the FP8 product
     if backend == "mosaic_gpu":  # the forward and the input gradient (FP8, or the 16-bit kernel's)
         assert text.count("mosaic_gpu") >= 2
 
