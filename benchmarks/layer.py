@@ -103,6 +103,7 @@ VARIANTS = {"auto": dict(), "pallas": dict(backend="pallas_triton"), "static": d
             "fused-gate-up": dict(fused_gate_up=True),
             "fp8": dict(quantization=Fp8Blockwise()),
             "fp8-gather": dict(quantization=Fp8Blockwise(), row_gather="fused"),
+            "fp8-packed": dict(quantization=Fp8Blockwise(), row_gather="separate"),
             "fp8-triton": dict(backend="triton", quantization=Fp8Blockwise()),
             "fp8-stored": dict(quantization=Fp8Blockwise(weights="stored")),
             "fp8-master-dgrad": dict(quantization=Fp8Blockwise(input_gradient="master")),

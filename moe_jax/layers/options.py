@@ -45,8 +45,8 @@ class GemmOptions:
       buffer under it (`ep_moe(fuse_regroup=True)`; the pairwise transport's two sources are
       still regrouped first); `"separate"`, a row gather writes the packed rows first; `"auto"`
       (default), fused on the backends where that measured faster (`moe_jax.ops.AUTO_FUSED_GATHER`,
-      none on the H200 yet; never for FP8 experts, which with `"fused"` quantize each token row
-      once and gather its e4m3 bytes). Equal results.
+      none on the H200 yet; always for FP8 experts, which quantize each token row once and
+      gather its e4m3 bytes). Equal results.
     precision: a `jax.lax.Precision` for the expert, shared-expert and latent GEMMs (default None:
       HIGHEST for fp32 operands).
     fused_gate_up: run gate and up as one grouped GEMM of 2F columns. This is also the parameter

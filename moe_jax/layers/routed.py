@@ -112,17 +112,17 @@ class ExpertStage:
         the experts run them and the telemetry reads the gate/up forward plan. The gate/up GEMMs
         read the token rows through the packing's ids (no packed copy) with `row_gather="fused"`,
         never with `"separate"`, and with `"auto"` where the gate/up GEMM's backend is one of
-        `AUTO_FUSED_GATHER` (measured faster fused; never for FP8 experts). `gather` (a bool)
+        `AUTO_FUSED_GATHER` (measured faster fused; always for FP8 experts). `gather` (a bool)
         overrides that choice: the chunks of one exchange share the largest chunk's. With
         `quantization` the plans only serve the telemetry (the FP8 op plans its own products)."""
         make = functools.partial(expert_plans, num_rows, self.d_in, self.d_ff, num_experts or self.num_experts, dtype,
                                  fused_gate_up=self.fused_gate_up, backend=self.backend, precision=self.precision,
                                  kernel="auto" if self.kernel == "auto" else None)
         if gather is None and self.quantization is not None and self.row_gather == "auto":
-            # FP8 experts pack first: gathering the quantized token rows measured slower at
-            # Mixtral's shape, a little faster at Qwen3-30B-A3B's and DeepSeek-V3's (docs/decisions.md,
+            # FP8 experts gather: the quantized token rows are gathered once into the packed layout,
+            # and the weight gradient reads the packed dequantized rows (docs/decisions.md,
             # "FP8 experts: gate and up in one call, and the row gather").
-            gather = False
+            gather = True
         if gather is not None:
             return make(gather=gather)
         if self.row_gather == "auto":
