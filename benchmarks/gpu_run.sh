@@ -18,7 +18,7 @@
 #      ROUTED_SHAPES (routed: indices into benchmarks.routed_gmm's shapes; default all),
 #      WHEELS (jax-triton: the folder holding the jax_triton wheel, default .whl; the image has no registry),
 #      LAYER_SHAPES / LAYER_VARIANTS / LAYER_MICRO (layer: benchmarks.layer's --shapes / --variants / --micro-batches),
-#      PROFILE_SHAPE / PROFILE_VARIANTS (layer-profile: one index into benchmarks.layer's SHAPES, its variants),
+#      PROFILE_SHAPE / PROFILE_VARIANTS / PROFILE_MICRO (layer-profile: one index into benchmarks.layer's SHAPES, its variants, micro-batches per step),
 #      DECODE_TOKENS (decode: buckets, default 1,2,4,8), NCU_TOKENS (decode-ncu: buckets profiled, default 1,8;
 #        decode-ncu profiles the fastest candidates of decode's JSON under Nsight Compute, or every
 #        candidate when no decode phase ran before it in this call),
@@ -108,7 +108,7 @@ for phase in "${phases[@]}"; do
            --json "$OUT/${L}fp8.json" 2>&1 | grep -v -E "rematerialization|gpu_hlo_schedule|Warning|warner" | tee "$OUT/${L}fp8.log" | tail -40 ;;
     combine) timeout "$limit" python3 -m benchmarks.combine --json "$OUT/${L}combine.json" 2>&1 | tee "$OUT/${L}combine.log" | tail -8 ;;
     layer) timeout "$limit" python3 -m benchmarks.layer ${LAYER_SHAPES:+--shapes $LAYER_SHAPES} ${LAYER_VARIANTS:+--variants $LAYER_VARIANTS} ${LAYER_MICRO:+--micro-batches $LAYER_MICRO} --json "$OUT/${L}layer.json" 2>&1 | tee "$OUT/${L}layer.log" | tail -20 ;;
-    layer-profile) timeout -k 10 "$limit" python3 -m benchmarks.layer_profile --shape ${PROFILE_SHAPE:-0} --variants ${PROFILE_VARIANTS:-auto,fp8} \
+    layer-profile) timeout -k 10 "$limit" python3 -m benchmarks.layer_profile --shape ${PROFILE_SHAPE:-0} --variants ${PROFILE_VARIANTS:-auto,fp8} --micro-batches ${PROFILE_MICRO:-1} \
                      --out "$OUT/${L}layer_profile" 2>&1 | grep -v -E "DeprecationWarning|stats = dict" | tail -50 ;;
     *) echo "unknown phase $name" ;;
   esac

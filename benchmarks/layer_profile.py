@@ -2,7 +2,7 @@
 `benchmarks.layer` at one of its shapes, traced by JAX's profiler (CUPTI on a GPU), each kernel's
 duration grouped (a diagnosis; the figures to quote are `benchmarks.layer`'s back-to-back steps).
 
-    python -m benchmarks.layer_profile --shape 0 --variants auto,fp8 --out DIR
+    python -m benchmarks.layer_profile --shape 0 --variants auto,fp8 --out DIR [--micro-batches N]
     python -m benchmarks.layer_profile --compare A/layer_profile.json B/layer_profile.json   # no GPU needed
 
 Each variant's step is compiled and run twice, then one more step runs under
@@ -92,10 +92,14 @@ def table(label: str, kernels: list[Kernel]) -> list[str]:
 
 
 def compare(a: dict, b: dict, *, top: int = 10) -> list[str]:
-    """Markdown lines comparing two `layer_profile.json` records `a` and `b` (same shape): per
-    variant in both, the summed kernel time and span of each and the `top` groups by |b - a|."""
+    """Markdown lines comparing two `layer_profile.json` records `a` and `b` (same shape and
+    micro-batches): per variant in both, the summed kernel time and span of each and the `top`
+    groups by |b - a|."""
     if a["shape"] != b["shape"]:
         raise ValueError(f"compare: the profiles are of different shapes ({a['shape']} and {b['shape']}).")
+    n_a, n_b = (rec.get("micro_batches", 1) for rec in (a, b))  # records written before the option: 1
+    if n_a != n_b:
+        raise ValueError(f"compare: the profiles' steps hold different micro-batches ({n_a} and {n_b}).")
     out = []
     for variant in (v for v in a["kernels"] if v in b["kernels"]):
         ka, kb = ([Kernel(**k) for k in rec["kernels"][variant]] for rec in (a, b))
@@ -115,18 +119,24 @@ def compare(a: dict, b: dict, *, top: int = 10) -> list[str]:
     return out
 
 
-def profile(shape_index: int, variants: list[str], out_dir: str) -> list[str]:
+def profile(shape, variants: list[str], out_dir: str, micro_batches: int = 1) -> list[str]:
+    """Trace one step of each variant at `shape` (a `benchmarks.layer.LayerShape`); with
+    `micro_batches` N > 1 the step accumulates N micro-batches of the shape's tokens in one
+    `lax.scan` (`benchmarks.layer.grad_step`), so the table's launch counts show which kernels run
+    once per step and which once per micro-batch (the FP8 master weights' quantization, if XLA
+    does not hoist it out of the loop). Writes `out_dir/layer_profile.json` and `.md`."""
     import jax
     import jax.numpy as jnp
 
-    from benchmarks.layer import SHAPES, build_layer, grad_step, variant_layer
+    from benchmarks.layer import build_layer, grad_step, micro_batch_tokens, variant_layer
 
-    shape = SHAPES[shape_index]
     base = build_layer(shape)
-    x = jax.random.normal(jax.random.PRNGKey(1), (shape.tokens, shape.d_model), jnp.bfloat16)
+    x = micro_batch_tokens(jax.random.normal(jax.random.PRNGKey(1), (shape.tokens, shape.d_model), jnp.bfloat16),
+                           micro_batches)
+    suffix = f" x {micro_batches} micro-batches" if micro_batches > 1 else ""
     lines, record = [], {}
     for v in variants:
-        step, state = grad_step(variant_layer(base, shape, v))
+        step, state = grad_step(variant_layer(base, shape, v), micro_batches)
         compiled = jax.jit(step).lower(state, x).compile()
         for _ in range(2):
             jax.block_until_ready(compiled(state, x))
@@ -135,12 +145,12 @@ def profile(shape_index: int, variants: list[str], out_dir: str) -> list[str]:
                 jax.block_until_ready(compiled(state, x))
             (path,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
             kernels = trace_kernels(path)
-        lines += table(f"{shape.name} {v}", kernels)
+        lines += table(f"{shape.name} {v}{suffix}", kernels)
         record[v] = [k._asdict() for k in kernels]
         print("\n".join(lines[-TOP - 5:]), flush=True)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "layer_profile.json"), "w") as f:
-        json.dump(dict(shape=shape.name, device=str(jax.devices()[0]), kernels=record), f)
+        json.dump(dict(shape=shape.name, micro_batches=micro_batches, device=str(jax.devices()[0]), kernels=record), f)
     with open(os.path.join(out_dir, "layer_profile.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     return lines
@@ -150,6 +160,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", type=int, default=0, help="index into benchmarks.layer's SHAPES")
     p.add_argument("--variants", default="auto,fp8")
+    p.add_argument("--micro-batches", type=int, default=1, help="micro-batches accumulated in the traced step")
     p.add_argument("--out", help="folder for layer_profile.json and layer_profile.md")
     p.add_argument("--compare", nargs=2, metavar=("A", "B"), help="two layer_profile.json files to compare")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
@@ -162,7 +173,9 @@ def main(argv=None) -> int:
         return 0
     if not args.out:
         p.error("--out is required to profile (or pass --compare A B)")
-    profile(args.shape, args.variants.split(","), args.out)
+    from benchmarks.layer import SHAPES
+
+    profile(SHAPES[args.shape], args.variants.split(","), args.out, args.micro_batches)
     return 0
 
 

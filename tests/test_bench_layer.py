@@ -23,7 +23,7 @@ from benchmarks.layer import (
     torch_layer,
     variant_layer,
 )
-from benchmarks.layer_profile import Kernel, compare, table, trace_kernels
+from benchmarks.layer_profile import Kernel, compare, profile, table, trace_kernels
 from benchmarks.layer_profile import main as layer_profile_main
 from moe_jax.layers import GemmOptions, MoE
 from moe_jax.routing import SoftmaxTopK
@@ -212,6 +212,19 @@ def test_layer_profile_compare_lists_the_groups_that_changed(tmp_path):
     assert "| `gmm_kernel` | 2.000 | 2.000 | +0.000 |" in out
     with pytest.raises(ValueError, match="different shapes"):
         compare(a, dict(b, shape="other"))
+    with pytest.raises(ValueError, match=r"different micro-batches \(1 and 4\)"):
+        compare(a, dict(b, micro_batches=4))
     (tmp_path / "a.json").write_text(json.dumps(a))
     (tmp_path / "b.json").write_text(json.dumps(b))
     assert layer_profile_main(["--compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
+
+
+def test_layer_profile_traces_a_micro_batched_step(tmp_path):
+    """With micro-batches the traced step is the accumulating scan (on a CPU the kernels are the
+    host's XLA thunks), labelled and recorded as such."""
+    shape = LayerShape("tiny", tokens=24, d_model=32, d_ff=48, experts=4, top_k=2)
+    lines = profile(shape, ["auto"], str(tmp_path), micro_batches=3)
+    assert lines[0].startswith("## tiny auto x 3 micro-batches: ")
+    rec = json.loads((tmp_path / "layer_profile.json").read_text())
+    assert rec["micro_batches"] == 3 and rec["kernels"]["auto"]
+    assert (tmp_path / "layer_profile.md").read_text().startswith(lines[0])
