@@ -53,22 +53,11 @@ def quantize_master_weights(
     `transposed` the pair `(that, Fp8Weights(values [E, K, N], scales [E, Kb, Nb]))`. Not
     differentiable (the layer passes gradients straight through the quantization itself).
     """
-    if backend not in QUANTIZE_BACKENDS:
-        raise ValueError(f"backend={backend!r}: quantize_master_weights runs on one of {QUANTIZE_BACKENDS}.")
     if not isinstance(transposed, bool):
         raise TypeError(f"transposed={transposed!r}: expected a bool (also return the [E, K, N] copy).")
-    w_ENK = jnp.asarray(w_ENK)
-    if w_ENK.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
-        raise TypeError(f"w_ENK: expected bfloat16/float16/float32 master weights, got {w_ENK.dtype}"
-                        + (" (already quantized)." if w_ENK.dtype == FP8_DTYPE else "."))
-    if w_ENK.ndim != 3:
-        raise ValueError(f"w_ENK: expected [E, N, K] expert weights (3 dims), got shape {w_ENK.shape}.")
     # Both backends read whole weights: the kernel indexes experts, XLA's blocks reshape every axis.
-    (w_ENK,) = replicate_explicit(w_ENK)
-    if w_ENK.size == 0:  # no block to launch a program for: XLA's empty arrays
-        backend = "xla"
-    elif int32_offsets_wrap(w_ENK.size, FP8_DTYPE):  # the kernel's e4m3 outputs: XLA writes them
-        backend = "xla"
+    w_ENK, backend = _checked("quantize_master_weights", backend, "w_ENK", w_ENK, "[E, N, K] expert weights",
+                              "master weights")
     impl = implementation("quantize_master_weights", backend)
     wq, wq_t = impl(w_ENK, transposed)
     return (wq, wq_t) if transposed else wq
@@ -87,15 +76,24 @@ def quantize_activations(x_MK: jax.Array, *, backend: BackendName = "auto") -> F
 
     Returns `Fp8Rows(values_MK e4m3, scale_MKb [M, Kb] fp32)`. Not differentiable.
     """
-    if backend not in QUANTIZE_BACKENDS:
-        raise ValueError(f"backend={backend!r}: quantize_activations runs on one of {QUANTIZE_BACKENDS}.")
-    x_MK = jnp.asarray(x_MK)
-    if x_MK.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
-        raise TypeError(f"x_MK: expected bfloat16/float16/float32 rows, got {x_MK.dtype}"
-                        + (" (already quantized)." if x_MK.dtype == FP8_DTYPE else "."))
-    if x_MK.ndim != 2:
-        raise ValueError(f"x_MK: expected [M, K] rows (2 dims), got shape {x_MK.shape}.")
-    (x_MK,) = replicate_explicit(x_MK)
-    if x_MK.size == 0 or int32_offsets_wrap(x_MK.size, FP8_DTYPE):
-        backend = "xla"
+    x_MK, backend = _checked("quantize_activations", backend, "x_MK", x_MK, "[M, K] rows", "rows")
     return implementation("quantize_activations", backend)(x_MK)
+
+
+def _checked(op: str, backend: str, name: str, a, layout: str, what: str):
+    """`(a, backend)` for `op`: `a` as a 16/32-bit float array of `layout`'s rank, gathered where an
+    Explicit mesh axis shards it; `backend` validated, and `xla` where the kernel has no program to
+    launch (empty) or its e4m3 output would be offset in int32."""
+    if backend not in QUANTIZE_BACKENDS:
+        raise ValueError(f"backend={backend!r}: {op} runs on one of {QUANTIZE_BACKENDS}.")
+    a = jnp.asarray(a)
+    if a.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        raise TypeError(f"{name}: expected bfloat16/float16/float32 {what}, got {a.dtype}"
+                        + (" (already quantized)." if a.dtype == FP8_DTYPE else "."))
+    ndim = layout.count(",") + 1
+    if a.ndim != ndim:
+        raise ValueError(f"{name}: expected {layout} ({ndim} dims), got shape {a.shape}.")
+    (a,) = replicate_explicit(a)
+    if a.size == 0 or int32_offsets_wrap(a.size, FP8_DTYPE):
+        backend = "xla"
+    return a, backend
