@@ -35,6 +35,7 @@ all data-dependent work is `jnp`/`lax`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 from typing import NamedTuple
@@ -65,16 +66,33 @@ _HI = jax.lax.Precision.HIGHEST
 def router_logits(x_TD: jax.Array, w_ED: jax.Array) -> jax.Array:
     """float32 `[T, E]` router logits `x_TD @ w_ED^T`, every product exact and summed in float32.
 
-    bfloat16 `x_TD` and `w_ED`: their products are exact in float32, so the forward runs one
-    bfloat16 tensor-core GEMM accumulating in float32 (the float32 product's value up to the order
-    of summation). The backward's float32 cotangent is split into two bfloat16 terms (`hi + lo`,
-    equal to it within 2^-16 relative), so both gradient products run on tensor cores too; the
-    gradients return in bfloat16, whose own rounding (2^-9 relative) is far coarser. Any other
-    dtypes (float32, float16, mixed): both operands in float32 at `Precision.HIGHEST`.
+    bfloat16 `x_TD` with bfloat16 or float32 `w_ED` (a bf16 layer, with bf16 or the default fp32
+    parameters): each float32 operand is split into bfloat16 parts whose sum it is (three
+    parts hold a float32 exactly), and a bfloat16 one is its own part, so every product of
+    parts is exact in float32 and runs on tensor cores accumulating in float32. The forward is the
+    float32 product's value up to the rounding of its sum (each term enters as its exact parts). The backward's float32 cotangent is split
+    into two parts for `dx` (equal to it within 2^-16 relative; `dx` returns in bfloat16, whose own
+    rounding, 2^-9, is far coarser) and into three for a float32 `dw`, which is then the float32
+    product's value up to the rounding of its sum (two for a bfloat16 `dw`). Any other dtypes
+    (float32 or float16 `x_TD`, float16 `w_ED`): both operands in float32 at `Precision.HIGHEST`.
     """
-    if x_TD.dtype == w_ED.dtype == jnp.bfloat16:
-        return _bf16_logits(x_TD, w_ED)
+    if x_TD.dtype == jnp.bfloat16 and w_ED.dtype in (jnp.bfloat16, jnp.float32):
+        return _split_logits(x_TD, w_ED)
     return jnp.dot(x_TD.astype(jnp.float32), w_ED.astype(jnp.float32).T, precision=_HI)
+
+
+def _bf16_parts(a: jax.Array, n: int) -> list[jax.Array]:
+    """`n` bfloat16 arrays whose float32 sum is `a` (a bfloat16 `a` is its own single part): each
+    part is the rest rounded to bfloat16, so each takes at least 8 more of float32's 24 significant
+    bits and three hold a float32 exactly (down to magnitudes near 2^-110, where the last part
+    would be subnormal); two hold it within 2^-16 relative."""
+    if a.dtype == jnp.bfloat16:
+        return [a]
+    parts, rest = [], a.astype(jnp.float32)
+    for _ in range(n - 1):
+        parts.append(rest.astype(jnp.bfloat16))
+        rest = rest - parts[-1].astype(jnp.float32)
+    return parts + [rest.astype(jnp.bfloat16)]
 
 
 def _dot_f32(a_MK: jax.Array, b_NK: jax.Array) -> jax.Array:
@@ -82,27 +100,35 @@ def _dot_f32(a_MK: jax.Array, b_NK: jax.Array) -> jax.Array:
     return jax.lax.dot_general(a_MK, b_NK, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
+def _sum_of_dots(a_parts, b_parts):
+    """`sum_ij a_i @ b_j^T` where the contraction is long and the output small: one product each."""
+    return functools.reduce(jnp.add, (_dot_f32(a, b) for a in a_parts for b in b_parts))
+
+
 @jax.custom_vjp
-def _bf16_logits(x_TD, w_ED):
-    return _dot_f32(x_TD, w_ED)
+def _split_logits(x_TD, w_ED):
+    return _sum_of_dots([x_TD], _bf16_parts(w_ED, 3))
 
 
-def _bf16_logits_fwd(x_TD, w_ED):
-    return _dot_f32(x_TD, w_ED), (x_TD, w_ED)
+def _split_logits_fwd(x_TD, w_ED):
+    return _split_logits(x_TD, w_ED), (x_TD, w_ED)
 
 
-def _bf16_logits_bwd(res, g_TE):
+def _split_logits_bwd(res, g_TE):
     x_TD, w_ED = res
     g_TE = g_TE.astype(jnp.float32)
-    hi_TE = g_TE.astype(jnp.bfloat16)
-    lo_TE = (g_TE - hi_TE.astype(jnp.float32)).astype(jnp.bfloat16)
-    # dx = hi @ w + lo @ w as one product over the concatenated contraction [hi | lo] . [w ; w].
-    dx_TD = _dot_f32(jnp.concatenate([hi_TE, lo_TE], axis=1), jnp.concatenate([w_ED, w_ED], axis=0).T)
-    dw_ED = _dot_f32(hi_TE.T, x_TD.T) + _dot_f32(lo_TE.T, x_TD.T)
+    g_parts, w_parts = _bf16_parts(g_TE, 2), _bf16_parts(w_ED, 3)
+    # dx's contraction (E) is short and its output [T, D] large: one product over the concatenated
+    # contraction [g_0 | g_0 | .. | g_1 | ..] . [w_0 ; w_1 ; .. ; w_0 ; ..] writes the output once.
+    a_TC = jnp.concatenate([g for g in g_parts for _ in w_parts], axis=1)
+    b_CD = jnp.concatenate([w for _ in g_parts for w in w_parts], axis=0)
+    dx_TD = _dot_f32(a_TC, b_CD.T)
+    dw_parts = g_parts if w_ED.dtype == jnp.bfloat16 else _bf16_parts(g_TE, 3)
+    dw_ED = _sum_of_dots([g.T for g in dw_parts], [x_TD.T])
     return dx_TD.astype(x_TD.dtype), dw_ED.astype(w_ED.dtype)
 
 
-_bf16_logits.defvjp(_bf16_logits_fwd, _bf16_logits_bwd)
+_split_logits.defvjp(_split_logits_fwd, _split_logits_bwd)
 
 
 # DeepSeek-V3 adds this to the normaliser of the selected sigmoid scores.

@@ -602,7 +602,8 @@ def _logits_reference(x_TD, w_ED):
     return jnp.dot(x_TD.astype(jnp.float32), w_ED.astype(jnp.float32).T, precision=jax.lax.Precision.HIGHEST)
 
 
-@pytest.mark.parametrize("dtypes", [(jnp.float32, jnp.float32), (jnp.float16, jnp.float16), (jnp.bfloat16, jnp.float32)])
+@pytest.mark.parametrize("dtypes", [(jnp.float32, jnp.float32), (jnp.float16, jnp.float16), (jnp.float32, jnp.bfloat16),
+                                    (jnp.bfloat16, jnp.float16)])
 def test_router_logits_other_dtypes_are_the_float32_product(dtypes):
     kx, kw, kg = jax.random.split(jax.random.PRNGKey(7), 3)
     x = jax.random.normal(kx, (48, 96)).astype(dtypes[0])
@@ -617,37 +618,49 @@ def test_router_logits_other_dtypes_are_the_float32_product(dtypes):
         np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32)))
 
 
-def test_router_logits_bf16_products_are_exact_and_gradients_within_rounding():
-    """bf16 operands: float32 logits equal to the float32 product up to summation order; the
-    gradients (bf16) within one bf16 rounding of the float32 reference's plus the hi + lo split's
-    error (2^-16 of each term, so bounded by the sum of the terms' magnitudes, which decides where
-    the sum cancels), NaN-free on empty rows."""
+@pytest.mark.parametrize("w_dtype", [jnp.bfloat16, jnp.float32])
+def test_router_logits_bf16_products_are_exact_and_gradients_within_rounding(w_dtype):
+    """bf16 `x` with bf16 or fp32 weights: float32 logits equal to the float32 product up to the
+    order of summation (within 2 (n + 3) 2^-24 of the terms' magnitudes, n the contraction); `dx`
+    (bf16) within one bf16 ulp of the float32 reference's plus the hi + lo split's error (2^-16 of
+    each term, so bounded by the terms' magnitudes, which decide where a sum cancels); an fp32 `dw`
+    equal to the float32 product up to the order of summation, a bf16 one within one ulp plus the
+    split's error; NaN-free on empty rows."""
+    t, d = 40, 384
     kx, kw, kg = jax.random.split(jax.random.PRNGKey(8), 3)
-    x = jax.random.normal(kx, (40, 384)).astype(jnp.bfloat16).at[3].set(0)
-    w = (0.05 * jax.random.normal(kw, (16, 384))).astype(jnp.bfloat16)
-    g = 1e-3 * jax.random.normal(kg, (40, 16))
+    x = jax.random.normal(kx, (t, d)).astype(jnp.bfloat16).at[3].set(0)
+    w = (0.05 * jax.random.normal(kw, (16, d))).astype(w_dtype)
+    g = 1e-3 * jax.random.normal(kg, (t, 16))
     y, vjp = jax.vjp(router_logits, x, w)
     want, vjp_want = jax.vjp(_logits_reference, x, w)
-    assert y.dtype == jnp.float32
-    np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=0, atol=2e-6 * float(jnp.max(jnp.abs(want))))
     x32, w32, g32 = (np.abs(np.asarray(a, np.float32)) for a in (x, w, g))
-    for got, ref, terms in zip(vjp(g), vjp_want(g), (g32 @ w32, g32.T @ x32)):
-        assert got.dtype == jnp.bfloat16
+    eps = 2.0 ** -24
+    assert y.dtype == jnp.float32
+    np.testing.assert_array_less(np.abs(np.asarray(y) - np.asarray(want)), 2 * (d + 3) * eps * (x32 @ w32.T) + 1e-30)
+    (dx, dw), (dx_ref, dw_ref) = vjp(g), vjp_want(g)
+    assert dx.dtype == jnp.bfloat16 and dw.dtype == w_dtype
+    for got, ref, terms, exact in ((dx, dx_ref, g32 @ w32, False), (dw, dw_ref, g32.T @ x32, w_dtype == jnp.float32)):
         got32, ref32 = np.asarray(got.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32))
         assert np.all(np.isfinite(got32))
-        # one bf16 ulp of each result, and the split's error on each side of a rounding boundary
-        np.testing.assert_array_less(np.abs(got32 - ref32), 2 ** -7 * np.abs(ref32) + 2 ** -15 * terms + 1e-30)
+        if exact:  # the summation order's error alone
+            bound = 2 * (t + 3) * eps * terms
+        else:  # one bf16 ulp of each result, and the split's error on each side of a rounding boundary
+            bound = 2 ** -7 * np.abs(ref32) + 2 ** -15 * terms
+        np.testing.assert_array_less(np.abs(got32 - ref32), bound + 1e-30)
 
 
-def test_router_logits_bf16_runs_every_product_on_bf16_operands():
+@pytest.mark.parametrize("w_dtype, dots", [(jnp.bfloat16, 4), (jnp.float32, 7)])
+def test_router_logits_bf16_runs_every_product_on_bf16_operands(w_dtype, dots):
     """Lowered for a GPU: the forward and both gradient products take bf16 operands and return
-    float32 (tensor-core GEMMs), where the float32 path converts the operands first."""
+    float32 (tensor-core GEMMs), where the float32 path converts the operands first. bf16 weights:
+    the forward, dx, dw from hi and from lo; fp32 weights: the forward per weight part (3), dx, dw per
+    cotangent part (3)."""
     x = jax.ShapeDtypeStruct((64, 256), jnp.bfloat16)
-    w = jax.ShapeDtypeStruct((16, 256), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((16, 256), w_dtype)
 
     def step(x, w):
         return jax.grad(lambda x, w: jnp.sum(router_logits(x, w) ** 2), argnums=(0, 1))(x, w)
 
-    dots = [line for line in lower_for_gpu(step, x, w).splitlines() if "stablehlo.dot_general" in line]
-    assert len(dots) == 4, dots  # forward, dx, dw from hi, dw from lo
-    assert all(re.search(r"\(tensor<[0-9x]+xbf16>, tensor<[0-9x]+xbf16>\) -> tensor<[0-9x]+xf32>", d) for d in dots), dots
+    found = [line for line in lower_for_gpu(step, x, w).splitlines() if "stablehlo.dot_general" in line]
+    assert len(found) == dots, found
+    assert all(re.search(r"\(tensor<[0-9x]+xbf16>, tensor<[0-9x]+xbf16>\) -> tensor<[0-9x]+xf32>", d) for d in found), found
