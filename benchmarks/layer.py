@@ -101,6 +101,7 @@ VARIANTS = {"auto": dict(), "pallas": dict(backend="pallas_triton"), "static": d
             "triton": dict(backend="triton"), "separate": dict(row_gather="separate"),
             "fused": dict(row_gather="fused"), "mosaic": dict(backend="mosaic_gpu"),
             "fused-gate-up": dict(fused_gate_up=True),
+            "fp32-params": dict(param_dtype=jnp.float32),  # the layer's default: fp32 variables, bf16 compute
             "fp8": dict(quantization=Fp8Blockwise()),
             "fp8-gather": dict(quantization=Fp8Blockwise(), row_gather="fused"),
             "fp8-packed": dict(quantization=Fp8Blockwise(), row_gather="separate"),
@@ -112,11 +113,11 @@ VARIANTS = {"auto": dict(), "pallas": dict(backend="pallas_triton"), "static": d
                                                                     ("gmm_nn", "prefill"): MOSAIC_FIRST}))}
 
 
-def build_layer(shape: LayerShape, **gemm) -> MoE:
-    """The layer at `shape` with `GemmOptions(**gemm)` (built here, not at import: a `triton`
-    backend is checked against the platform when built)."""
+def build_layer(shape: LayerShape, param_dtype=jnp.bfloat16, **gemm) -> MoE:
+    """The bf16 layer at `shape` with `param_dtype` variables and `GemmOptions(**gemm)` (built here,
+    not at import: a `triton` backend is checked against the platform when built)."""
     return MoE(shape.d_model, shape.d_ff, shape.experts, shape.top_k, router=SoftmaxTopK(shape.top_k, renormalize=True),
-               dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, gemm=GemmOptions(**gemm), rngs=nnx.Rngs(0))
+               dtype=jnp.bfloat16, param_dtype=param_dtype, gemm=GemmOptions(**gemm), rngs=nnx.Rngs(0))
 
 
 def variant_layer(base: MoE, shape: LayerShape, variant: str) -> MoE:
@@ -130,7 +131,8 @@ def variant_layer(base: MoE, shape: LayerShape, variant: str) -> MoE:
         layer.w_router[...], layer.w_down[...] = base.w_router[...], base.w_down[...]
         layer.w_gate_up[...] = fuse_gate_up(base.w_gate[...], base.w_up[...])
         return layer
-    nnx.update(layer, nnx.state(base))
+    # In the variant's own dtypes (fp32 parameters hold base's bf16 values exactly).
+    nnx.update(layer, jax.tree.map(lambda mine, a: a.astype(mine.dtype), nnx.state(layer), nnx.state(base)))
     return layer
 
 

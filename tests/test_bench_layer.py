@@ -180,6 +180,19 @@ def test_fused_gate_up_variant_holds_the_base_layers_weights():
     assert_close(fused(x)[0], base(x)[0], jnp.bfloat16, "y")
 
 
+def test_fp32_params_variant_holds_the_base_layers_values_in_fp32():
+    """The layer's default parameters (fp32, bf16 compute): base's bf16 values exactly, the same
+    output (the router's products are exact either way)."""
+    shape = LayerShape("tiny", tokens=24, d_model=32, d_ff=48, experts=4, top_k=2)
+    base = build_layer(shape)
+    wide = variant_layer(base, shape, "fp32-params")
+    for got, want in zip(jax.tree.leaves(nnx.state(wide, nnx.Param)), jax.tree.leaves(nnx.state(base, nnx.Param))):
+        assert got.dtype == jnp.float32 and want.dtype == jnp.bfloat16
+        assert bool(jnp.array_equal(got, want.astype(jnp.float32)))
+    x = jax.random.normal(jax.random.PRNGKey(2), (shape.tokens, shape.d_model), jnp.bfloat16)
+    assert_close(wide(x)[0], base(x)[0], jnp.bfloat16, "y")
+
+
 def test_micro_batch_step_accumulates_each_pass():
     """`grad_step(layer, 3)`: the stacked outputs and x gradients are each micro-batch's own, and the
     variables' gradients their sum."""
