@@ -102,6 +102,7 @@ VARIANTS = {"auto": dict(), "pallas": dict(backend="pallas_triton"), "static": d
             "fused": dict(row_gather="fused"), "mosaic": dict(backend="mosaic_gpu"),
             "fused-gate-up": dict(fused_gate_up=True),
             "fp32-params": dict(param_dtype=jnp.float32),  # the layer's default: fp32 variables, bf16 compute
+            "fp8-fp32-params": dict(param_dtype=jnp.float32, quantization=Fp8Blockwise()),
             "fp8": dict(quantization=Fp8Blockwise()),
             "fp8-gather": dict(quantization=Fp8Blockwise(), row_gather="fused"),
             "fp8-packed": dict(quantization=Fp8Blockwise(), row_gather="separate"),

@@ -300,6 +300,27 @@ def test_stored_fp8_equals_master_and_is_frozen():
     _same_bits(np.asarray(direct.w_down_scale[...]), np.asarray(stored.w_down_scale[...]), "w_down_scale")
 
 
+def test_bf16_layer_quantizes_its_fp32_master_weights_as_stored_fp8_does():
+    """bf16 compute over fp32 master weights (the layer's default `param_dtype`): each call
+    quantizes the fp32 values themselves, as `stored_fp8` does once, so the training layer and its
+    stored copy compute the same forward and input gradient (quantizing a bf16 cast of the weights
+    first would round twice and differ)."""
+    master = MoE(D, F, 4, 2, dtype=jnp.bfloat16, gemm=GemmOptions(backend="xla", quantization=Fp8Blockwise()),
+                 rngs=nnx.Rngs(0))
+    assert master.w_gate[...].dtype == jnp.float32
+    stored = stored_fp8(master)
+    x = jax.random.normal(jax.random.key(1), (2, 12, D), jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(stored(x)[0]), np.asarray(master(x)[0]))
+
+    def loss(moe, x):
+        return jnp.sum(moe(x)[0].astype(jnp.float32) ** 2)
+
+    np.testing.assert_array_equal(np.asarray(jax.grad(loss, argnums=1)(stored, x)),
+                                  np.asarray(jax.grad(loss, argnums=1)(master, x)))
+    g = nnx.grad(loss)(master, x)
+    assert g.w_gate[...].dtype == jnp.float32 and bool(jnp.any(g.w_gate[...] != 0))
+
+
 @pytest.mark.slow
 def test_stored_expert_parallel_equals_one_device():
     x = jax.random.normal(jax.random.key(2), (32, D), jnp.float32)

@@ -460,10 +460,14 @@ class MoE(nnx.Module):
 
     def _expert_weights(self, dtype) -> tuple[jax.Array, ...]:
         """Expert weights in the compute dtype: `(w_gate_up, w_down)` or `(w_gate, w_up, w_down)`;
-        stored FP8 weights as they are, each values array followed by its block scales."""
+        FP8 master weights in `param_dtype` (quantized from their own values, in one pass over
+        them: a compute-dtype cast first would be a second pass, and a second rounding); stored FP8
+        weights as they are, each values array followed by its block scales."""
         if self.fp8_stored:
             return tuple(getattr(self, n + suffix)[...] for n in _SEPARATE for suffix in ("", "_scale"))
         names = ("w_gate_up", "w_down") if self.fused_gate_up else _SEPARATE
+        if self.quantization is not None:
+            return tuple(getattr(self, n)[...] for n in names)
         return tuple(getattr(self, n)[...].astype(dtype) for n in names)
 
 

@@ -145,8 +145,9 @@ class Fp8Blockwise:
 
     weights: where the weights of the FP8 GEMMs come from.
       `"master"` (default): the layer holds master weights `w_gate`, `w_up`, `w_down` as
-      `nnx.Param`s in `param_dtype`, quantized (from their compute-dtype cast) in each call and
-      trained by the straight-through estimator above.
+      `nnx.Param`s in `param_dtype`, quantized from their own values (no compute-dtype cast
+      first, as `stored_fp8` quantizes them) in each call and trained by the straight-through
+      estimator above.
       `"stored"` (inference): the layer holds the quantized weights themselves, e4m3 `w_gate`,
       `w_up` `[E, F, Din]`, `w_down` `[E, Din, F]` with fp32 block scales `w_gate_scale`,
       `w_up_scale` `[E, ceil(F/128), ceil(Din/128)]`, `w_down_scale` `[E, ceil(Din/128),
