@@ -13,11 +13,13 @@ Ours: `moe_jax.layers.MoE` (one variant per `--variants` entry: `auto` the defau
 `mosaic_gpu`; `mosaic-dgrad` / `mosaic-fwd-dgrad` the default's table (`moe_jax.ops.BackendTable`)
 with the prefill input gradient / forward and input gradient on `mosaic_gpu` where it takes the
 shapes; `fused` / `separate` the default with `row_gather` forced either way; `fused-gate-up` the
-default with gate and up as one `[E, 2F, D]` weight (`GemmOptions(fused_gate_up=True)`); `fp8` the routed
+default with gate and up as one `[E, 2F, D]` weight (`GemmOptions(fused_gate_up=True)`);
+`fp32-params` the default with the layer's default fp32 variables (bf16 compute); `fp8` the routed
 experts in blockwise FP8 with trainable master weights, `GemmOptions(quantization=Fp8Blockwise())`,
-its error to the bf16 torch layer the recipe's quantization; `fp8-gather` that with
-`row_gather="fused"` (each token row quantized once and its e4m3 bytes gathered; `fp8` packs
-the bf16 rows first); `fp8-triton` that with every FP8 product on the Triton FP8 kernel
+its error to the bf16 torch layer the recipe's quantization (`row_gather="auto"`: each token row
+quantized once and its e4m3 bytes gathered); `fp8-gather` that with `row_gather="fused"` named;
+`fp8-packed` with `row_gather="separate"` (the bf16 rows packed first); `fp8-fp32-params` with
+fp32 master weights; `fp8-triton` that with every FP8 product on the Triton FP8 kernel
 (`auto` takes the Mosaic GPU one where it runs the shape); `fp8-master-dgrad` with the input
 gradients from the master weights in bf16, `Fp8Blockwise(input_gradient="master")` (no e4m3 weights
 kept for the backward); `fp8-stored` with

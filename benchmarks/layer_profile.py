@@ -68,20 +68,25 @@ def group(name: str) -> str:
     return re.sub(r"(_|\.)\d+$", "", name.split("(")[0].split("<")[0].strip())
 
 
+def group_times(kernels: list[Kernel]) -> tuple[collections.Counter, float, float]:
+    """`(ns per group, summed ns, span ns)` of one step's kernels (span: the first kernel's start to
+    the last one's end)."""
+    time: collections.Counter = collections.Counter()
+    for k in kernels:
+        time[group(k.name)] += k.duration_ns
+    span = max(k.start_ns + k.duration_ns for k in kernels) - min(k.start_ns for k in kernels)
+    return time, sum(time.values()), span
+
+
 def table(label: str, kernels: list[Kernel]) -> list[str]:
     """Markdown lines for one profiled step: summed kernel time, span, and the `TOP` largest groups."""
     if not kernels:
         raise ValueError(f"{label}: the trace holds no kernels.")
-    total = sum(k.duration_ns for k in kernels)
-    span = max(k.start_ns + k.duration_ns for k in kernels) - min(k.start_ns for k in kernels)
-    time: dict = collections.Counter()
-    count: dict = collections.Counter()
+    time, total, span = group_times(kernels)
+    count = collections.Counter(group(k.name) for k in kernels)
     ops: dict = collections.defaultdict(collections.Counter)
     for k in kernels:
-        g = group(k.name)
-        time[g] += k.duration_ns
-        count[g] += 1
-        ops[g][group(k.hlo_op)] += 1
+        ops[group(k.name)][group(k.hlo_op)] += 1
     out = [f"## {label}: {total / 1e6:.3f} ms in {len(kernels)} kernels, span {span / 1e6:.3f} ms",
            "| kernel | ms | launches | share | HLO ops |", "|---|---|---|---|---|"]
     for g, ns in time.most_common(TOP):
@@ -102,15 +107,7 @@ def compare(a: dict, b: dict, *, top: int = 10) -> list[str]:
         raise ValueError(f"compare: the profiles' steps hold different micro-batches ({n_a} and {n_b}).")
     out = []
     for variant in (v for v in a["kernels"] if v in b["kernels"]):
-        ka, kb = ([Kernel(**k) for k in rec["kernels"][variant]] for rec in (a, b))
-        times = []
-        for ks in (ka, kb):
-            t: dict = collections.Counter()
-            for k in ks:
-                t[group(k.name)] += k.duration_ns
-            span = max(k.start_ns + k.duration_ns for k in ks) - min(k.start_ns for k in ks)
-            times.append((t, sum(t.values()), span))
-        (ta, sa, pa), (tb, sb, pb) = times
+        (ta, sa, pa), (tb, sb, pb) = (group_times([Kernel(**k) for k in rec["kernels"][variant]]) for rec in (a, b))
         out += [f"## {a['shape']} {variant}: kernels {sa / 1e6:.3f} -> {sb / 1e6:.3f} ms ({sb / sa:.3f}x), "
                 f"span {pa / 1e6:.3f} -> {pb / 1e6:.3f} ms", "| kernel | a ms | b ms | b - a |", "|---|---|---|---|"]
         for g in sorted(set(ta) | set(tb), key=lambda g: -abs(tb[g] - ta[g]))[:top]:

@@ -72,18 +72,22 @@ FP8_INPUT_GRADIENTS = ("fp8", "master")  # the recipe's FP8 product; the master 
 _HI = jax.lax.Precision.HIGHEST
 
 
-def _quantize(backend, w, transposed: bool):
-    """`quantize_master_weights` of `w` for the layer's `backend`: the fused kernel on a GPU
+def _quantize_backend(backend):
+    """The quantization kernels' backend for the products' `backend`: the Pallas kernels on a GPU
     (`auto`, and the FP8 kernel backends), interpreted off GPU only when `pallas_triton` is asked
-    for; `xla` elsewhere. Returns `(wq, wq [E, K, N] or None)`."""
-    chosen = backend if backend in ("xla", "pallas_triton") else "auto"
-    out = quantize_master_weights(w, transposed=transposed, backend=chosen)
+    for; `xla` elsewhere."""
+    return backend if backend in ("xla", "pallas_triton") else "auto"
+
+
+def _quantize(backend, w, transposed: bool):
+    """`quantize_master_weights` of `w` for the layer's `backend`. Returns `(wq, wq [E, K, N] or None)`."""
+    out = quantize_master_weights(w, transposed=transposed, backend=_quantize_backend(backend))
     return out if transposed else (out, None)
 
 
 def _quantize_rows(backend, x):
-    """`quantize_activations` of `x` for the layer's `backend`, chosen as `_quantize` chooses."""
-    return quantize_activations(x, backend=backend if backend in ("xla", "pallas_triton") else "auto")
+    """`quantize_activations` of `x` for the layer's `backend`."""
+    return quantize_activations(x, backend=_quantize_backend(backend))
 
 
 def _forward(backend, x, wqs, group_sizes, rows):
