@@ -37,8 +37,8 @@ ROUTER_THRESHOLD = THRESHOLDS["float32"]
 # other fp32 summation orders (the FP8 kernel's products have their own threshold, below) and stays
 # 10x below the smallest deviation from the recipe we measured (a scale differing in its last bit: 1.6e-2 in bf16) and 60x below the
 # quantization error itself (`FP8_QUANTIZATION_BOUND`). A bf16 FP8 layer is held to bf16's 1e-2
-# (`layer_threshold`): its unquantized parts (shared experts, latent projections) differ as any bf16
-# layer's do (measured 4e-3); its routed tensors alone stay within 1e-3 (test_parity_fp8.py).
+# (`layer_threshold`): its unquantized parts (the latent projections) differ as any bf16 layer's do
+# (measured 4e-3); its tensors without them stay within 1e-3 (test_parity_fp8.py).
 FP8_THRESHOLD = 1e-3
 # Where our side runs the FP8 products on the FP8 kernel (a GPU with e4m3 tensor cores, `auto` or
 # `triton`), the tensor cores sum each 128-wide step with fewer bits than fp32 (about 14 on Hopper:

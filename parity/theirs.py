@@ -5,7 +5,8 @@ K experts per token (top-k), L latent width (LatentMoE), Fs shared-expert hidden
 (= F * shared_experts), Din routed-expert input width (L with a latent width, else D).
 
 `run_reference` builds the layer's graph in torch (`reference_forward`: Triton grouped GEMMs with
-autograd for the routed experts; plain torch for the shared SwiGLU and the latent projections)
+autograd for the routed experts; plain torch for the shared SwiGLU (the FP8 recipe's grouped
+linear when the layer is FP8) and the latent projections)
 and differentiates with `torch.autograd.grad` and the problem's upstream gradient.
 `run_router_reference` runs the configuration's `parity.reference` router on the problem's logits.
 
@@ -70,7 +71,8 @@ def reference_forward(
     """The layer's forward in torch: `y[T, D]` (differentiable by autograd).
 
     latent: x_l = x W_latent_down^T; routed experts at width Din; y_routed = r W_latent_up^T.
-    fp8: the routed experts' projections run `parity.reference.fp8.fp8_grouped_linear`.
+    fp8: the routed experts' projections run `parity.reference.fp8.fp8_grouped_linear`, and so do
+    the shared experts' (one group of every token), as the layer runs them with master weights.
     shared: y += (silu(x Ws_gate^T) * (x Ws_up^T)) Ws_down^T, nonlinearity in fp32 like the
     reference's `swiglu`.
     """
@@ -82,7 +84,11 @@ def reference_forward(
         r_TD = ref.moe_experts_autograd(h_TD, expert_idx_TK, weights_TK, p["w_gate"], p["w_up"], p["w_down"],
                                         linear=linear)
     y_TD = r_TD if config.latent_dim is None else r_TD @ p["w_latent_up"].T
-    if config.shared_experts:
+    if config.shared_experts and config.fp8:
+        one_group = torch.tensor([0, x_TD.shape[0]], device=x_TD.device)
+        y_TD = y_TD + ref.expert_swiglu(x_TD, one_group, *(p[f"shared.{n}"][None] for n in ("w_gate", "w_up", "w_down")),
+                                        linear=ref.fp8_grouped_linear)
+    elif config.shared_experts:
         hidden = ref.swiglu(x_TD @ p["shared.w_gate"].T, x_TD @ p["shared.w_up"].T)
         y_TD = y_TD + hidden @ p["shared.w_down"].T
     return y_TD

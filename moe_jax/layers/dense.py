@@ -1,7 +1,8 @@
 """Dense pieces of the MoE layer: parameter helpers, fp32-accumulated projections, and the dense
-SwiGLU FFN the shared experts use.
+SwiGLU FFN the shared experts use (in the compute dtype, or in DeepSeek-V3's blockwise FP8:
+`swiglu_fp8`).
 
-Legend (shape suffixes): D model width, F hidden width.
+Legend (shape suffixes): T tokens, D model width, F hidden width.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from flax import nnx
 from jax import lax
 from jax.sharding import Mesh
 
+from moe_jax.experts import swiglu_experts_fp8
 from moe_jax.layers.checks import float_dtype
+from moe_jax.ops.platform import BackendName
 from moe_jax.validation import check_int
 
-__all__ = ["SwiGLU", "dot_precision", "expert_init", "init", "linear", "param"]
+__all__ = ["SwiGLU", "dot_precision", "expert_init", "init", "linear", "param", "swiglu_fp8"]
 
 # Truncated normal with variance 1/fan_in (LeCun) on the last axis, the input axis of every
 # weight here ([out, in] and [E, out, in]); the down projections therefore start at 1/sqrt(F),
@@ -51,6 +54,22 @@ def linear(x, w_OI, dtype, precision):
         x.astype(dtype), w_OI.astype(dtype).T, precision=dot_precision(dtype, precision),
         preferred_element_type=jnp.float32,
     )
+
+
+def swiglu_fp8(
+    x_TD: jax.Array, w_gate_FD: jax.Array, w_up_FD: jax.Array, w_down_DF: jax.Array, *,
+    backend: BackendName = "xla", input_gradient: str = "fp8",
+) -> jax.Array:
+    """The dense SwiGLU with its three projections in DeepSeek-V3's blockwise FP8 (arXiv:2412.19437,
+    section 3.3, which runs every linear layer of its blocks so): `swiglu_experts_fp8` with one
+    expert that holds every row (the master weights as `[1, ...]` stacks, one group of T rows).
+    The rows are quantized per 1 x 128 tile, the master weights per 128 x 128 block in each call,
+    and the weight gradients pass the quantization straight through, in the weights' dtype.
+    `x_TD` bf16/fp16/fp32 `[T, D]`; returns `[T, D]` in its dtype. `backend` and `input_gradient`:
+    `moe_jax.ops.fp8_grouped_linear`'s."""
+    group_sizes = jnp.full((1,), x_TD.shape[0], jnp.int32)
+    return swiglu_experts_fp8(x_TD, group_sizes, w_gate_FD[None], w_up_FD[None], w_down_DF[None],
+                              backend=backend, input_gradient=input_gradient)
 
 
 class SwiGLU(nnx.Module):

@@ -19,6 +19,8 @@ per token.
 With `GemmOptions(quantization=Fp8Blockwise(weights="stored"))` the routed experts are held as
 e4m3 values and fp32 128 x 128 block scales (`Fp8Stored` variables, `w_gate` + `w_gate_scale` and
 so on) that stage 2 reads as they are; `stored_fp8(moe)` quantizes a layer's master weights once.
+With FP8 master weights (`Fp8Blockwise()`) the shared experts of stage 3 run the same recipe
+(`dense.swiglu_fp8`; with a mesh inside `routed.dense_on_mesh`, on each device's tokens).
 
 Everything outside stage 2 is ordinary `jnp`; with a mesh it is partitioned by XLA on the
 token-sharded activations, so router math is local to each shard, and the statistics are global
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import warnings
 
@@ -52,13 +55,14 @@ from moe_jax.layers.checks import (
     compute_dtype,
     float_dtype,
 )
-from moe_jax.layers.dense import SwiGLU, expert_init, init, linear, param
+from moe_jax.layers.dense import SwiGLU, expert_init, init, linear, param, swiglu_fp8
 from moe_jax.layers.options import GEMM_KERNELS, ROW_GATHERS, Fp8Blockwise, GemmOptions, SharedExperts
-from moe_jax.layers.routed import ExpertStage, routed_on_mesh, single_device
+from moe_jax.layers.routed import ExpertStage, dense_on_mesh, routed_on_mesh, single_device
 from moe_jax.layers.stats import MoEStats, moe_stats
 from moe_jax.layers.tokens import explicit_mesh, on_tokens, split_axes, to_tokens, token_axes, unflatten
 from moe_jax.ops import BackendTable
 from moe_jax.ops.fp8 import BLOCK, quantize_weights
+from moe_jax.ops.sharding import vary_to_union
 from moe_jax.parallel import AxisRules, EPOptions, is_explicit
 from moe_jax.parallel.replicas import physical_weights
 from moe_jax.validation import check_bool, check_int
@@ -367,7 +371,7 @@ class MoE(nnx.Module):
         if self.latent_dim is not None:
             y_TD = linear(routed.y_TD, self.w_latent_up[...], dtype, self.precision)
         if self.shared is not None:
-            shared_TD = self.shared(real_TD).astype(jnp.float32)
+            shared_TD = self._shared_output(real_TD, placement, dtype)
             if self.shared_expert_gate:
                 gate_T1 = jax.nn.sigmoid(linear(real_TD, self.w_shared_gate[...], dtype, self.precision))
                 shared_TD = gate_T1 * shared_TD
@@ -385,6 +389,23 @@ class MoE(nnx.Module):
         gradient; pass `stats.counts_E`, already global). `step_size`: a number >= 0 or a float scalar
         array (e.g. a schedule's value)."""
         self.selection_bias[...] = routing_lib.update_selection_bias(self.selection_bias[...], counts_E, step_size)
+
+    def _shared_output(self, x_TD, placement, dtype) -> jax.Array:
+        """The shared experts' output `[T, D]` in fp32: `self.shared` in the compute dtype, or with
+        FP8 master weights (`Fp8Blockwise(weights="master")`) its three projections by the same
+        recipe as the routed experts' (`swiglu_fp8`), on each device's tokens where the routed
+        stage has a placement. Stored FP8 layers keep their shared experts in `param_dtype` and
+        compute them in the compute dtype (no quantization in their calls)."""
+        shared = self.shared
+        if self.quantization is None or self.quantization.stored:
+            return shared(x_TD).astype(jnp.float32)
+        fn = functools.partial(swiglu_fp8, backend=self.backend, input_gradient=self.quantization.input_gradient)
+        x_TD = x_TD.astype(dtype if shared.dtype is None else shared.dtype)
+        weights = (shared.w_gate[...], shared.w_up[...], shared.w_down[...])
+        if placement is None:
+            _, weights = vary_to_union(weights, (x_TD,))  # inside a caller's shard_map: per device
+            return fn(x_TD, *weights).astype(jnp.float32)
+        return dense_on_mesh(fn, *placement, x_TD, weights).astype(jnp.float32)
 
     def _warn_unused_ep_options(self) -> None:
         options = self.expert_parallel
@@ -477,7 +498,8 @@ def stored_fp8(moe: MoE) -> MoE:
     `moe.gemm` kept): e4m3 values and fp32 128 x 128 block scales of its master weights in
     `param_dtype` (`moe_jax.ops.fp8.quantize_weights`; a fused `w_gate_up` is split first), e.g.
     to serve a bf16 checkpoint in FP8. Every other variable is `moe`'s own (shared, not copied);
-    `moe` itself is unchanged and keeps its master weights.
+    `moe` itself is unchanged and keeps its master weights. Its shared experts, if any, compute
+    in the compute dtype from those master weights (no quantization in its calls).
 
     TypeError unless `moe` is an `MoE`; ValueError when its experts are stored FP8 already, when
     its backend runs no FP8 GEMM (`GemmOptions`' message), or when an expert-tensor split would cut

@@ -1,5 +1,5 @@
 """The MoE layer's option groups: how its grouped GEMMs run (`GemmOptions`), its shared experts
-(`SharedExperts`) and the routed experts' FP8 quantization (`Fp8Blockwise`). Expert parallelism
+(`SharedExperts`) and the experts' FP8 quantization (`Fp8Blockwise`). Expert parallelism
 has its own group, `moe_jax.parallel.EPOptions`.
 
 Each group is a frozen dataclass checked when it is built (a bad value is an error naming the
@@ -53,9 +53,10 @@ class GemmOptions:
       layout: the layer then holds `w_gate_up [E, 2F, Din]` (gate rows first; under expert tensor
       parallelism of size n, in n per-shard blocks, `moe_jax.experts.fuse_gate_up(..., shards=n)`)
       instead of `w_gate`/`w_up [E, F, Din]` (`moe_jax.convert` reads and writes either).
-    quantization: `Fp8Blockwise()`: the routed experts' projections in DeepSeek-V3's blockwise FP8
-      (master weights stay in `param_dtype`, quantized in each call; `Fp8Blockwise(weights="stored")`:
-      e4m3 weights and block scales held as they are, for inference; docs/fp8.md); needs a backend
+    quantization: `Fp8Blockwise()`: the routed and shared experts' projections in DeepSeek-V3's
+      blockwise FP8 (master weights stay in `param_dtype`, quantized in each call;
+      `Fp8Blockwise(weights="stored")`: the routed experts' e4m3 weights and block scales held as
+      they are, for inference; docs/fp8.md); needs a backend
       of `moe_jax.ops.FP8_LINEAR_BACKENDS` and `fused_gate_up=False`. None (default): the compute
       dtype.
     """
@@ -135,11 +136,13 @@ class SharedExperts:
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Blockwise:
-    """The routed experts' gate/up and down projections in DeepSeek-V3's blockwise FP8
+    """The experts' gate/up and down projections in DeepSeek-V3's blockwise FP8
     (arXiv:2412.19437, section 3.3; `moe_jax.ops.fp8_grouped_linear`): rows quantized per 1 x 128
     tile, the master weights (in `param_dtype`, trainable as ever) quantized per 128 x 128 block in
-    each call, gradients to them by the straight-through estimator. The router, combine, shared
-    experts and latent projections are unchanged. On `auto` its products run the FP8 kernel where
+    each call, gradients to them by the straight-through estimator. With master weights the shared
+    experts follow the same recipe (`moe_jax.layers.dense.swiglu_fp8`, one group of every token);
+    with stored weights they stay in the compute dtype. The router, combine, shared-expert gate
+    and latent projections are unchanged. On `auto` its products run the FP8 kernel where
     the GPU has e4m3 tensor cores (its forward faster than bf16's), else the reference path
     (dequantized fp32 grouped GEMMs, slower than bf16); docs/fp8.md.
 

@@ -56,7 +56,7 @@ from moe_jax.parallel.chunks import token_chunks
 from moe_jax.parallel.replicas import logical_counts, route_to_replicas, sum_replica_grads
 from moe_jax.permute import combine, pack, pack_rows, packed_row_source
 
-__all__ = ["ExpertStage", "Routed", "routed_on_mesh", "single_device"]
+__all__ = ["ExpertStage", "Routed", "dense_on_mesh", "routed_on_mesh", "single_device"]
 
 
 class Routed(NamedTuple):
@@ -190,6 +190,24 @@ def _varying(weights: tuple[jax.Array, ...], axes: tuple[str, ...]) -> tuple[jax
     the grouped GEMM's custom VJP returns a per-device weight gradient, and the cast's transpose
     is a `psum` over `axes`, exactly the sum of the gradients of a weight's replicas."""
     return tuple(lax.pcast(w, axes, to="varying") for w in weights)
+
+
+def dense_on_mesh(fn, mesh, rules: AxisRules, x_TD, weights: tuple):
+    """`fn(x_TD, *weights) -> [T, D]` inside `jax.shard_map` over `mesh` as the data-parallel
+    routed stage runs: each device on its tokens (split over `AxisRules.tokens`), the dense weights
+    replicated and cast to varying over the token axes (their gradients sum there). For a dense
+    FFN of custom-VJP kernels (the shared experts in FP8), which XLA's partitioner would otherwise
+    run on gathered tokens."""
+    act = rules.activation_spec()
+    specs = (act,) + (P(),) * len(weights)
+    inputs = (x_TD, *weights)
+    if is_explicit(mesh):
+        inputs = tuple(jax.sharding.reshard(a, spec) for a, spec in zip(inputs, specs))
+
+    def body(x_TD, *weights):
+        return fn(x_TD, *_varying(weights, rules.dense_replicas))
+
+    return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=act)(*inputs)
 
 
 def _hidden_slices(x_TD, w_TK, axis: str | None):
