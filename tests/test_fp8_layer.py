@@ -170,9 +170,10 @@ def test_shared_experts_on_a_mesh_equal_one_device(ep, axis_type):
     """On a 2-device mesh (data parallel or ep = 2) the FP8 shared experts run on each device's
     tokens: output and every gradient equal one device's, and the tokens are never gathered
     (no all-gather of D-wide rows in the program)."""
-    x = _x(t=32)
     kwargs = dict(shared_experts=SharedExperts(count=1, gate=True))
-    y_one, g_x_one, g_one = _value_and_grads(_layer(**kwargs), x)
+    with jax.default_device(jax.devices("cpu")[0]):  # the mesh's kind of device (also on a GPU host)
+        x = _x(t=32)
+        y_one, g_x_one, g_one = _value_and_grads(_layer(**kwargs), x)
     mesh = make_mesh(ep=ep, data=2 // ep, devices=jax.devices("cpu")[:2],
                      axis_type=getattr(jax.sharding.AxisType, axis_type))
     m = _layer(mesh=mesh, **kwargs)
@@ -196,9 +197,10 @@ def test_shared_experts_inside_a_users_shard_map():
     """A no-mesh FP8 layer with a shared expert inside the user's shard_map: per device on each
     shard's tokens, the shared weights' gradients summed over the shards."""
     mesh = jax.make_mesh((2,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices("cpu")[:2])
-    m = _layer(shared_experts=SharedExperts(count=1))
-    graph, state = nnx.split(m)
-    x = _x(t=32).reshape(-1, D)
+    with jax.default_device(jax.devices("cpu")[0]):  # the reference on the mesh's kind of device
+        m = _layer(shared_experts=SharedExperts(count=1))
+        graph, state = nnx.split(m)
+        x = _x(t=32).reshape(-1, D)
 
     def per_shard(state, x):
         y, _ = nnx.merge(graph, state)(x)
@@ -208,7 +210,8 @@ def test_shared_experts_inside_a_users_shard_map():
     with jax.set_mesh(mesh):
         grads = jax.jit(jax.grad(sharded))(state, x)
     layer = lambda state, x: nnx.merge(graph, state)(x)[0]  # noqa: E731
-    want = jax.grad(lambda state: sum(jnp.sum(layer(state, x[i:i + 16]) ** 2) for i in (0, 16)))(state)
+    with jax.default_device(jax.devices("cpu")[0]):
+        want = jax.grad(lambda state: sum(jnp.sum(layer(state, x[i:i + 16]) ** 2) for i in (0, 16)))(state)
     for name in ("w_gate", "w_up", "w_down"):
         got, ref = grads["shared"][name].get_value(), want["shared"][name].get_value()
         assert _rel(got, ref) < 1e-5, (name, _rel(got, ref))
