@@ -339,6 +339,13 @@ def outcome_counts(log: str) -> dict[str, int]:
     return {w: int(n) for n, w in re.findall(r"(\d+) (passed|failed|error|errors)\b", summary_line(log) or "")}
 
 
+def interrupted(log: str) -> bool:
+    """True when pytest was stopped before it ran every test: `accept-tests` and `accept-rerun`
+    stop it with SIGINT at their limits, so that it still prints its summary and names the tests
+    that failed so far (a count of those that ran, not of the suite)."""
+    return "KeyboardInterrupt" in log
+
+
 def failed_ids(log: str) -> list[str]:
     """The ids of the tests a pytest log reports FAILED or ERROR (its short summary)."""
     return [m.group(2) for m in re.finditer(r"^(FAILED|ERROR) (\S+)", log, re.MULTILINE)]
@@ -356,17 +363,22 @@ def verdict(out: str) -> list[tuple[str, bool, str]]:
         return open(path).read() if os.path.exists(path) else ""
 
     checks = []
-    counts = outcome_counts(read("tests.log"))
+    log = read("tests.log")
+    counts = outcome_counts(log)
     bad = counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0)
     tests_ok, detail = counts.get("passed", 0) > 0 and not bad, str(counts or "no result")
     if bad and os.path.exists(os.path.join(out, "tests_rerun.log")):
         # A card with less memory than the run's workers and the example together need fails tests
         # out of memory; they count as passed only when the same ids, rerun alone, all pass.
         ids = [ln for ln in read("tests_rerun_ids.txt").splitlines() if ln.strip()]
-        rerun = outcome_counts(read("tests_rerun.log"))
+        rerun_log = read("tests_rerun.log")
+        rerun = outcome_counts(rerun_log)
         tests_ok = (counts.get("passed", 0) > 0 and len(ids) == bad and rerun.get("passed", 0) == bad
-                    and not (rerun.get("failed") or rerun.get("error") or rerun.get("errors")))
+                    and not (rerun.get("failed") or rerun.get("error") or rerun.get("errors"))
+                    and not interrupted(rerun_log))
         detail += f"; the {len(ids)} that failed, rerun alone: {rerun or 'no result'}"
+    if interrupted(log):  # stopped at its limit: the counts are of the tests that ran, not of the suite
+        tests_ok, detail = False, f"interrupted at its limit: {detail}"
     checks.append(("tests and parity compiled", tests_ok, detail))
     for run in EXAMPLE_RUNS:
         log = read(f"example_{run}.log")

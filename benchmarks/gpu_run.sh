@@ -76,13 +76,15 @@ for phase in "${phases[@]}"; do
                  --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__throughput.avg.pct_of_peak_sustained_elapsed,l1tex__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active,launch__grid_size,launch__block_size,launch__registers_per_thread,launch__shared_mem_per_block_dynamic \
                  -k 'regex:tgmm|device_kernel' python3 -m benchmarks.wgrad_profile 2>&1 | tail -5
                python3 -m benchmarks.wgrad_profile table "$OUT/${L}wgrad_ncu.csv" 2>&1 | tail -30 ;;
-    accept-tests) timeout "$limit" python3 -m pytest tests parity -q -n ${NPROC:-14} -p no:cacheprovider --durations=40 2>&1 | tee "$OUT/${L}tests.log" \
+    # SIGINT at the limit: pytest stops, still prints its summary and names what failed so far
+    # (benchmarks.accept.interrupted: such a run is never green).
+    accept-tests) timeout -s INT -k 60 "$limit" python3 -m pytest tests parity -q -n ${NPROC:-14} -p no:cacheprovider --durations=40 2>&1 | tee "$OUT/${L}tests.log" \
                     | grep -v -E '^[0-9.]+s (call|setup|teardown) ' | tail -25 ;;  # the slowest 40 stay in the log
     accept-rerun) python3 -m benchmarks.accept failed-ids "$OUT/${L}tests.log" > "$OUT/${L}tests_rerun_ids.txt"
                   # tests that ran out of device memory beside the other workers (and the example) on a smaller card
                   # (a log cut off before pytest's summary names no test: nothing to rerun, never the whole suite)
                   if grep -q '[^[:space:]]' "$OUT/${L}tests_rerun_ids.txt"; then
-                    timeout "$limit" python3 -m pytest $(cat "$OUT/${L}tests_rerun_ids.txt") -q -n ${NPROC_RERUN:-4} -p no:cacheprovider --tb=line 2>&1 \
+                    timeout -s INT -k 30 "$limit" python3 -m pytest $(cat "$OUT/${L}tests_rerun_ids.txt") -q -n ${NPROC_RERUN:-4} -p no:cacheprovider --tb=line 2>&1 \
                       | tee "$OUT/${L}tests_rerun.log" | tail -8
                   else rm -f "$OUT/${L}tests_rerun_ids.txt"; echo "nothing to rerun"; fi ;;
     accept-example) for run in float32 bfloat16 fp8; do  # the README's command with its defaults (fp32), bf16, bf16 in FP8

@@ -142,6 +142,25 @@ def test_failed_tests_count_only_when_all_pass_rerun_alone(tmp_path, rerun, gree
     assert _failed(tmp_path) == ([] if green else ["tests and parity compiled"])
 
 
+def test_tests_stopped_at_their_limit_are_never_green(tmp_path):
+    """`accept-tests` stops pytest with SIGINT at its limit, and pytest still prints its counts and
+    names its failures: counts of the tests that ran, not of the suite, so the run is red even when
+    nothing failed, and the ids that did fail are there to rerun."""
+    _write_green(tmp_path)
+    log = ("!!!!!!!!!!!!!!!!!!!! KeyboardInterrupt !!!!!!!!!!!!!!!!!!!!\n"
+           "FAILED tests/test_a.py::test_x - AssertionError\n"
+           "1 failed, 1172 passed, 3 skipped in 500.12s\n")
+    (tmp_path / "tests.log").write_text(log)
+    assert accept.interrupted(log) and accept.failed_ids(log) == ["tests/test_a.py::test_x"]
+    (tmp_path / "tests_rerun_ids.txt").write_text("tests/test_a.py::test_x\n")
+    (tmp_path / "tests_rerun.log").write_text("1 passed in 30s\n")
+    assert _failed(tmp_path) == ["tests and parity compiled"]
+    (tmp_path / "tests.log").write_text(log.replace("1 failed, ", "").replace("FAILED", "x"))
+    assert _failed(tmp_path) == ["tests and parity compiled"]
+    (tmp_path / "tests.log").write_text("1173 passed, 3 skipped in 433.0s\n")
+    assert _failed(tmp_path) == []
+
+
 def test_a_later_lane_makes_only_the_cells_it_names(tmp_path):
     """`--dtypes` / `--backends` make exactly the cells an earlier lane did not reach: the reference
     (`xla` here) runs but gives no cell, and the file holds each cell as it is made."""
