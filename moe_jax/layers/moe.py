@@ -400,7 +400,7 @@ class MoE(nnx.Module):
         if self.quantization is None or self.quantization.stored:
             return shared(x_TD).astype(jnp.float32)
         fn = functools.partial(swiglu_fp8, backend=self.backend, input_gradient=self.quantization.input_gradient)
-        x_TD = x_TD.astype(dtype if shared.dtype is None else shared.dtype)
+        x_TD = x_TD.astype(dtype)  # the shared SwiGLU's dtype is the layer's
         weights = (shared.w_gate[...], shared.w_up[...], shared.w_down[...])
         if placement is None:
             _, weights = vary_to_union(weights, (x_TD,))  # inside a caller's shard_map: per device
