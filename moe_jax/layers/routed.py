@@ -198,16 +198,19 @@ def dense_on_mesh(fn, mesh, rules: AxisRules, x_TD, weights: tuple):
     replicated and cast to varying over the token axes (their gradients sum there). For a dense
     FFN of custom-VJP kernels (the shared experts in FP8), which XLA's partitioner would otherwise
     run on gathered tokens."""
-    act = rules.activation_spec()
-    specs = (act,) + (P(),) * len(weights)
-    inputs = (x_TD, *weights)
-    if is_explicit(mesh):
-        inputs = tuple(jax.sharding.reshard(a, spec) for a, spec in zip(inputs, specs))
-
     def body(x_TD, *weights):
         return fn(x_TD, *_varying(weights, rules.dense_replicas))
 
-    return jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=act)(*inputs)
+    act = rules.activation_spec()
+    return _shard_map(body, mesh, (act,) + (P(),) * len(weights), act, (x_TD, *weights))
+
+
+def _shard_map(body, mesh, in_specs: tuple, out_specs, inputs: tuple):
+    """`jax.shard_map(body)` over `mesh` on `inputs`; under Explicit axes the inputs are first laid
+    out as `in_specs` say (shard_map takes them so; Auto axes reshard on their own)."""
+    if is_explicit(mesh):
+        inputs = tuple(jax.sharding.reshard(a, spec) for a, spec in zip(inputs, in_specs))
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*inputs)
 
 
 def _hidden_slices(x_TD, w_TK, axis: str | None):
@@ -293,10 +296,5 @@ def routed_on_mesh(stage: ExpertStage, mesh, rules: AxisRules, options: EPOption
         weight_specs = tuple(spec for spec in weight_specs for _ in range(2))
     body = data_parallel if ep == 1 else expert_parallel
     out_specs = (act, GemmTelemetry(*(rep,) * len(GemmTelemetry._fields)), rep) + (() if ep == 1 else (rep,))
-    inputs = (x_TD, idx_TK, w_TK, mask_T, *weights)
-    specs = (act,) * 4 + weight_specs
-    if is_explicit(mesh):
-        # Explicit axes: shard_map takes inputs laid out as its specs say (Auto axes reshard).
-        inputs = tuple(jax.sharding.reshard(a, spec) for a, spec in zip(inputs, specs))
-    outputs = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_specs)(*inputs)
+    outputs = _shard_map(body, mesh, (act,) * 4 + weight_specs, out_specs, (x_TD, idx_TK, w_TK, mask_T, *weights))
     return Routed(*outputs, *(() if ep > 1 else (None,)))
