@@ -14,6 +14,8 @@
 #   from $OUT still returns all of them; `tar xzf` each call's pack into one folder for accept-summary).
 # The GPU acceptance run (docs/acceptance.md) is `accept`: every accept-* phase in order, after
 # env and jax-triton; `accept-summary` writes $OUT/accept_summary.md (COMMIT names the commit, DEVICE the card).
+# The pytest phases (tests, parity, accept-tests, accept-rerun) stop pytest with SIGINT at their limits:
+#   it still prints its counts and names the tests that failed so far.
 # Env: NPROC (xdist workers; NPROC_RERUN those of accept-rerun), TESTS / PARITY (paths), STEPS (example), TUNE_ONLY (all|prefill|decode),
 #      ROUTED_SHAPES (routed: indices into benchmarks.routed_gmm's shapes; default all),
 #      WHEELS (jax-triton: the folder holding the jax_triton wheel, default .whl; the image has no registry),
@@ -48,8 +50,8 @@ for phase in "${phases[@]}"; do
   case $name in
     env) nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
          python3 -m pip list 2>/dev/null | grep -iE '^(jax|jaxlib|jax-cuda13-plugin|flax|optax|torch|triton|numpy|chex|hypothesis|orbax-checkpoint|pytest|pytest-xdist|matplotlib|tqdm) ' | tee "$OUT/${L}pip.txt" ;;
-    tests) timeout "$limit" python3 -m pytest ${TESTS:-tests} -q -n ${NPROC:-8} -p no:cacheprovider 2>&1 | tee "$OUT/${L}tests.log" | tail -25 ;;
-    parity) timeout "$limit" python3 -m pytest ${PARITY:-parity} -q -n ${NPROC:-4} -p no:cacheprovider 2>&1 | tee "$OUT/${L}parity.log" | tail -25 ;;
+    tests) timeout -s INT -k 30 "$limit" python3 -m pytest ${TESTS:-tests} -q -n ${NPROC:-8} -p no:cacheprovider 2>&1 | tee "$OUT/${L}tests.log" | tail -25 ;;
+    parity) timeout -s INT -k 30 "$limit" python3 -m pytest ${PARITY:-parity} -q -n ${NPROC:-4} -p no:cacheprovider 2>&1 | tee "$OUT/${L}parity.log" | tail -25 ;;
     tune) timeout "$limit" python3 -m benchmarks.gmm tune --only ${TUNE_ONLY:-all} --json "$OUT/${L}tune.json" 2>&1 | tee "$OUT/${L}tune.log" | grep -v "^    \[skipped\]" | tail -40 ;;
     run) timeout "$limit" python3 -m benchmarks.gmm run --json "$OUT/${L}gmm.json" $( [ -f "$OUT/${L}tune.json" ] && echo --configs "$OUT/${L}tune.json") 2>&1 | tee "$OUT/${L}gmm.log" | tail -40 ;;
     run-quick) timeout "$limit" python3 -m benchmarks.gmm run --quick --json "$OUT/${L}gmm_quick.json" 2>&1 | tee "$OUT/${L}gmm_quick.log" | tail -30 ;;

@@ -9,6 +9,8 @@ errors.
 
 Legend: T tokens, D model width, F expert hidden width, E experts, K experts per token."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +21,7 @@ from moe_jax.layers import EPOptions, Fp8Blockwise, GemmOptions, MoE, SharedExpe
 from moe_jax.ops import BackendTable
 from moe_jax.ops.fp8 import dequantize_rows, dequantize_weights, quantize_rows, quantize_weights
 from moe_jax.parallel import make_mesh
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, PartitionSpec as P
 
 D, F, E, K = 160, 256, 4, 2
 HI = jax.lax.Precision.HIGHEST
@@ -171,12 +173,13 @@ def test_shared_experts_on_a_mesh_equal_one_device(ep, axis_type):
     tokens: output and every gradient equal one device's, and the tokens are never gathered
     (no all-gather of D-wide rows in the program)."""
     kwargs = dict(shared_experts=SharedExperts(count=1, gate=True))
-    with jax.default_device(jax.devices("cpu")[0]):  # the mesh's kind of device (also on a GPU host)
+    with _on_host_cpu():  # the mesh's kind of device (also in a GPU process)
         x = _x(t=32)
         y_one, g_x_one, g_one = _value_and_grads(_layer(**kwargs), x)
     mesh = make_mesh(ep=ep, data=2 // ep, devices=jax.devices("cpu")[:2],
-                     axis_type=getattr(jax.sharding.AxisType, axis_type))
-    m = _layer(mesh=mesh, **kwargs)
+                     axis_type=getattr(AxisType, axis_type))
+    with jax.default_device(jax.devices("cpu")[0]):  # initializers draw differently on a GPU
+        m = _layer(mesh=mesh, **kwargs)
     graph, state = nnx.split(m)
     with jax.set_mesh(mesh):
         x = jax.device_put(x, jax.sharding.NamedSharding(mesh, P(("data", "ep"))))  # y keeps x's sharding
@@ -196,8 +199,8 @@ def test_shared_experts_on_a_mesh_equal_one_device(ep, axis_type):
 def test_shared_experts_inside_a_users_shard_map():
     """A no-mesh FP8 layer with a shared expert inside the user's shard_map: per device on each
     shard's tokens, the shared weights' gradients summed over the shards."""
-    mesh = jax.make_mesh((2,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices("cpu")[:2])
-    with jax.default_device(jax.devices("cpu")[0]):  # the reference on the mesh's kind of device
+    mesh = jax.make_mesh((2,), ("batch",), axis_types=(AxisType.Auto,), devices=jax.devices("cpu")[:2])
+    with jax.default_device(jax.devices("cpu")[0]):  # built on the mesh's kind of device
         m = _layer(shared_experts=SharedExperts(count=1))
         graph, state = nnx.split(m)
         x = _x(t=32).reshape(-1, D)
@@ -210,11 +213,22 @@ def test_shared_experts_inside_a_users_shard_map():
     with jax.set_mesh(mesh):
         grads = jax.jit(jax.grad(sharded))(state, x)
     layer = lambda state, x: nnx.merge(graph, state)(x)[0]  # noqa: E731
-    with jax.default_device(jax.devices("cpu")[0]):
+    with _on_host_cpu():
         want = jax.grad(lambda state: sum(jnp.sum(layer(state, x[i:i + 16]) ** 2) for i in (0, 16)))(state)
     for name in ("w_gate", "w_up", "w_down"):
         got, ref = grads["shared"][name].get_value(), want["shared"][name].get_value()
         assert _rel(got, ref) < 1e-5, (name, _rel(got, ref))
+
+
+@contextlib.contextmanager
+def _on_host_cpu():
+    """A one-device reference on a host CPU, as the CPU meshes' programs run, also in a GPU
+    process: a one-CPU mesh makes the kernels' platform the CPU (`moe_jax.ops.platform`: the set
+    mesh's devices, else JAX's default backend, which a default device does not change)."""
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu), jax.set_mesh(jax.make_mesh((1,), ("one",), axis_types=(AxisType.Auto,),
+                                                             devices=[cpu])):
+        yield
 
 
 def _value_and_grads(m, x, mask=None):
