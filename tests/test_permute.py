@@ -4,6 +4,10 @@ trips, masks, empty experts, zero tokens, gradients).
 Legend: T tokens, K top-k, E experts, D width, R = T*K routes.
 """
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -165,6 +169,48 @@ def test_combine_accumulates_in_fp32_and_keeps_dtype():
     y = combine(y_rows, jnp.ones((1, 3), jnp.float32), p)
     assert y.dtype == jnp.bfloat16
     assert float(y[0, 0]) == 258.0  # bf16 sequential sum would give 256 + 1 -> 256, + 1 -> 256
+
+
+# The compiler's removal of f32 -> bf16 -> f32 round trips (XLA:GPU's SimplifyFPConversions, run
+# under `xla_allow_excess_precision`, the default) happens on a CPU only with this flag, read when
+# the backend starts: so the check runs in a child process.
+_ROUND_TRIPS_REMOVED = "--xla_cpu_experimental_onednn_custom_call=true"
+_BF16_COTANGENT_SCRIPT = """
+import jax, jax.numpy as jnp, numpy as np
+from moe_jax.permute import combine, pack
+rng = np.random.default_rng(0)
+t, k, e, d, n = 64, 2, 4, 128, 96
+idx = jnp.asarray(np.stack([rng.choice(e, k, replace=False) for _ in range(t)]), jnp.int32)
+packing = pack(idx, e)
+y_RD = jnp.asarray(rng.standard_normal((t * k, d)), jnp.bfloat16)
+w_TK = jnp.asarray(rng.uniform(0.1, 1.0, (t, k)), jnp.float32)
+w_ND = jnp.asarray(rng.standard_normal((n, d)), jnp.bfloat16)
+c_TN = jnp.asarray(rng.standard_normal((t, n)), jnp.float32)
+
+def loss(y_RD, w_TK, w_ND, c_TN):  # the combine's output meets an fp32-accumulated bf16 product (LatentMoE)
+    y_TD = combine(y_RD, w_TK, packing)
+    return jnp.sum(c_TN * jnp.dot(y_TD, w_ND.T, preferred_element_type=jnp.float32))
+
+dy_RD, dw_TK = jax.jit(jax.grad(loss, argnums=(0, 1)))(y_RD, w_TK, w_ND, c_TN)
+g_TD = np.asarray(jnp.asarray(np.asarray(c_TN) @ np.asarray(w_ND, np.float32), jnp.bfloat16), np.float32)
+g_RD = g_TD[np.asarray(packing.order_R) // k]
+w_R = np.asarray(w_TK).reshape(-1)[np.asarray(packing.order_R)][:, None]
+want = np.asarray(jnp.asarray(w_R * g_RD, jnp.bfloat16), np.float32)
+print("mismatched", int(np.sum(np.asarray(dy_RD, np.float32) != want)), "of", want.size)
+"""
+
+
+@pytest.mark.parametrize("xla_flags", ["", _ROUND_TRIPS_REMOVED])
+def test_combine_backward_reads_a_bf16_cotangent_at_its_bf16_values(xla_flags):
+    """The rows' gradient is `w * g` from the bf16 cotangent `g`, also where the compiler would
+    keep an fp32 product's precision across its rounding to bf16: the FP8 experts quantize these
+    rows, and one bf16 step across an e4m3 boundary moves a whole e4m3 step (on a GPU this moved
+    a LatentMoE's FP8 gradients by 1-2e-2 against the torch recipe)."""
+    env = dict(os.environ, XLA_FLAGS=xla_flags, JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", _BF16_COTANGENT_SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[:2] == ["mismatched", "0"], out.stdout
 
 
 def test_empty_experts_and_invalid_ids_are_not_packed():
