@@ -206,8 +206,8 @@ def test_combine_backward_keeps_the_bf16_rounding_the_compiler_would_remove():
     """The same where the compiler keeps an fp32 product's precision across its rounding to bf16:
     XLA:GPU's `SimplifyFPConversions`, run under `xla_allow_excess_precision` (the default), removes
     f32 -> bf16 -> f32 round trips; XLA:CPU runs it with this flag. The FP8 experts quantize these
-    rows, and one bf16 step across an e4m3 boundary moves a whole e4m3 step (on a GPU, unpinned,
-    this moved a bf16 FP8 LatentMoE's gradients 1-2.5e-2 off the torch recipe)."""
+    rows, and one bf16 step across an e4m3 boundary moves a whole e4m3 step (a bf16 FP8 LatentMoE
+    differed from the torch recipe by 1-2.5e-2 on a GPU where this rounding was not pinned)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_cpu_experimental_onednn_custom_call=true")
     code = "from tests.test_permute import bf16_cotangent_mismatches as m; print('mismatched', m())"
