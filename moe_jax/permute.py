@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from moe_jax import ops
+from moe_jax.ops.fp8 import exact_float32
 from moe_jax.ops.platform import BackendName
 from moe_jax.validation import check_int
 
@@ -235,7 +236,8 @@ def _weighted_sum_bwd(res, g_TD):
     y_RD, weights_TK, inverse_R, order_R, valid_R = res
     top_k = weights_TK.shape[1]
     valid_R1 = valid_R[order_R][:, None]  # packed row i's route is counted
-    g_RD = _exact_f32(g_TD)[order_R // top_k]
+    # The cotangent at its bf16 values: the FP8 experts quantize the rows computed from it.
+    g_RD = exact_float32(g_TD)[order_R // top_k]
     w_R1 = weights_TK.astype(jnp.float32).reshape(-1)[order_R][:, None]
     dy_RD = jnp.where(valid_R1, w_R1 * g_RD, 0.0).astype(y_RD.dtype)
     dw_R = jnp.sum(jnp.where(valid_R1, g_RD * y_RD.astype(jnp.float32), 0.0), axis=1)
@@ -245,17 +247,3 @@ def _weighted_sum_bwd(res, g_TD):
 
 _weighted_sum.defvjp(_weighted_sum_fwd, _weighted_sum_bwd)
 
-
-def _exact_f32(a: jax.Array) -> jax.Array:
-    """`a` in float32 holding exactly its bfloat16 values. A bfloat16 cotangent is often an fp32
-    product rounded to bfloat16 (a latent projection's input gradient), and XLA:GPU removes such
-    f32 -> bf16 -> f32 round trips (`SimplifyFPConversions`, run under `xla_allow_excess_precision`,
-    on by default), which would hand this backward the unrounded fp32 value. The FP8 experts
-    quantize what follows from it, where one bf16 step that crosses an e4m3 rounding boundary moves
-    the element by a whole e4m3 step, so the rounding is pinned: `reduce_precision` to bfloat16's
-    8 exponent and 7 mantissa bits equals the cast on every float32 (NaN, inf and subnormals
-    included), and the compiler keeps it. float16 is read as it comes (`reduce_precision` to its
-    bits would flush its subnormals)."""
-    if a.dtype == jnp.bfloat16:
-        return jax.lax.reduce_precision(a.astype(jnp.float32), exponent_bits=8, mantissa_bits=7)
-    return a.astype(jnp.float32)

@@ -4,6 +4,10 @@ Pallas kernels interpreted (`interpret=True`) on CPU, which `moe_jax.ops` select
 
 import contextlib
 import functools
+import os
+import pathlib
+import subprocess
+import sys
 from unittest import mock
 
 import jax
@@ -155,3 +159,19 @@ def assert_same_bits(got, want):
     np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan)
     uint = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[got.dtype.itemsize]
     np.testing.assert_array_equal(got.view(uint)[~nan], want.view(uint)[~nan])
+
+
+# XLA:GPU removes f32 -> bf16 -> f32 round trips (`SimplifyFPConversions`, run under
+# `xla_allow_excess_precision`, its default); XLA:CPU runs the same pass with this flag, which the
+# backend reads when it starts.
+ROUND_TRIPS_REMOVED = "--xla_cpu_experimental_onednn_custom_call=true"
+
+
+def python_with_xla_flags(code: str, xla_flags: str) -> str:
+    """stdout of `code` run by a child Python on the CPU under `XLA_FLAGS=xla_flags`, from the
+    repository root (its tests importable); AssertionError with its stderr if it fails."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags)
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout

@@ -26,6 +26,7 @@ from moe_jax.ops.fp8 import (
     rows_from_bytes,
     rows_to_bytes,
 )
+from tests.helpers import ROUND_TRIPS_REMOVED, python_with_xla_flags
 
 
 def _rel(a, b):
@@ -160,6 +161,37 @@ def test_quantization_under_jit_and_vmap_matches_eager():
     for i, r in enumerate(eager):
         np.testing.assert_array_equal(np.asarray(batched.values_MK[i], np.float32), np.asarray(r.values_MK, np.float32))
         np.testing.assert_array_equal(batched.scale_MKb[i], r.scale_MKb)
+
+
+def rounded_rows_mismatches() -> int:
+    """How many e4m3 values and scales `quantize_rows` (the XLA path) gives for rows that the same
+    program rounded to bf16 from an fp32-accumulated product differ from those of the same bf16
+    rows made in a program of their own."""
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.standard_normal((64, 96)), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal((96, 320)), jnp.bfloat16)
+
+    def rows(a, b):
+        return jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+    together = jax.jit(lambda a, b: quantize_rows(rows(a, b)))(a, b)
+    alone = jax.jit(quantize_rows)(jax.jit(rows)(a, b))
+    values = jax.lax.bitcast_convert_type(together.values_MK, jnp.uint8) != jax.lax.bitcast_convert_type(
+        alone.values_MK, jnp.uint8)
+    return int(np.sum(np.asarray(values))) + int(np.sum(np.asarray(together.scale_MKb != alone.scale_MKb)))
+
+
+def test_rows_rounded_in_the_same_program_quantize_as_their_bf16_values():
+    assert rounded_rows_mismatches() == 0
+
+
+@pytest.mark.slow  # a child process (the flag is read when the backend starts)
+def test_rows_quantize_as_their_bf16_values_where_the_compiler_removes_the_rounding():
+    """`quantize_rows` of bf16 rows quantizes their bf16 values, also where the compiler would keep
+    the fp32 precision of the product they were rounded from (`tests.helpers.ROUND_TRIPS_REMOVED`):
+    the e4m3 bits must not depend on the compiler's choices."""
+    code = "from tests.test_fp8 import rounded_rows_mismatches as m; print('mismatched', m())"
+    assert python_with_xla_flags(code, ROUND_TRIPS_REMOVED).split()[-2:] == ["mismatched", "0"]
 
 
 def test_a_checkpoint_block_pair_is_an_fp8_weights_of_one_expert():

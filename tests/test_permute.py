@@ -4,11 +4,6 @@ trips, masks, empty experts, zero tokens, gradients).
 Legend: T tokens, K top-k, E experts, D width, R = T*K routes.
 """
 
-import os
-import pathlib
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,9 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe_jax.permute import Packing, combine, gather_rows, pack, pack_rows, stable_rank
-from tests.helpers import scatter_lines
+from tests.helpers import ROUND_TRIPS_REMOVED, python_with_xla_flags, scatter_lines
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 SETTINGS = settings(derandomize=True, max_examples=12, deadline=None)
 
 
@@ -203,17 +197,12 @@ def test_combine_backward_reads_a_bf16_cotangent_at_its_bf16_values():
 
 @pytest.mark.slow  # a child process (the flag is read when the backend starts)
 def test_combine_backward_keeps_the_bf16_rounding_the_compiler_would_remove():
-    """The same where the compiler keeps an fp32 product's precision across its rounding to bf16:
-    XLA:GPU's `SimplifyFPConversions`, run under `xla_allow_excess_precision` (the default), removes
-    f32 -> bf16 -> f32 round trips; XLA:CPU runs it with this flag. The FP8 experts quantize these
-    rows, and one bf16 step across an e4m3 boundary moves a whole e4m3 step (a bf16 FP8 LatentMoE
-    differed from the torch recipe by 1-2.5e-2 on a GPU where this rounding was not pinned)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_cpu_experimental_onednn_custom_call=true")
+    """The same where the compiler keeps an fp32 product's precision across its rounding to bf16
+    (`tests.helpers.ROUND_TRIPS_REMOVED`). The FP8 experts quantize these rows, and one bf16 step
+    across an e4m3 boundary moves a whole e4m3 step (a bf16 FP8 LatentMoE differed from the torch
+    recipe by 1-2.5e-2 on a GPU where this rounding was not pinned)."""
     code = "from tests.test_permute import bf16_cotangent_mismatches as m; print('mismatched', m())"
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split()[-2:] == ["mismatched", "0"], out.stdout
+    assert python_with_xla_flags(code, ROUND_TRIPS_REMOVED).split()[-2:] == ["mismatched", "0"]
 
 
 def test_empty_experts_and_invalid_ids_are_not_packed():

@@ -39,6 +39,7 @@ __all__ = [
     "Fp8Weights",
     "dequantize_rows",
     "dequantize_weights",
+    "exact_float32",
     "quantize_rows",
     "quantize_weights",
     "row_bytes",
@@ -96,6 +97,20 @@ def tile_scale(amax: jax.Array) -> jax.Array:
     return jnp.where(amax == 0, jnp.float32(1), amax * _INV_FP8_MAX)
 
 
+def exact_float32(a: jax.Array) -> jax.Array:
+    """`a` in float32 holding exactly its own values, also where a bfloat16 `a` is an fp32 value
+    the program rounded: XLA:GPU removes f32 -> bf16 -> f32 round trips (`SimplifyFPConversions`,
+    run under `xla_allow_excess_precision`, its default), which would hand the arithmetic after
+    them the unrounded value. Where that arithmetic feeds an e4m3 quantization, one bf16 step across
+    an e4m3 rounding boundary moves the element by a whole e4m3 step, so the rounding is pinned:
+    `reduce_precision` to bfloat16's 8 exponent and 7 mantissa bits equals the cast on every
+    float32 (NaN, inf and subnormals included), and the compiler keeps it. Other dtypes are cast
+    (float16's `reduce_precision` would flush its subnormals)."""
+    if a.dtype == jnp.bfloat16:
+        return jax.lax.reduce_precision(a.astype(jnp.float32), exponent_bits=8, mantissa_bits=7)
+    return a.astype(jnp.float32)
+
+
 def _to_fp8(x: jax.Array, scale: jax.Array) -> jax.Array:
     return jnp.clip(x / scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
 
@@ -106,7 +121,7 @@ def quantize_rows(x_MK: jax.Array) -> Fp8Rows:
     x_MK = _check_float(x_MK, "x_MK", 2, "[M, K] rows")
     m, k = x_MK.shape
     kb = _blocks(k)
-    x = jnp.pad(x_MK.astype(jnp.float32), ((0, 0), (0, kb * BLOCK - k))).reshape(m, kb, BLOCK)
+    x = jnp.pad(exact_float32(x_MK), ((0, 0), (0, kb * BLOCK - k))).reshape(m, kb, BLOCK)
     scale_MKb = tile_scale(jnp.max(jnp.abs(x), axis=2))
     values = _to_fp8(x, scale_MKb[:, :, None]).reshape(m, kb * BLOCK)[:, :k]
     return Fp8Rows(values, scale_MKb)
@@ -118,7 +133,7 @@ def quantize_weights(w_ENK: jax.Array) -> Fp8Weights:
     w_ENK = _check_float(w_ENK, "w_ENK", 3, "[E, N, K] expert weights")
     e, n, k = w_ENK.shape
     nb, kb = _blocks(n), _blocks(k)
-    w = jnp.pad(w_ENK.astype(jnp.float32), ((0, 0), (0, nb * BLOCK - n), (0, kb * BLOCK - k)))
+    w = jnp.pad(exact_float32(w_ENK), ((0, 0), (0, nb * BLOCK - n), (0, kb * BLOCK - k)))
     w = w.reshape(e, nb, BLOCK, kb, BLOCK)
     scale_ENbKb = tile_scale(jnp.max(jnp.abs(w), axis=(2, 4)))
     values = _to_fp8(w, scale_ENbKb[:, :, None, :, None]).reshape(e, nb * BLOCK, kb * BLOCK)[:, :n, :k]
