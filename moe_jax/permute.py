@@ -246,4 +246,3 @@ def _weighted_sum_bwd(res, g_TD):
 
 
 _weighted_sum.defvjp(_weighted_sum_fwd, _weighted_sum_bwd)
-
