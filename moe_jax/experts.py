@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe_jax.ops import LinearPlan, RowGather, fp8_grouped_linear, gmm_reference, grouped_linear, plan_linear
-from moe_jax.ops.fp8 import Fp8Weights
+from moe_jax.ops.fp8 import Fp8Weights, exact_float32
 from moe_jax.ops.platform import BackendName
 from moe_jax.validation import check_int
 
@@ -136,10 +136,13 @@ def _check_gate_up(x_MD, w_EXD, name: str) -> None:
         )
 
 
-def _swiglu(gate_MF: jax.Array, up_MF: jax.Array) -> jax.Array:
-    """silu(gate) * up in float32, returned in the inputs' dtype (bf16 stays bf16 for the GEMM)."""
-    gate = gate_MF.astype(jnp.float32)
-    return (jax.nn.silu(gate) * up_MF.astype(jnp.float32)).astype(gate_MF.dtype)
+def _swiglu(gate_MF: jax.Array, up_MF: jax.Array, *, exact: bool = False) -> jax.Array:
+    """silu(gate) * up in float32, returned in the inputs' dtype (bf16 stays bf16 for the GEMM).
+    `exact`: read gate and up at their own values (`moe_jax.ops.fp8.exact_float32`), as the FP8
+    down projection needs: its e4m3 rows must not depend on whether the compiler kept the fp32
+    products that gate and up were rounded from."""
+    read = exact_float32 if exact else (lambda a: a.astype(jnp.float32))
+    return (jax.nn.silu(read(gate_MF)) * read(up_MF)).astype(gate_MF.dtype)
 
 
 def _check_separate(x_MD, w_gate_EFD, w_up_EFD, w_down_EDF) -> tuple[int, int]:
@@ -243,7 +246,7 @@ def swiglu_experts_fp8(
     # Gate and up in one call: the rows are quantized and kept once for both.
     gate_MF, up_MF = fp8_grouped_linear(x_MD, (w_gate_EFD, w_up_EFD), group_sizes_E, backend=backend, rows=rows,
                                         input_gradient=input_gradient)
-    return fp8_grouped_linear(_swiglu(gate_MF, up_MF), w_down_EDF, group_sizes_E, backend=backend,
+    return fp8_grouped_linear(_swiglu(gate_MF, up_MF, exact=True), w_down_EDF, group_sizes_E, backend=backend,
                               input_gradient=input_gradient)
 
 

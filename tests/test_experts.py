@@ -1,5 +1,6 @@
 """moe_jax.experts: SwiGLU experts on packed rows against the fp32 per-expert reference, forward
-and every gradient; fused == separate; rows past sum(group_sizes) are zero; both backends.
+and every gradient; fused == separate; rows past sum(group_sizes) are zero; both backends; the
+FP8 experts' down-projection rows independent of the compiler's excess precision.
 
 Legend: M packed rows, D width, F hidden width, E experts.
 """
@@ -17,10 +18,13 @@ from moe_jax.experts import (
     fuse_gate_up,
     split_gate_up,
     swiglu_experts,
+    swiglu_experts_fp8,
     swiglu_experts_fused,
     swiglu_experts_reference,
 )
+from moe_jax.ops import fp8_grouped_linear
 from moe_jax.testing import assert_close
+from tests.helpers import ROUND_TRIPS_REMOVED, python_with_xla_flags
 
 SETTINGS = settings(derandomize=True, max_examples=6, deadline=None)
 D, F = 8, 6
@@ -154,3 +158,37 @@ def test_bad_arguments_raise(call, match):
     x, sz, wg, wu, wd, _ = _case((2, 1), 1, 7)
     with pytest.raises((ValueError, TypeError), match=match):
         call(x, sz, wg, wu, wd)
+
+
+def fp8_staged_mismatches() -> int:
+    """How many outputs of `swiglu_experts_fp8` (backend "xla", bf16) in one program differ from
+    the same three products run as programs of their own, which hand the SwiGLU gate and up at
+    their bf16 values."""
+    rng = np.random.default_rng(0)
+    e, d, f, m = 2, 256, 384, 96
+    x_MD = jnp.asarray(rng.standard_normal((m, d)), jnp.bfloat16)
+    w_gate_EFD, w_up_EFD = (jnp.asarray(rng.standard_normal((e, f, d)) / 16, jnp.bfloat16) for _ in range(2))
+    w_down_EDF = jnp.asarray(rng.standard_normal((e, d, f)) / 16, jnp.bfloat16)
+    group_sizes_E = jnp.asarray([40, 56], jnp.int32)
+    linear = functools.partial(fp8_grouped_linear, group_sizes=group_sizes_E, backend="xla")
+
+    together = jax.jit(lambda x: swiglu_experts_fp8(x, group_sizes_E, w_gate_EFD, w_up_EFD, w_down_EDF,
+                                                    backend="xla"))(x_MD)
+    gate_MF, up_MF = jax.jit(lambda x: linear(x, (w_gate_EFD, w_up_EFD)))(x_MD)
+    h_MF = jax.jit(lambda g, u: (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(g.dtype))(
+        gate_MF, up_MF)
+    staged = jax.jit(lambda h: linear(h, w_down_EDF))(h_MF)
+    return int(np.sum(np.asarray(together != staged)))
+
+
+def test_fp8_experts_in_one_program_equal_their_products_staged():
+    assert fp8_staged_mismatches() == 0
+
+
+@pytest.mark.slow  # a child process (the flag is read when the backend starts)
+def test_fp8_swiglu_reads_bf16_values_where_the_compiler_removes_the_rounding():
+    """The down projection quantizes silu(gate) * up; gate and up come out of products accumulated
+    in fp32 and rounded to bf16. Where the compiler would keep their fp32 values
+    (`tests.helpers.ROUND_TRIPS_REMOVED`), the e4m3 rows, and so the output, must not change."""
+    code = "from tests.test_experts import fp8_staged_mismatches as m; print('mismatched', m())"
+    assert python_with_xla_flags(code, ROUND_TRIPS_REMOVED).split()[-2:] == ["mismatched", "0"]
