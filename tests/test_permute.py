@@ -176,8 +176,10 @@ def bf16_cotangent_mismatches() -> int:
     packing = pack(jnp.asarray(np.stack([rng.choice(e, k, replace=False) for _ in range(t)]), jnp.int32), e)
     y_RD = jnp.asarray(rng.standard_normal((t * k, d)), jnp.bfloat16)
     w_TK = jnp.asarray(rng.uniform(0.1, 1.0, (t, k)), jnp.float32)
-    w_ND = jnp.asarray(rng.standard_normal((n, d)), jnp.bfloat16)
-    c_TN = jnp.asarray(rng.standard_normal((t, n)), jnp.float32)
+    # Small integers: every precision a device's f32 dot may use (TF32 included) gives `g` exactly,
+    # and |g| needs more bits than bf16 keeps, so its rounding to bf16 shows.
+    w_ND = jnp.asarray(rng.integers(-8, 9, (n, d)), jnp.bfloat16)
+    c_TN = jnp.asarray(rng.integers(-64, 65, (t, n)), jnp.float32)
 
     def loss(y_RD, w_TK, w_ND, c_TN):  # operands as arguments: no constant folding of the product
         y_TD = combine(y_RD, w_TK, packing)
