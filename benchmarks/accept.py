@@ -7,6 +7,8 @@ what each proves.
     python -m benchmarks.accept launch --labels PATH         # each Pallas/Mosaic kernel once (under ncu)
     python -m benchmarks.accept ncu-table CSV --labels PATH  # their shared memory beside the model's
     python -m benchmarks.accept summary OUT_DIR              # the committed summary, from the logs
+    python -m benchmarks.accept failed-ids LOG               # the tests a pytest log names failed
+    python -m benchmarks.accept unreached-ids XML PATHS...   # the tests a run stopped at its limit never reported
 
 `layers`: forward + backward (the gradient of `sum(y**2)` with respect to the input and every
 parameter, under `nnx.jit`) of `MoE(D, F, E, k, dtype=...)` at the five shapes of `LAYER_SHAPES`,
@@ -32,9 +34,11 @@ import glob
 import json
 import os
 import re
+import subprocess
 import sys
 import time
 import traceback
+from xml.etree import ElementTree
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -335,8 +339,8 @@ def summary_line(log: str) -> str | None:
 
 
 def outcome_counts(log: str) -> dict[str, int]:
-    """pytest's summary counts (`passed`, `failed`, `error(s)`) from a log's final line."""
-    return {w: int(n) for n, w in re.findall(r"(\d+) (passed|failed|error|errors)\b", summary_line(log) or "")}
+    """pytest's summary counts (`passed`, `failed`, `skipped`, `error(s)`) from a log's final line."""
+    return {w: int(n) for n, w in re.findall(r"(\d+) (passed|failed|skipped|error|errors)\b", summary_line(log) or "")}
 
 
 def interrupted(log: str) -> bool:
@@ -349,6 +353,46 @@ def interrupted(log: str) -> bool:
 def failed_ids(log: str) -> list[str]:
     """The ids of the tests a pytest log reports FAILED or ERROR (its short summary)."""
     return [m.group(2) for m in re.finditer(r"^(FAILED|ERROR) (\S+)", log, re.MULTILINE)]
+
+
+def junit_key(nodeid: str) -> tuple[str, str]:
+    """A pytest node id as its JUnit XML report names it: `(classname, name)`, the classname the
+    module's path dotted and without `.py`, followed by any test classes."""
+    path, *classes, name = nodeid.split("::")
+    return ".".join([re.sub(r"\.py$", "", path).replace("/", "."), *classes]), name
+
+
+def reached_keys(junit_xml: str) -> set[tuple[str, str]]:
+    """`(classname, name)` of every test a JUnit XML report holds: those a pytest stopped at its
+    limit had reported (pytest writes the report when interrupted too)."""
+    return {(c.get("classname"), c.get("name")) for c in ElementTree.fromstring(junit_xml).iter("testcase")}
+
+
+def unreached_ids(collected: list[str], junit_xml: str) -> list[str]:
+    """The node ids of `collected` that the report does not hold, in their order."""
+    reached = reached_keys(junit_xml)
+    return [i for i in collected if junit_key(i) not in reached]
+
+
+def collect_ids(paths: list[str]) -> list[str]:
+    """The node ids pytest collects from `paths` on this host (GPU hosts collect more cases)."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *paths],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"pytest could not collect {paths}:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    return [ln for ln in done.stdout.splitlines() if "::" in ln]
+
+
+def _rest_ok(read) -> tuple[bool, str]:
+    """Whether `accept-rest` ran every test `accept-tests` did not reach (`tests_rest_ids.txt`) and
+    each passed or skipped, and what it reported."""
+    ids = [ln for ln in read("tests_rest_ids.txt").splitlines() if ln.strip()]
+    log = read("tests_rest.log")
+    counts = outcome_counts(log)
+    ran = counts.get("passed", 0) + counts.get("skipped", 0)
+    ok = (bool(log) and ran == len(ids) and not interrupted(log)
+          and not (counts.get("failed") or counts.get("error") or counts.get("errors")))
+    return ok, f"the {len(ids)} not reached, run after (`accept-rest`): {counts or 'no result'}"
 
 
 def verdict(out: str) -> list[tuple[str, bool, str]]:
@@ -378,7 +422,8 @@ def verdict(out: str) -> list[tuple[str, bool, str]]:
                     and not interrupted(rerun_log))
         detail += f"; the {len(ids)} that failed, rerun alone: {rerun or 'no result'}"
     if interrupted(log):  # stopped at its limit: the counts are of the tests that ran, not of the suite
-        tests_ok, detail = False, f"interrupted at its limit: {detail}"
+        rest_ok, rest = _rest_ok(read) if read("tests_rest_ids.txt") or read("tests_rest.log") else (False, "")
+        tests_ok, detail = tests_ok and rest_ok, f"interrupted at its limit: {detail}" + (f"; {rest}" if rest else "")
     checks.append(("tests and parity compiled", tests_ok, detail))
     for run in EXAMPLE_RUNS:
         log = read(f"example_{run}.log")
@@ -431,6 +476,8 @@ def summary(args) -> None:
     lines += [f"- `pytest tests parity` compiled: {summary_line(read('tests.log')) or 'no result (see the log)'}"]
     if summary_line(read("tests_rerun.log")):
         lines += [f"- the tests that failed, rerun alone (`accept-rerun`): {summary_line(read('tests_rerun.log'))}"]
+    if summary_line(read("tests_rest.log")):
+        lines += [f"- the tests not reached in the limit, run after (`accept-rest`): {summary_line(read('tests_rest.log'))}"]
     for run, title in EXAMPLE_RUNS.items():
         tail = [ln for ln in read(f"example_{run}.log").splitlines() if ln.strip()][-3:]
         lines += [f"- {title}:", "", "  ```", *("  " + ln for ln in tail), "  ```"]
@@ -479,9 +526,16 @@ def main(argv=None) -> None:
     q.add_argument("--device", default="one H200", help="the card the run had, as the summary names it")
     q = sub.add_parser("failed-ids", help="print the ids a pytest log reports FAILED or ERROR, one a line")
     q.add_argument("log")
+    q = sub.add_parser("unreached-ids", help="print the ids pytest collects from PATHS that a JUnit XML report "
+                       "(of a run stopped at its limit) does not hold, one a line")
+    q.add_argument("junit_xml")
+    q.add_argument("paths", nargs="+")
     args = p.parse_args(argv)
     if args.cmd == "failed-ids":
         print("\n".join(failed_ids(open(args.log).read())))
+        return
+    if args.cmd == "unreached-ids":
+        print("\n".join(unreached_ids(collect_ids(args.paths), open(args.junit_xml).read())))
         return
     {"layers": layers, "launch": launch, "ncu-table": ncu_table, "summary": summary}[args.cmd](args)
 

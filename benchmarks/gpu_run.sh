@@ -9,14 +9,15 @@
 # Phases: env | tests | parity | tune | run | run-quick | layer-time | drop-in | example | ep-check |
 #         ep-bench | parity-ep | example-ep | routed | jax-triton | backends | layer |
 #         decode | decode-ncu | wgrad-ncu | accept-tests | accept-example | accept-layers |
-#         accept-rerun | accept-compiled | accept-ncu | accept-summary | layer-profile | fp8 | combine | pack   (each optionally :SECONDS)
+#         accept-rerun | accept-rest | accept-compiled | accept-ncu | accept-summary | layer-profile | fp8 | combine | pack   (each optionally :SECONDS)
 # pack: every file under $OUT so far into one $OUT/<lane->pack-<time>.tgz (a host that returns only a few files
 #   from $OUT still returns all of them; `tar xzf` each call's pack into one folder for accept-summary).
 # The GPU acceptance run (docs/acceptance.md) is `accept`: every accept-* phase in order, after
 # env and jax-triton; `accept-summary` writes $OUT/accept_summary.md (COMMIT names the commit, DEVICE the card).
-# The pytest phases (tests, parity, accept-tests, accept-rerun) stop pytest with SIGINT at their limits:
+# The pytest phases (tests, parity, accept-tests, accept-rerun, accept-rest) stop pytest with SIGINT at their limits:
 #   it still prints its counts and names the tests that failed so far.
-# Env: NPROC (xdist workers; NPROC_RERUN those of accept-rerun), TESTS / PARITY (paths), STEPS (example), TUNE_ONLY (all|prefill|decode),
+# Env: NPROC (xdist workers; NPROC_RERUN / NPROC_REST those of accept-rerun / accept-rest), TESTS / PARITY (paths), STEPS (example), TUNE_ONLY (all|prefill|decode),
+#      ACCEPT_XML (accept-rest: the JUnit report of an accept-tests run in an earlier call, carried into the checkout),
 #      ROUTED_SHAPES (routed: indices into benchmarks.routed_gmm's shapes; default all),
 #      WHEELS (jax-triton: the folder holding the jax_triton wheel, default .whl; the image has no registry),
 #      LAYER_SHAPES / LAYER_VARIANTS / LAYER_MICRO (layer: benchmarks.layer's --shapes / --variants / --micro-batches),
@@ -39,7 +40,7 @@ L=${LANE:+$LANE-}
 phases=()
 for phase in "$@"; do
   if [ "$phase" = accept ]; then
-    phases+=(env jax-triton accept-tests:540 accept-rerun:300 accept-example:360 accept-layers:540 accept-compiled:300 accept-ncu:420 accept-summary)
+    phases+=(env jax-triton accept-tests:540 accept-rerun:300 accept-rest:400 accept-example:360 accept-layers:540 accept-compiled:300 accept-ncu:420 accept-summary)
   else
     phases+=("$phase")
   fi
@@ -80,15 +81,22 @@ for phase in "${phases[@]}"; do
                python3 -m benchmarks.wgrad_profile table "$OUT/${L}wgrad_ncu.csv" 2>&1 | tail -30 ;;
     # SIGINT at the limit: pytest stops, still prints its summary and names what failed so far
     # (benchmarks.accept.interrupted: such a run is never green).
-    accept-tests) timeout -s INT -k 60 "$limit" python3 -m pytest tests parity -q -n ${NPROC:-14} -p no:cacheprovider --durations=40 2>&1 | tee "$OUT/${L}tests.log" \
+    accept-tests) timeout -s INT -k 60 "$limit" python3 -m pytest tests parity -q -n ${NPROC:-14} -p no:cacheprovider --durations=40 \
+                    --junitxml "$OUT/${L}tests.xml" 2>&1 | tee "$OUT/${L}tests.log" \
                     | grep -v -E '^[0-9.]+s (call|setup|teardown) ' | tail -25 ;;  # the slowest 40 stay in the log
     accept-rerun) python3 -m benchmarks.accept failed-ids "$OUT/${L}tests.log" > "$OUT/${L}tests_rerun_ids.txt"
                   # tests that ran out of device memory beside the other workers (and the example) on a smaller card
                   # (a log cut off before pytest's summary names no test: nothing to rerun, never the whole suite)
                   if grep -q '[^[:space:]]' "$OUT/${L}tests_rerun_ids.txt"; then
-                    timeout -s INT -k 30 "$limit" python3 -m pytest $(cat "$OUT/${L}tests_rerun_ids.txt") -q -n ${NPROC_RERUN:-4} -p no:cacheprovider --tb=line 2>&1 \
+                    timeout -s INT -k 30 "$limit" python3 -m pytest @"$OUT/${L}tests_rerun_ids.txt" -q -n ${NPROC_RERUN:-4} -p no:cacheprovider --tb=line 2>&1 \
                       | tee "$OUT/${L}tests_rerun.log" | tail -8
                   else rm -f "$OUT/${L}tests_rerun_ids.txt"; echo "nothing to rerun"; fi ;;
+    accept-rest) # the tests accept-tests did not reach in its limit (its JUnit report, ACCEPT_XML when an earlier call made it)
+                 python3 -m benchmarks.accept unreached-ids "${ACCEPT_XML:-$OUT/${L}tests.xml}" tests parity > "$OUT/${L}tests_rest_ids.txt"
+                 if grep -q '[^[:space:]]' "$OUT/${L}tests_rest_ids.txt"; then
+                   timeout -s INT -k 30 "$limit" python3 -m pytest @"$OUT/${L}tests_rest_ids.txt" -q -n ${NPROC_REST:-8} -p no:cacheprovider --tb=short \
+                     --durations=20 2>&1 | tee "$OUT/${L}tests_rest.log" | grep -v -E '^[0-9.]+s (call|setup|teardown) ' | tail -12
+                 else rm -f "$OUT/${L}tests_rest_ids.txt"; echo "every test was reached"; fi ;;
     accept-example) for run in float32 bfloat16 fp8; do  # the README's command with its defaults (fp32), bf16, bf16 in FP8
                       case $run in float32) args= ;; bfloat16) args="--dtype bfloat16" ;; fp8) args="--dtype bfloat16 --fp8" ;; esac
                       # the run's folder (checkpoints, metrics, plot) stays on the host: its log comes back

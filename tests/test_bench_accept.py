@@ -2,6 +2,8 @@
 every criterion of docs/acceptance.md holds, and each way of failing one turns it red."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -142,10 +144,11 @@ def test_failed_tests_count_only_when_all_pass_rerun_alone(tmp_path, rerun, gree
     assert _failed(tmp_path) == ([] if green else ["tests and parity compiled"])
 
 
-def test_tests_stopped_at_their_limit_are_never_green(tmp_path):
+def test_tests_stopped_at_their_limit_are_never_green_alone(tmp_path):
     """`accept-tests` stops pytest with SIGINT at its limit, and pytest still prints its counts and
     names its failures: counts of the tests that ran, not of the suite, so the run is red even when
-    nothing failed, and the ids that did fail are there to rerun."""
+    nothing failed (unless `accept-rest` ran the others), and the ids that did fail are there to
+    rerun."""
     _write_green(tmp_path)
     log = ("!!!!!!!!!!!!!!!!!!!! KeyboardInterrupt !!!!!!!!!!!!!!!!!!!!\n"
            "FAILED tests/test_a.py::test_x - AssertionError\n"
@@ -201,3 +204,62 @@ def test_launches_stopped_at_the_limit_keep_their_labels_and_stay_red(tmp_path):
     (tmp_path / "accept_labels.json").write_text(labels.read_text())
     (tmp_path / "accept_resources.json").write_text(resources.read_text())
     assert _failed(tmp_path) == ["model vs launched kernels"]
+
+
+STOPPED = "!!!!!!!!!!!!!!!!!!!! KeyboardInterrupt !!!!!!!!!!!!!!!!!!!!\n1172 passed, 3 skipped in 548.12s\n"
+
+
+@pytest.mark.parametrize("rest, green", [
+    ("2 passed in 90s\n", True),
+    ("1 passed, 1 skipped in 90s\n", True),
+    ("1 failed, 1 passed in 90s\n", False),
+    ("1 passed in 90s\n", False),  # one was never run
+    ("!!!!!!!!!!!!!!!!!!!! KeyboardInterrupt !!!!!!!!!!!!!!!!!!!!\n2 passed in 90s\n", False),
+    ("", False),
+])
+def test_tests_stopped_at_their_limit_are_green_when_the_rest_pass(tmp_path, rest, green):
+    """A slower host's `accept-tests` stops at its limit; `accept-rest` (in a later call) runs exactly
+    the tests its JUnit report does not hold, and the suite counts as run only when every one of
+    them passed or skipped."""
+    _write_green(tmp_path)
+    (tmp_path / "tests.log").write_text(STOPPED)
+    (tmp_path / "tests_rest_ids.txt").write_text("tests/test_a.py::test_x\nparity/tests/test_b.py::test_y[two words]\n")
+    (tmp_path / "tests_rest.log").write_text(rest)
+    assert _failed(tmp_path) == ([] if green else ["tests and parity compiled"])
+
+
+def test_a_failure_before_the_limit_still_needs_its_rerun_beside_the_rest(tmp_path):
+    _write_green(tmp_path)
+    (tmp_path / "tests.log").write_text("FAILED tests/test_a.py::test_x - AssertionError\n"
+                                        + STOPPED.replace("1172 passed", "1 failed, 1171 passed"))
+    (tmp_path / "tests_rest_ids.txt").write_text("tests/test_c.py::test_z\n")
+    (tmp_path / "tests_rest.log").write_text("1 passed in 9s\n")
+    assert _failed(tmp_path) == ["tests and parity compiled"]
+    (tmp_path / "tests_rerun_ids.txt").write_text("tests/test_a.py::test_x\n")
+    (tmp_path / "tests_rerun.log").write_text("1 passed in 30s\n")
+    assert _failed(tmp_path) == []
+
+
+def test_unreached_ids_are_the_collected_tests_a_stopped_run_never_reported(tmp_path, monkeypatch):
+    """pytest writes its JUnit report when interrupted too: the ids `accept-rest` runs are what
+    pytest collects less what that report holds, ids with spaces and test classes included."""
+    (tmp_path / "test_mod.py").write_text(
+        "import pytest\n"
+        "def test_a(): pass\n"
+        "def test_b(): raise KeyboardInterrupt  # as SIGINT at the limit\n"
+        "class TestC:\n"
+        "    def test_c(self): pass\n"
+        "@pytest.mark.parametrize('v', ['two words', 'x'])\n"
+        "def test_d(v): pass\n")
+    monkeypatch.chdir(tmp_path)
+    stopped = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml", "r.xml",
+                              "test_mod.py"], capture_output=True, text=True)
+    assert accept.interrupted(stopped.stdout + stopped.stderr)
+    collected = accept.collect_ids(["test_mod.py"])
+    assert collected == ["test_mod.py::test_a", "test_mod.py::test_b", "test_mod.py::TestC::test_c",
+                         "test_mod.py::test_d[two words]", "test_mod.py::test_d[x]"]
+    assert accept.unreached_ids(collected, (tmp_path / "r.xml").read_text()) == collected[1:]
+    finished = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml", "all.xml",
+                               *collected[2:]], capture_output=True, text=True)
+    assert finished.returncode == 0, finished.stdout
+    assert accept.unreached_ids(collected, (tmp_path / "all.xml").read_text()) == collected[:2]
