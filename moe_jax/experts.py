@@ -29,6 +29,7 @@ from moe_jax.validation import check_int
 
 __all__ = [
     "ExpertPlans",
+    "exact_swiglu",
     "expert_plans",
     "fuse_gate_up",
     "split_gate_up",
@@ -136,13 +137,38 @@ def _check_gate_up(x_MD, w_EXD, name: str) -> None:
         )
 
 
-def _swiglu(gate_MF: jax.Array, up_MF: jax.Array, *, exact: bool = False) -> jax.Array:
-    """silu(gate) * up in float32, returned in the inputs' dtype (bf16 stays bf16 for the GEMM).
-    `exact`: read gate and up at their own values (`moe_jax.ops.fp8.exact_float32`), as the FP8
-    down projection needs: its e4m3 rows must not depend on whether the compiler kept the fp32
-    products that gate and up were rounded from."""
-    read = exact_float32 if exact else (lambda a: a.astype(jnp.float32))
-    return (jax.nn.silu(read(gate_MF)) * read(up_MF)).astype(gate_MF.dtype)
+def _swiglu(gate_MF: jax.Array, up_MF: jax.Array) -> jax.Array:
+    """silu(gate) * up in float32, returned in the inputs' dtype (bf16 stays bf16 for the GEMM)."""
+    gate = gate_MF.astype(jnp.float32)
+    return (jax.nn.silu(gate) * up_MF.astype(jnp.float32)).astype(gate_MF.dtype)
+
+
+@jax.custom_vjp
+def exact_swiglu(gate_MF: jax.Array, up_MF: jax.Array) -> jax.Array:
+    """silu(gate) * up `[M, F]` in float32, returned in the inputs' dtype, reading gate, up and, in
+    the backward, the output's cotangent at their own values (`moe_jax.ops.fp8.exact_float32`), as
+    FP8 projections around it need (`swiglu_experts_fp8`): the e4m3 rows of the down projection's
+    input and of gate's and up's gradients must not depend on whether the compiler kept the fp32
+    values those bf16 arrays were rounded from."""
+    if gate_MF.shape != up_MF.shape or gate_MF.dtype != up_MF.dtype:
+        raise ValueError(f"exact_swiglu: gate_MF {gate_MF.shape} {gate_MF.dtype} and up_MF {up_MF.shape} {up_MF.dtype} "
+                         "must share one shape and dtype.")
+    return (jax.nn.silu(exact_float32(gate_MF)) * exact_float32(up_MF)).astype(gate_MF.dtype)
+
+
+def _exact_swiglu_fwd(gate_MF, up_MF):
+    return exact_swiglu(gate_MF, up_MF), (gate_MF, up_MF)
+
+
+def _exact_swiglu_bwd(res, dh_MF):
+    gate_MF, up_MF = res
+    gate, up, dh = exact_float32(gate_MF), exact_float32(up_MF), exact_float32(dh_MF)
+    sig = jax.nn.sigmoid(gate)
+    d_gate = dh * up * (sig * (1.0 + gate * (1.0 - sig)))  # d silu(g) / dg = s + g s (1 - s)
+    return d_gate.astype(gate_MF.dtype), (dh * gate * sig).astype(up_MF.dtype)
+
+
+exact_swiglu.defvjp(_exact_swiglu_fwd, _exact_swiglu_bwd)
 
 
 def _check_separate(x_MD, w_gate_EFD, w_up_EFD, w_down_EDF) -> tuple[int, int]:
@@ -246,7 +272,7 @@ def swiglu_experts_fp8(
     # Gate and up in one call: the rows are quantized and kept once for both.
     gate_MF, up_MF = fp8_grouped_linear(x_MD, (w_gate_EFD, w_up_EFD), group_sizes_E, backend=backend, rows=rows,
                                         input_gradient=input_gradient)
-    return fp8_grouped_linear(_swiglu(gate_MF, up_MF, exact=True), w_down_EDF, group_sizes_E, backend=backend,
+    return fp8_grouped_linear(exact_swiglu(gate_MF, up_MF), w_down_EDF, group_sizes_E, backend=backend,
                               input_gradient=input_gradient)
 
 

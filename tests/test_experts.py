@@ -1,6 +1,7 @@
 """moe_jax.experts: SwiGLU experts on packed rows against the fp32 per-expert reference, forward
 and every gradient; fused == separate; rows past sum(group_sizes) are zero; both backends; the
-FP8 experts' down-projection rows independent of the compiler's excess precision.
+FP8 experts' rows (`exact_swiglu`, forward and backward) independent of the compiler's excess
+precision.
 
 Legend: M packed rows, D width, F hidden width, E experts.
 """
@@ -15,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moe_jax.experts import (
+    exact_swiglu,
     fuse_gate_up,
     split_gate_up,
     swiglu_experts,
@@ -175,8 +177,7 @@ def fp8_staged_mismatches() -> int:
     together = jax.jit(lambda x: swiglu_experts_fp8(x, group_sizes_E, w_gate_EFD, w_up_EFD, w_down_EDF,
                                                     backend="xla"))(x_MD)
     gate_MF, up_MF = jax.jit(lambda x: linear(x, (w_gate_EFD, w_up_EFD)))(x_MD)
-    h_MF = jax.jit(lambda g, u: (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(g.dtype))(
-        gate_MF, up_MF)
+    h_MF = jax.jit(exact_swiglu)(gate_MF, up_MF)
     staged = jax.jit(lambda h: linear(h, w_down_EDF))(h_MF)
     return int(np.sum(np.asarray(together != staged)))
 
@@ -192,3 +193,54 @@ def test_fp8_swiglu_reads_bf16_values_where_the_compiler_removes_the_rounding():
     (`tests.helpers.ROUND_TRIPS_REMOVED`), the e4m3 rows, and so the output, must not change."""
     code = "from tests.test_experts import fp8_staged_mismatches as m; print('mismatched', m())"
     assert python_with_xla_flags(code, ROUND_TRIPS_REMOVED).split()[-2:] == ["mismatched", "0"]
+
+
+def exact_swiglu_gradient_mismatches() -> int:
+    """How many of `exact_swiglu`'s gate and up gradients (bf16) differ when its cotangent is an
+    fp32 value rounded to bf16 in the same program from when that cotangent comes in as an array."""
+    rng = np.random.default_rng(0)
+    gate_MF, up_MF = (jnp.asarray(rng.standard_normal((64, 384)), jnp.bfloat16) for _ in range(2))
+    a_MF, b_MF = (jnp.asarray(rng.standard_normal((64, 384)), jnp.float32) for _ in range(2))
+
+    def grads(gate, up, dh):
+        return jax.vjp(exact_swiglu, gate, up)[1](dh)
+
+    together = jax.jit(lambda g, u, a, b: grads(g, u, (a * b).astype(jnp.bfloat16)))(gate_MF, up_MF, a_MF, b_MF)
+    staged = jax.jit(grads)(gate_MF, up_MF, jax.jit(lambda a, b: (a * b).astype(jnp.bfloat16))(a_MF, b_MF))
+    return sum(int(np.sum(np.asarray(t != s))) for t, s in zip(together, staged))
+
+
+def test_exact_swiglu_gradients_read_the_cotangent_at_its_bf16_values():
+    assert exact_swiglu_gradient_mismatches() == 0
+
+
+@pytest.mark.slow  # a child process (the flag is read when the backend starts)
+def test_exact_swiglu_gradients_where_the_compiler_removes_the_rounding():
+    """Where the compiler would keep the cotangent's fp32 value across its rounding to bf16
+    (`tests.helpers.ROUND_TRIPS_REMOVED`; autodiff of the same SwiGLU then differs in about a
+    quarter of the elements), the gradients, which the FP8 gate and up projections quantize, do not."""
+    code = "from tests.test_experts import exact_swiglu_gradient_mismatches as m; print('mismatched', m())"
+    assert python_with_xla_flags(code, ROUND_TRIPS_REMOVED).split()[-2:] == ["mismatched", "0"]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_exact_swiglu_is_silu_gate_times_up_with_its_gradients(dtype):
+    rng = np.random.default_rng(1)
+    gate, up, dh = (jnp.asarray(rng.standard_normal((48, 160)) * 3, dtype) for _ in range(3))
+
+    def reference(g, u):
+        return jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)
+
+    y, vjp = jax.vjp(exact_swiglu, gate, up)
+    assert y.dtype == dtype
+    want, ref_vjp = jax.vjp(reference, gate.astype(jnp.float32), up.astype(jnp.float32))
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == jnp.float32 else dict(rtol=8e-3, atol=1e-5)  # one bf16 rounding
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want), **tol)
+    for got, ref in zip(vjp(dh), ref_vjp(dh.astype(jnp.float32))):
+        assert got.dtype == dtype
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref), **tol)
+
+
+def test_exact_swiglu_names_mismatched_inputs():
+    with pytest.raises(ValueError, match="gate_MF .* and up_MF .* must share one shape and dtype"):
+        exact_swiglu(jnp.zeros((4, 8)), jnp.zeros((4, 8), jnp.bfloat16))
