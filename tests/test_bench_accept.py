@@ -209,21 +209,25 @@ def test_launches_stopped_at_the_limit_keep_their_labels_and_stay_red(tmp_path):
 STOPPED = "!!!!!!!!!!!!!!!!!!!! KeyboardInterrupt !!!!!!!!!!!!!!!!!!!!\n1172 passed, 3 skipped in 548.12s\n"
 
 
-@pytest.mark.parametrize("rest, green", [
-    ("2 passed in 90s\n", True),
-    ("1 passed, 1 skipped in 90s\n", True),
-    ("1 failed, 1 passed in 90s\n", False),
-    ("1 passed in 90s\n", False),  # one was never run
-    ("!!!!!!!!!!!!!!!!!!!! KeyboardInterrupt !!!!!!!!!!!!!!!!!!!!\n2 passed in 90s\n", False),
-    ("", False),
+TWO = "tests/test_a.py::test_x\nparity/tests/test_b.py::test_y[two words]\n"
+
+
+@pytest.mark.parametrize("ids, rest, green", [
+    (TWO, "2 passed in 90s\n", True),
+    (TWO, "1 passed, 1 skipped in 90s\n", True),
+    (TWO, "1 failed, 1 passed in 90s\n", False),
+    (TWO, "1 passed in 90s\n", False),  # one was never run
+    (TWO, "!!!!!!!!!!!!!!!!!!!! KeyboardInterrupt !!!!!!!!!!!!!!!!!!!!\n2 passed in 90s\n", False),
+    (TWO, "", False),
+    ("", "every test was reached\n", True),  # stopped after its last test, before its summary
 ])
-def test_tests_stopped_at_their_limit_are_green_when_the_rest_pass(tmp_path, rest, green):
+def test_tests_stopped_at_their_limit_are_green_when_the_rest_pass(tmp_path, ids, rest, green):
     """A slower host's `accept-tests` stops at its limit; `accept-rest` (in a later call) runs exactly
     the tests its JUnit report does not hold, and the suite counts as run only when every one of
     them passed or skipped."""
     _write_green(tmp_path)
     (tmp_path / "tests.log").write_text(STOPPED)
-    (tmp_path / "tests_rest_ids.txt").write_text("tests/test_a.py::test_x\nparity/tests/test_b.py::test_y[two words]\n")
+    (tmp_path / "tests_rest_ids.txt").write_text(ids)
     (tmp_path / "tests_rest.log").write_text(rest)
     assert _failed(tmp_path) == ([] if green else ["tests and parity compiled"])
 
