@@ -167,11 +167,14 @@ def assert_same_bits(got, want):
 ROUND_TRIPS_REMOVED = "--xla_cpu_experimental_onednn_custom_call=true"
 
 
-def python_with_xla_flags(code: str, xla_flags: str) -> str:
-    """stdout of `code` run by a child Python on the CPU under `XLA_FLAGS=xla_flags`, from the
-    repository root (its tests importable); AssertionError with its stderr if it fails."""
+def count_where_round_trips_removed(counter: str) -> int:
+    """What `counter` ("module:function", a test module's count of mismatched elements) returns in
+    a child Python on the CPU under `ROUND_TRIPS_REMOVED`, from the repository root (its tests
+    importable); AssertionError with the child's stderr if it fails."""
+    module, function = counter.split(":")
     root = pathlib.Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags)
+    env = dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu", XLA_FLAGS=ROUND_TRIPS_REMOVED)
+    code = f"from {module} import {function} as count; print('count', count())"
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    return out.stdout
+    return int(out.stdout.split()[-1])
