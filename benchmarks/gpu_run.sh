@@ -70,7 +70,7 @@ for phase in "${phases[@]}"; do
                 python3 -c "import jax_triton; print('jax_triton', jax_triton.__version__)" ;;
     backends) timeout "$limit" python3 -m benchmarks.backends --json "$OUT/${L}backends.json" 2>&1 | tee "$OUT/${L}backends.log" | tail -30 ;;
     decode) timeout "$limit" python3 -m benchmarks.decode sweep ${DECODE_TOKENS:+--tokens $DECODE_TOKENS} --json "$OUT/${L}decode.json" 2>&1 | tee "$OUT/${L}decode.log" | tail -60 ;;
-    decode-ncu) timeout "$limit" ncu --clock-control none --print-units base --csv --log-file "$OUT/${L}decode_ncu.csv" \
+    decode-ncu) timeout -k 10 "$limit" ncu --clock-control none --print-units base --csv --log-file "$OUT/${L}decode_ncu.csv" \
                   --metrics gpu__time_duration.sum,dram__bytes_read.sum,launch__grid_size,launch__registers_per_thread,launch__shared_mem_per_block_dynamic \
                   python3 -m benchmarks.decode kernels $( [ -f "$OUT/${L}decode.json" ] && echo --from "$OUT/${L}decode.json") --tokens ${NCU_TOKENS:-1,8} \
                   --labels "$OUT/${L}decode_ncu_labels.json" 2>&1 | tail -15
@@ -108,7 +108,7 @@ for phase in "${phases[@]}"; do
     accept-layers) timeout "$limit" python3 -m benchmarks.accept layers ${ACCEPT_SHAPES:+--shapes $ACCEPT_SHAPES} ${ACCEPT_DTYPES:+--dtypes $ACCEPT_DTYPES} ${ACCEPT_BACKENDS:+--backends $ACCEPT_BACKENDS} --json "$OUT/${L}accept_layers.json" 2>&1 | tee "$OUT/${L}accept_layers.log" | tail -14 ;;
     accept-compiled) timeout "$limit" env -u TRITON_INTERPRET python3 -m tests.compiled_resources --jobs ${NPROC:-14} > "$OUT/${L}compiled.jsonl" 2> "$OUT/${L}compiled.err"
                      python3 -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]; print(len(r), 'compiled; model below the compiler on', sum(x['compiled']>x['model'] for x in r), '; exact on', sum(x['compiled']==x['model'] for x in r))" "$OUT/${L}compiled.jsonl" ;;
-    accept-ncu) timeout "$limit" ncu --clock-control none --print-units base --csv --log-file "$OUT/${L}accept_ncu.csv" \
+    accept-ncu) timeout -k 10 "$limit" ncu --clock-control none --print-units base --csv --log-file "$OUT/${L}accept_ncu.csv" \
                   --metrics launch__shared_mem_per_block_dynamic,launch__shared_mem_per_block_static -k 'regex:moe_jax|mosaic|_body' \
                   python3 -m benchmarks.accept launch --labels "$OUT/${L}accept_labels.json" 2>&1 | tail -5
                 python3 -m benchmarks.accept ncu-table "$OUT/${L}accept_ncu.csv" --labels "$OUT/${L}accept_labels.json" \
