@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moe_jax.ops import LinearPlan, RowGather, fp8_grouped_linear, gmm_reference, grouped_linear, plan_linear
+from moe_jax.ops import (Fp8Copies, LinearPlan, RowGather, fp8_grouped_linear, gmm_reference, grouped_linear,
+                         plan_linear)
 from moe_jax.ops.fp8 import Fp8Weights, exact_float32
 from moe_jax.ops.platform import BackendName
 from moe_jax.validation import check_int
@@ -251,6 +252,7 @@ def swiglu_experts_fp8(
     backend: BackendName = "xla",
     rows: RowGather | None = None,
     input_gradient: str = "fp8",
+    copies: tuple[Fp8Copies, Fp8Copies, Fp8Copies] | None = None,
 ) -> jax.Array:
     """`swiglu_experts` with its three projections in DeepSeek-V3's blockwise FP8
     (`moe_jax.ops.fp8_grouped_linear`: rows per 1 x 128 tile), on packed rows `x_MD`; `y_MD` in
@@ -262,8 +264,16 @@ def swiglu_experts_fp8(
     for `Fp8Weights`). With `rows` (a `RowGather`), `x_MD` is the `[T, D]` token rows: each token
     is quantized once and the gate and up products read its FP8 row through `rows.ids_M`
     (`fp8_grouped_linear(rows=)`), no packed copy is written. `input_gradient`: as
-    `fp8_grouped_linear`'s, for all three projections."""
+    `fp8_grouped_linear`'s, for all three projections. `copies`: for master weights, the three
+    weights quantized ahead (`fp8_weight_copies((w_gate_EFD, w_up_EFD, w_down_EDF), backend=,
+    input_gradient=)`, e.g. once for all the micro-batches of a step), read instead of quantizing
+    the weights in this call (`fp8_grouped_linear(copies=)`; the same result)."""
     weights = (w_gate_EFD, w_up_EFD, w_down_EDF)
+    if copies is not None and (not isinstance(copies, (tuple, list)) or isinstance(copies, Fp8Copies)
+                               or len(copies) != 3):
+        raise TypeError("swiglu_experts_fp8: copies must be the three Fp8Copies of (w_gate_EFD, w_up_EFD, "
+                        f"w_down_EDF), as fp8_weight_copies of that tuple returns; got {type(copies).__name__}.")
+    gate_up_copies, down_copies = (None, None) if copies is None else (tuple(copies[:2]), copies[2])
     stored = [isinstance(w, Fp8Weights) for w in weights]
     if any(stored) and not all(stored):
         raise TypeError("swiglu_experts_fp8: w_gate_EFD, w_up_EFD and w_down_EDF must be all master weights or all "
@@ -271,9 +281,9 @@ def swiglu_experts_fp8(
     _check_separate(x_MD, *(w.values_ENK if s else w for w, s in zip(weights, stored)))
     # Gate and up in one call: the rows are quantized and kept once for both.
     gate_MF, up_MF = fp8_grouped_linear(x_MD, (w_gate_EFD, w_up_EFD), group_sizes_E, backend=backend, rows=rows,
-                                        input_gradient=input_gradient)
+                                        input_gradient=input_gradient, copies=gate_up_copies)
     return fp8_grouped_linear(exact_swiglu(gate_MF, up_MF), w_down_EDF, group_sizes_E, backend=backend,
-                              input_gradient=input_gradient)
+                              input_gradient=input_gradient, copies=down_copies)
 
 
 def swiglu_experts_reference(

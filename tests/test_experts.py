@@ -24,7 +24,7 @@ from moe_jax.experts import (
     swiglu_experts_fused,
     swiglu_experts_reference,
 )
-from moe_jax.ops import fp8_grouped_linear
+from moe_jax.ops import fp8_grouped_linear, fp8_weight_copies
 from moe_jax.testing import assert_close
 from tests.helpers import count_where_round_trips_removed
 
@@ -180,6 +180,32 @@ def fp8_staged_mismatches() -> int:
     h_MF = jax.jit(exact_swiglu)(gate_MF, up_MF)
     staged = jax.jit(lambda h: linear(h, w_down_EDF))(h_MF)
     return int(np.sum(np.asarray(together != staged)))
+
+
+@pytest.mark.parametrize("input_gradient", ["fp8", "master"])
+def test_fp8_experts_read_weight_copies_made_once_bit_for_bit(input_gradient):
+    """`swiglu_experts_fp8(copies=fp8_weight_copies(weights))`: the output and the gradients of the
+    rows and the three master weights equal those of the call that quantizes its weights itself."""
+    backend = "auto" if jax.default_backend() == "gpu" else "xla"
+    rng = np.random.default_rng(1)
+    e, d, f, m = 3, 256, 384, 80
+    x_MD = jnp.asarray(rng.standard_normal((m, d)), jnp.bfloat16)
+    weights = tuple(jnp.asarray(rng.standard_normal(shape) / 16, jnp.bfloat16)
+                    for shape in ((e, f, d), (e, f, d), (e, d, f)))
+    group_sizes_E = jnp.asarray([40, 0, 36], jnp.int32)  # an empty expert; rows past the sum
+
+    def loss(x, weights, copies):
+        y = swiglu_experts_fp8(x, group_sizes_E, *weights, backend=backend, input_gradient=input_gradient,
+                               copies=copies)
+        return jnp.sum(jnp.square(y.astype(jnp.float32)))
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    copies = fp8_weight_copies(weights, backend=backend, input_gradient=input_gradient)
+    for got, want in zip(jax.tree.leaves(grad(x_MD, weights, copies)), jax.tree.leaves(grad(x_MD, weights, None))):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    with pytest.raises(TypeError, match="copies must be the three Fp8Copies"):
+        swiglu_experts_fp8(x_MD, group_sizes_E, *weights, backend=backend, input_gradient=input_gradient,
+                           copies=copies[:2])
 
 
 def test_fp8_experts_in_one_program_equal_their_products_staged():

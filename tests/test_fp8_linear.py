@@ -4,7 +4,9 @@
 experts, one hot expert, zero rows, rows past the sum), K and N not multiples of 128, bf16 and fp32
 x, several weights in one call against one call each, rows read through ids (`rows=RowGather`)
 against the same op on the gathered rows, argument
-errors, and one small case on `pallas_triton` (interpret mode on CPU).
+errors, one small case on `pallas_triton` (interpret mode on CPU), and weights quantized once
+(`fp8_weight_copies`, `copies=`) against each call quantizing its own, with a micro-batch loop
+lowered for an H200 to show where the quantization runs.
 
 Legend: M rows, T source rows, K contraction, N outputs, E experts."""
 
@@ -17,10 +19,10 @@ import numpy as np
 import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
-from moe_jax.ops import (RowGather, fp8_grouped_linear, gather_rows, gmm_fp8_reference, grouped_linear,
-                         tgmm_reference)
+from moe_jax.ops import (Fp8Copies, RowGather, fp8_grouped_linear, fp8_weight_copies, gather_rows, gmm_fp8_reference,
+                         grouped_linear, tgmm_reference)
 from moe_jax.ops.fp8 import FP8_DTYPE, dequantize_rows, quantize_rows, quantize_weights
-from tests.helpers import mesh_devices
+from tests.helpers import lower_for_gpu, mesh_devices
 
 # The op scales each product term, the reference each 128-wide partial sum: fp32 rounding only.
 FP32_TOL = dict(rtol=2e-5, atol=2e-5)
@@ -283,3 +285,111 @@ def test_explicitly_sharded_rows_and_master_weights(input_gradient):
     assert got[1][1].sharding.spec == PartitionSpec("ep", None, None)
     for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-6, atol=1e-6)
+
+
+def _flat(tree):
+    return [np.asarray(leaf, np.float32) for leaf in jax.tree.leaves(tree)]
+
+
+@pytest.mark.parametrize("input_gradient", ["fp8", "master"])
+@pytest.mark.parametrize("several, gather", [(False, False), (True, True)], ids=["one-packed", "pair-row-ids"])
+def test_copies_give_the_call_quantizing_its_own_weights_bit_for_bit(input_gradient, several, gather):
+    """`fp8_weight_copies` made once and passed as `copies=`: output, input gradient and the master
+    weights' gradient equal those of calls that quantize their weights themselves, exactly, also
+    inside a jitted micro-batch loop that closes over the copies; the copies get no gradient."""
+    backend = "auto" if jax.default_backend() == "gpu" else "xla"
+    x, w = _case(20, 256, 200, 3, jnp.bfloat16)
+    w = w.astype(jnp.bfloat16)
+    ws = (w, (w * 0.5).astype(jnp.bfloat16)) if several else w
+    rows, gs = _route(20, 2, 3) if gather else (None, jnp.array([8, 0, 10], jnp.int32))  # rows past the sum
+    gs = gs.at[1].set(0).at[0].add(int(gs[1]))  # an empty expert
+
+    def loss(x, ws, copies):
+        ys = fp8_grouped_linear(x, ws, gs, backend=backend, rows=rows, input_gradient=input_gradient, copies=copies)
+        return sum(jnp.sum(jnp.square(y.astype(jnp.float32))) for y in (ys if several else (ys,)))
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    want = grad(x, ws, None)
+    copies = fp8_weight_copies(ws, backend=backend, input_gradient=input_gradient)
+    got = grad(x, ws, copies)
+    for g, r in zip(_flat(got), _flat(want)):
+        np.testing.assert_array_equal(g, r)
+    _, copies_grad = jax.grad(loss, argnums=(0, 2), allow_int=True)(x, ws, copies)
+    assert all(not np.any(np.asarray(leaf, np.float32)) for leaf in jax.tree.leaves(copies_grad))
+
+    @jax.jit
+    def accumulated(ws, xs):  # a step of micro-batches reading the copies made once before the loop
+        once = fp8_weight_copies(ws, backend=backend, input_gradient=input_gradient)
+        body = lambda acc, x: (jax.tree.map(jnp.add, acc, jax.grad(loss, argnums=1)(x, ws, once)), None)
+        return jax.lax.scan(body, jax.tree.map(jnp.zeros_like, ws), xs)[0]
+
+    xs = jnp.stack([x, (x * 2).astype(x.dtype)])
+    per_call = jax.tree.map(jnp.add, *(jax.grad(loss, argnums=1)(xi, ws, None) for xi in xs))
+    for g, r in zip(_flat(accumulated(ws, xs)), _flat(per_call)):
+        np.testing.assert_array_equal(g, r)
+
+
+def _loop_body(stablehlo: str) -> str:
+    """The lines of the one `stablehlo.while` loop's body in `stablehlo` (the printer puts each op
+    on a line of its own, the body between `} do {` and `}` at the loop's indentation)."""
+    lines = stablehlo.splitlines()
+    at = next(i for i, line in enumerate(lines) if "stablehlo.while" in line)
+    indent = lines[at][: len(lines[at]) - len(lines[at].lstrip())]
+    start = lines.index(indent + "} do {", at)
+    return "\n".join(lines[start + 1: lines.index(indent + "}", start)])
+
+
+@pytest.mark.filterwarnings("ignore:gmm_fp8.*reference path")  # the products, off GPU without jax_triton
+@pytest.mark.parametrize("input_gradient", ["fp8", "master"])
+def test_copies_take_the_weights_quantization_out_of_a_micro_batch_loop(input_gradient):
+    """Lowered for an H200 (from any host): a step accumulating micro-batches in `lax.scan` quantizes
+    the master weights in the loop's body when each call quantizes them (the GPU compiler leaves
+    that kernel there: 3 launches per micro-batch at Qwen3-30B-A3B), and once before the loop with
+    `fp8_weight_copies` made outside it."""
+    gs = jnp.array([64, 0, 64], jnp.int32)
+
+    def step(w, xs, once: bool):
+        copies = fp8_weight_copies(w, backend="auto", input_gradient=input_gradient) if once else None
+
+        def body(acc, x):
+            loss = lambda w: jnp.sum(fp8_grouped_linear(x, w, gs, backend="auto", input_gradient=input_gradient,
+                                                        copies=copies).astype(jnp.float32))
+            return acc + jax.grad(loss)(w), None
+
+        return jax.lax.scan(body, jnp.zeros_like(w), xs)[0]
+
+    w = jax.ShapeDtypeStruct((3, 256, 256), jnp.bfloat16)
+    xs = jax.ShapeDtypeStruct((4, 128, 256), jnp.bfloat16)
+    calls = {}
+    for once in (False, True):
+        text = lower_for_gpu(lambda w, xs: step(w, xs, once), w, xs)
+        body = _loop_body(text)
+        calls[once] = (text.count('name = "moe_jax_quantize_weights"'), body.count('name = "moe_jax_quantize_weights"'))
+    assert calls[False][1] == calls[False][0] >= 1  # every quantization in the body
+    assert calls[True] == (1, 0)  # one, before the loop
+
+
+def test_copies_errors():
+    x, w = _case(4, 128, 64, 2)
+    gs = jnp.array([2, 2], jnp.int32)
+    copies = fp8_weight_copies(w)
+    with pytest.raises(TypeError, match="copies: expected an Fp8Copies"):
+        fp8_grouped_linear(x, w, gs, copies=(copies,))
+    with pytest.raises(TypeError, match="copies: expected a tuple of 2 Fp8Copies"):
+        fp8_grouped_linear(x, (w, w), gs, copies=copies)
+    with pytest.raises(ValueError, match=r"copies\[0\] was made with the \[E, K, N\] copy.*input_gradient='master'"):
+        fp8_grouped_linear(x, w, gs, input_gradient="master", copies=copies)
+    with pytest.raises(ValueError, match=r"made without .*input_gradient='fp8'"):
+        fp8_grouped_linear(x, w, gs, copies=fp8_weight_copies(w, input_gradient="master"))
+    with pytest.raises(ValueError, match=r"copies\[0\].quantized: shapes .* are not those of w"):
+        fp8_grouped_linear(x, w[:1], gs[:1], copies=copies)
+    with pytest.raises(TypeError, match=r"copies\[0\].transposed: expected Fp8Weights"):
+        fp8_grouped_linear(x, w, gs, copies=Fp8Copies(copies.quantized, w))
+    with pytest.raises(ValueError, match="stored Fp8Weights are quantized already"):
+        fp8_grouped_linear(x, quantize_weights(w), gs, copies=copies)
+    with pytest.raises(TypeError, match="stored Fp8Weights are quantized already"):
+        fp8_weight_copies(quantize_weights(w))
+    with pytest.raises(ValueError, match=r"w: expected \[E, N, K\]"):
+        fp8_weight_copies(w[0])
+    with pytest.raises(ValueError, match="input_gradient='bf16'"):
+        fp8_weight_copies(w, input_gradient="bf16")

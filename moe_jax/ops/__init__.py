@@ -4,9 +4,11 @@ and the row gather (`ops.gather`), each with its kernels, backends and fp32 refe
 the FP8 recipe's blockwise quantization (`ops.quantize`: master weights in one read, with its
 kernel) and `ops.fp8_linear` its differentiable grouped linear
 layer (`fp8_grouped_linear`, whose products are `gmm_fp8`: the FP8 kernels, Mosaic GPU or Triton,
-on a GPU with e4m3 tensor cores, the reference path elsewhere)."""
+on a GPU with e4m3 tensor cores, the reference path elsewhere; `fp8_weight_copies` quantizes its
+master weights once for several calls)."""
 
-from moe_jax.ops.fp8_linear import FP8_INPUT_GRADIENTS, FP8_LINEAR_BACKENDS, fp8_grouped_linear
+from moe_jax.ops.fp8_linear import (FP8_INPUT_GRADIENTS, FP8_LINEAR_BACKENDS, Fp8Copies, fp8_grouped_linear,
+                                   fp8_weight_copies)
 from moe_jax.ops.gather import gather_rows, gather_rows_reference
 from moe_jax.ops.gmm import (
     AUTO_FUSED_GATHER,
@@ -59,6 +61,7 @@ __all__ = [
     "FAMILIES",
     "FP8_INPUT_GRADIENTS",
     "FP8_LINEAR_BACKENDS",
+    "Fp8Copies",
     "GEMM_BACKENDS",
     "GmmConfig",
     "GroupMetadata",
@@ -77,6 +80,7 @@ __all__ = [
     "device_facts",
     "executed",
     "fp8_grouped_linear",
+    "fp8_weight_copies",
     "gather_rows",
     "gather_rows_reference",
     "gmm",

@@ -34,6 +34,12 @@ arXiv:2412.19437, section 3.3; the quantization itself is `moe_jax.ops.fp8`):
 - The weight quantization is passed through by a straight-through estimator: `dw` is the gradient
   of the master weights as if `quantize_weights` were the identity (as is the rows' quantization
   for `dx`).
+- Quantized once for several calls (`copies=`, made by `fp8_weight_copies`): a step that
+  accumulates micro-batches calls the op once per micro-batch on the same master weights, and
+  each call would quantize them again; XLA's GPU compiler does not move that loop-invariant
+  kernel out of the caller's loop (docs/fp8.md, "What the layer's step would need"). With the
+  copies made before the loop, every call reads them instead (the same bits), and the weight
+  gradient still reaches the master weights passed as `w`.
 
 Products: `gmm_fp8` on the caller's backend (`FP8_LINEAR_BACKENDS`): `triton` and `mosaic_gpu` are
 the FP8 kernels (e4m3 tensor-core products promoted every 128 of the contraction:
@@ -52,6 +58,7 @@ GEMM's are (`moe_jax.ops.sharding`); their gradients come back in their sharding
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -64,12 +71,22 @@ from moe_jax.ops.gmm.fp8_api import FP8_GEMM_BACKENDS, fp8_backend, gmm_fp8
 from moe_jax.ops.quantize import quantize_activations, quantize_master_weights
 from moe_jax.ops.sharding import replicate_explicit
 
-__all__ = ["FP8_INPUT_GRADIENTS", "FP8_LINEAR_BACKENDS", "fp8_grouped_linear"]
+__all__ = ["FP8_INPUT_GRADIENTS", "FP8_LINEAR_BACKENDS", "Fp8Copies", "fp8_grouped_linear", "fp8_weight_copies"]
 
 FP8_LINEAR_BACKENDS = FP8_GEMM_BACKENDS
 FP8_INPUT_GRADIENTS = ("fp8", "master")  # the recipe's FP8 product; the master weights' 16-bit one
 
 _HI = jax.lax.Precision.HIGHEST
+
+
+class Fp8Copies(NamedTuple):
+    """Master weights `w` `[E, N, K]` quantized ahead of the calls that read them
+    (`fp8_weight_copies`): `quantized` is `quantize_weights(w)`; `transposed` is its
+    `transpose_weights` (`[E, K, N]`, what `input_gradient="fp8"` reads), or None for
+    `input_gradient="master"` (whose input gradient reads `w` itself)."""
+
+    quantized: Fp8Weights
+    transposed: Fp8Weights | None
 
 
 def _quantize_backend(backend):
@@ -120,17 +137,25 @@ def _dgrad(backend, input_gradient, dys, kept, group_sizes, rows, x_dtype):
     return dx if rows is None else sum_of_readers(dx, rows.readers_TK)
 
 
+def _quantized(backend, ws, copies, transposed: bool):
+    """`(wqs, [E, K, N] copies or Nones)`: `copies` as given, else each master weight quantized now
+    (with its `[E, K, N]` copy when `transposed`)."""
+    if copies is not None:
+        return tuple(c.quantized for c in copies), tuple(c.transposed for c in copies)
+    return tuple(zip(*(_quantize(backend, w, transposed) for w in ws)))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _master_linear(backend, input_gradient, x, ws, group_sizes, rows):
-    return _forward(backend, x, tuple(_quantize(backend, w, False)[0] for w in ws), group_sizes, rows)[0]
+def _master_linear(backend, input_gradient, x, ws, copies, group_sizes, rows):
+    return _forward(backend, x, _quantized(backend, ws, copies, False)[0], group_sizes, rows)[0]
 
 
-def _master_linear_fwd(backend, input_gradient, x, ws, group_sizes, rows):
+def _master_linear_fwd(backend, input_gradient, x, ws, copies, group_sizes, rows):
     # "fp8": the backward keeps the e4m3 `[E, K, N]` copies (written by the quantization's own pass),
     # not the master weights (zero-size witnesses of their dtypes give the cotangents' dtypes);
     # "master": the master weights.
     fp8 = input_gradient == "fp8"
-    wqs, copies = zip(*(_quantize(backend, w, fp8) for w in ws))
+    wqs, copies = _quantized(backend, ws, copies, fp8)
     ys, fp8_rows = _forward(backend, x, wqs, group_sizes, rows)
     kept = copies if fp8 else ws
     witnesses = tuple(jnp.zeros((0,), w.dtype) for w in ws)
@@ -149,7 +174,7 @@ def _master_linear_bwd(backend, input_gradient, res, dys):
         rows_x = gather_rows(rows_x, rows.ids_M)
     dws = tuple(tgmm(rows_x, dy.astype(x_dtype), group_sizes, backend=backend, precision=_HI).astype(w.dtype)
                 for dy, w in zip(dys, witnesses))
-    return dx, dws, None, None
+    return dx, dws, None, None, None  # copies: quantized values, no gradient of their own (it is dws)
 
 
 _master_linear.defvjp(_master_linear_fwd, _master_linear_bwd)
@@ -201,6 +226,77 @@ def _check_weights(w, x) -> bool:
     return False
 
 
+def _check_copies(copies, ws, several: bool, input_gradient: str) -> tuple[Fp8Copies, ...]:
+    """`copies` as a tuple with one `Fp8Copies` per master weight in `ws`, each checked against its
+    weight's shape (TypeError / ValueError naming what to pass)."""
+    listed = (copies,)
+    if several and isinstance(copies, (tuple, list)) and not isinstance(copies, Fp8Copies):
+        listed = tuple(copies)
+    if len(listed) != len(ws) or not all(isinstance(c, Fp8Copies) for c in listed):
+        expected = f"a tuple of {len(ws)} Fp8Copies" if several else "an Fp8Copies"
+        raise TypeError(f"copies: expected {expected}, as fp8_weight_copies(w) returns for the same w; got "
+                        f"{type(copies).__name__}.")
+    for i, (c, w) in enumerate(zip(listed, ws)):
+        e, n, k = w.shape
+        want = {"quantized": ((e, n, k), (e, -(-n // BLOCK), -(-k // BLOCK))),
+                "transposed": ((e, k, n), (e, -(-k // BLOCK), -(-n // BLOCK)))}
+        if (c.transposed is None) != (input_gradient == "master"):
+            made = "without" if c.transposed is None else "with"
+            raise ValueError(f"copies[{i}] was made {made} the [E, K, N] copy, which input_gradient="
+                             f"{input_gradient!r} {'reads' if input_gradient == 'fp8' else 'does not read'}; make "
+                             f"them with fp8_weight_copies(w, input_gradient={input_gradient!r}).")
+        for name, (values_shape, scale_shape) in want.items():
+            q = getattr(c, name)
+            if name == "transposed" and q is None:
+                continue
+            if not isinstance(q, Fp8Weights) or q.values_ENK.dtype != FP8_DTYPE or q.scale_ENbKb.dtype != jnp.float32:
+                raise TypeError(f"copies[{i}].{name}: expected Fp8Weights of float8_e4m3fn values and float32 scales "
+                                f"(fp8_weight_copies(w)).")
+            got = (tuple(q.values_ENK.shape), tuple(q.scale_ENbKb.shape))
+            if got != (values_shape, scale_shape):
+                raise ValueError(f"copies[{i}].{name}: shapes {got[0]} / {got[1]} are not those of w {tuple(w.shape)} "
+                                 f"({values_shape} / {scale_shape}); make the copies from the same weights with "
+                                 "fp8_weight_copies(w).")
+    return listed
+
+
+def fp8_weight_copies(
+    w: jax.Array | tuple, *, backend: str = "xla", input_gradient: str = "fp8",
+) -> Fp8Copies | tuple[Fp8Copies, ...]:
+    """The quantization `fp8_grouped_linear` makes of master weights `w` in each call, made once:
+    pass the result as its `copies=` to every call that reads the same `w` (the micro-batches of
+    one step), so the weights are quantized once per step, not once per call.
+
+    Args:
+      w: `[E, N, K]` bf16/fp16/fp32 master weights, or a tuple of them (as for `fp8_grouped_linear`).
+      backend, input_gradient: those the calls will pass (`backend` picks where the quantization
+        runs, as in the call; `input_gradient="fp8"` also makes the `[E, K, N]` copy its product reads).
+
+    Returns `Fp8Copies` (a tuple of them for a tuple `w`), equal bit for bit to what the calls would
+    quantize. Not differentiated: the calls pass the weight gradient to the `w` they are given.
+    The copies hold `w`'s values when they were made: make them again after every update of `w`
+    (an optimizer step), since a call cannot tell stale copies from fresh ones.
+    """
+    fp8_backend(backend)
+    if input_gradient not in FP8_INPUT_GRADIENTS:
+        raise ValueError(f"input_gradient={input_gradient!r}: use one of {FP8_INPUT_GRADIENTS}.")
+    several = isinstance(w, (tuple, list)) and not isinstance(w, Fp8Weights)
+    ws = tuple(w) if several else (w,)
+    if not ws or any(isinstance(one, Fp8Weights) for one in ws):
+        raise TypeError("w: expected [E, N, K] master weights or a non-empty tuple of them; stored Fp8Weights are "
+                        "quantized already (pass them to fp8_grouped_linear as they are).")
+    out = []
+    for one in ws:
+        one = jnp.asarray(one)
+        if one.ndim != 3 or jnp.dtype(one.dtype) not in SUPPORTED_DTYPES:
+            raise ValueError(f"w: expected [E, N, K] bfloat16/float16/float32 master weights, got shape {one.shape} "
+                             f"dtype {one.dtype}.")
+        # The quantization kernels have no derivative; the calls carry the gradient to their own `w`.
+        wq, transposed = _quantize(backend, jax.lax.stop_gradient(one), input_gradient == "fp8")
+        out.append(Fp8Copies(wq, transposed))
+    return tuple(out) if several else out[0]
+
+
 def fp8_grouped_linear(
     x: jax.Array,
     w: jax.Array | Fp8Weights | tuple,
@@ -209,6 +305,7 @@ def fp8_grouped_linear(
     backend: str = "xla",
     rows: RowGather | None = None,
     input_gradient: str = "fp8",
+    copies: Fp8Copies | tuple | None = None,
 ):
     """Differentiable grouped linear layer of the FP8 recipe: `y[M, N]`, rows of group e are
     `x_e @ w[e]^T` with both operands blockwise FP8 (module docstring).
@@ -238,6 +335,10 @@ def fp8_grouped_linear(
         gradient sums each source row's readers in fp32
         (`moe_jax.ops.gather.sum_of_readers`). Equal to `fp8_grouped_linear` on
         `gather_rows(x, rows.ids_M, inverse_N=rows.readers_TK)`.
+      copies: for master weights, their quantization made ahead (`fp8_weight_copies(w, backend=,
+        input_gradient=)` of these weights, one `Fp8Copies` per weight): the call reads them instead
+        of quantizing `w`, with the same result, and the weight gradient still goes to `w`. They
+        must hold `w`'s current values; nothing here can check that.
     """
     fp8_backend(backend)  # ValueError naming the choices, or why a kernel cannot run here
     if input_gradient not in FP8_INPUT_GRADIENTS:
@@ -260,6 +361,10 @@ def fp8_grouped_linear(
     if stored[0] and input_gradient != "fp8":
         raise ValueError(f"input_gradient={input_gradient!r} needs master weights; stored Fp8Weights have none: "
                          "use input_gradient='fp8'.")
+    if copies is not None:
+        if stored[0]:
+            raise ValueError("copies: stored Fp8Weights are quantized already; copies are for master weights.")
+        copies = _check_copies(copies, tuple(jnp.asarray(one) for one in ws), several, input_gradient)
     # The products read rows and weights anywhere (groups are global row ranges) and the weights'
     # quantization reads whole weights: operands an Explicit mesh axis shards are gathered here
     # (`moe_jax.ops.sharding`), outside the custom VJPs, so autodiff returns each gradient in its
@@ -269,6 +374,9 @@ def fp8_grouped_linear(
     if stored[0]:
         ys = _stored_linear(backend, x, tuple(Fp8Weights(*replicate_explicit(*one)) for one in ws), group_sizes, rows)
     else:
+        if copies is not None:
+            copies = tuple(Fp8Copies(*(None if q is None else Fp8Weights(*replicate_explicit(*q)) for q in c))
+                           for c in copies)
         ys = _master_linear(backend, input_gradient, x, replicate_explicit(*(jnp.asarray(one) for one in ws)),
-                            group_sizes, rows)
+                            copies, group_sizes, rows)
     return ys if several else ys[0]
