@@ -2,7 +2,8 @@
 against our bf16 `gmm`, `torch._grouped_mm` (bf16) and `torch._scaled_grouped_mm` (FP8, rowwise
 scales: torch's own FP8 grouped GEMM), in one process on the same inputs; then the differentiable
 linear layer forward+backward (`fp8_grouped_linear` vs `grouped_linear`, one pass per step and
-four micro-batches accumulated in one `lax.scan`), the weights'
+four micro-batches accumulated in one `lax.scan`, FP8 also with the weights quantized once before
+the loop), the weights'
 quantization (XLA's `quantize_weights` against the fused kernel, alone and with the input
 gradient's `[E, K, N]` copy as a second output), decode with FP8 weights against copy bandwidth, and the dense ceilings (`torch._scaled_mm`
 FP8 and bf16 `mm`, 8192^3).
@@ -36,7 +37,7 @@ from benchmarks.gmm import attempt, make_inputs, measure_copy_tbps, reps_for, to
 from benchmarks.timing import compile_jax, run_meta, time_compiled, time_torch
 from moe_jax.ops import TileConfig, gmm, grouped_linear
 from moe_jax.ops.fp8 import quantize_rows, quantize_weights, transpose_weights
-from moe_jax.ops.fp8_linear import fp8_grouped_linear
+from moe_jax.ops.fp8_linear import fp8_grouped_linear, fp8_weight_copies
 from moe_jax.ops.gmm.fp8_api import fp8_kernel, fp8_tiles, gmm_fp8
 from moe_jax.ops.gmm.mosaic_gpu.fp8_kernel import Fp8MosaicTiles
 from moe_jax.ops.gmm.reference import gmm_fp8_reference
@@ -170,19 +171,22 @@ def fb_rows(shape: S.GemmShape) -> dict:
             return y, *vjp(dy)
         return jax.jit(f)
 
-    def accumulated(lin):
+    def accumulated(lin, once: bool = False):
         """MICRO_BATCHES forward+backward passes in one `lax.scan`, the weight gradient summed in
-        fp32 (gradient accumulation): the weights are loop-invariant, so XLA quantizes them once per
-        step rather than once per micro-batch. Timed per micro-batch."""
+        fp32 (gradient accumulation). The weights are loop-invariant, yet XLA's GPU compiler leaves
+        the FP8 quantization kernel in the loop; with `once` the weights are quantized before it
+        (`fp8_weight_copies`) and every micro-batch reads the copies. Timed per micro-batch."""
         def f(xs, w, gs, dys):
+            extra = {"copies": fp8_weight_copies(w, backend="auto")} if once else {}
+
             def body(acc, operands):
-                y, vjp = jax.vjp(lambda a, b: lin(a, b, gs), operands[0], w)
+                y, vjp = jax.vjp(lambda a, b: lin(a, b, gs, **extra), operands[0], w)
                 dx, dw = vjp(operands[1])
                 return acc + dw.astype(jnp.float32), (y, dx)
             return jax.lax.scan(body, jnp.zeros(w.shape, jnp.float32), (xs, dys))
         return jax.jit(f)
 
-    fp8_linear = lambda a, b, g: fp8_grouped_linear(a, b, g, backend="auto")  # noqa: E731
+    fp8_linear = lambda a, b, g, **kw: fp8_grouped_linear(a, b, g, backend="auto", **kw)  # noqa: E731
     fp8, bf = step(fp8_linear), step(lambda a, b, g: grouped_linear(a, b, g))
     y8, dx8, dw8 = fp8(x, w, gs, dy)
     yb, dxb, dwb = bf(x, w, gs, dy)
@@ -192,8 +196,10 @@ def fb_rows(shape: S.GemmShape) -> dict:
     # Micro-batches: the same rows, scaled, so no two passes are the same computation.
     xs = jnp.stack([x * (1 + i / 8) for i in range(MICRO_BATCHES)]).astype(x.dtype)
     dys = jnp.stack([dy * (1 - i / 8) for i in range(MICRO_BATCHES)]).astype(dy.dtype)
-    for name, lin in (("fp8 f+b, micro-batch", fp8_linear), ("bf16 f+b, micro-batch", grouped_linear)):
-        t = attempt(_time_jax, accumulated(lin), (xs, w, gs, dys), 1)
+    for name, lin, once in (("fp8 f+b, micro-batch", fp8_linear, False),
+                            ("fp8 f+b, micro-batch, quantized once", fp8_linear, True),
+                            ("bf16 f+b, micro-batch", grouped_linear, False)):
+        t = attempt(_time_jax, accumulated(lin, once), (xs, w, gs, dys), 1)
         rec["times"][name] = t / MICRO_BATCHES if t else None
     rec["tflops"] = {k: _tflops(shape.m, shape.n, shape.k, t) * 3 for k, t in rec["times"].items() if t}
     return rec
