@@ -218,12 +218,20 @@ def _check_weights(w, x) -> bool:
             raise ValueError(f"w.scale_ENbKb: expected {want} (one scale per {BLOCK} x {BLOCK} block), got "
                              f"{tuple(scale.shape)}.")
         return True
+    _check_master(w, x.shape[1])
+    return False
+
+
+def _check_master(w, k: int | None = None) -> jax.Array:
+    """`w` as `[E, N, K]` bf16/fp16/fp32 master weights (K = `k` when given), else a ValueError or
+    TypeError naming it."""
     w = jnp.asarray(w)
-    if w.ndim != 3 or w.shape[2] != x.shape[1]:
-        raise ValueError(f"w: expected [E, N, K] master weights with K = x.shape[1] = {x.shape[1]}, got {w.shape}.")
+    if w.ndim != 3 or (k is not None and w.shape[2] != k):
+        with_k = "" if k is None else f" with K = x.shape[1] = {k}"
+        raise ValueError(f"w: expected [E, N, K] master weights{with_k}, got {w.shape}.")
     if jnp.dtype(w.dtype) not in SUPPORTED_DTYPES:
         raise TypeError(f"w: expected bfloat16/float16/float32 master weights or an Fp8Weights, got {w.dtype}.")
-    return False
+    return w
 
 
 def _check_copies(copies, ws, several: bool, input_gradient: str) -> tuple[Fp8Copies, ...]:
@@ -285,16 +293,10 @@ def fp8_weight_copies(
     if not ws or any(isinstance(one, Fp8Weights) for one in ws):
         raise TypeError("w: expected [E, N, K] master weights or a non-empty tuple of them; stored Fp8Weights are "
                         "quantized already (pass them to fp8_grouped_linear as they are).")
-    out = []
-    for one in ws:
-        one = jnp.asarray(one)
-        if one.ndim != 3 or jnp.dtype(one.dtype) not in SUPPORTED_DTYPES:
-            raise ValueError(f"w: expected [E, N, K] bfloat16/float16/float32 master weights, got shape {one.shape} "
-                             f"dtype {one.dtype}.")
-        # The quantization kernels have no derivative; the calls carry the gradient to their own `w`.
-        wq, transposed = _quantize(backend, jax.lax.stop_gradient(one), input_gradient == "fp8")
-        out.append(Fp8Copies(wq, transposed))
-    return tuple(out) if several else out[0]
+    # The quantization kernels have no derivative; the calls carry the gradient to their own `w`.
+    out = tuple(Fp8Copies(*_quantize(backend, jax.lax.stop_gradient(_check_master(one)), input_gradient == "fp8"))
+                for one in ws)
+    return out if several else out[0]
 
 
 def fp8_grouped_linear(
