@@ -6,10 +6,10 @@ parameter helpers (`dense`), `MoEStats` (`stats`) and the configuration and argu
 (`checks`)."""
 
 from moe_jax.layers.dense import SwiGLU
-from moe_jax.layers.moe import Fp8Stored, MoE, SelectionBias, stored_fp8
+from moe_jax.layers.moe import Fp8LayerCopies, Fp8Stored, MoE, SelectionBias, stored_fp8
 from moe_jax.layers.options import Fp8Blockwise, GemmOptions, SharedExperts
 from moe_jax.layers.stats import MoEStats
 from moe_jax.parallel import EPOptions
 
-__all__ = ["EPOptions", "Fp8Blockwise", "Fp8Stored", "GemmOptions", "MoE", "MoEStats", "SelectionBias", "SharedExperts",
+__all__ = ["EPOptions", "Fp8Blockwise", "Fp8LayerCopies", "Fp8Stored", "GemmOptions", "MoE", "MoEStats", "SelectionBias", "SharedExperts",
            "SwiGLU", "stored_fp8"]

@@ -31,15 +31,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 import warnings
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from moe_jax import routing as routing_lib
 from moe_jax.experts import fuse_gate_up, split_gate_up
@@ -57,17 +58,19 @@ from moe_jax.layers.checks import (
 )
 from moe_jax.layers.dense import SwiGLU, expert_init, init, linear, param, swiglu_fp8
 from moe_jax.layers.options import GEMM_KERNELS, ROW_GATHERS, Fp8Blockwise, GemmOptions, SharedExperts
-from moe_jax.layers.routed import ExpertStage, dense_on_mesh, routed_on_mesh, single_device
+from moe_jax.layers.routed import (ExpertStage, copies_on_mesh, dense_on_mesh, routed_copies, routed_on_mesh,
+                                   single_device)
 from moe_jax.layers.stats import MoEStats, moe_stats
 from moe_jax.layers.tokens import explicit_mesh, on_tokens, split_axes, to_tokens, token_axes, unflatten
 from moe_jax.ops import BackendTable
+from moe_jax.ops import Fp8Copies
 from moe_jax.ops.fp8 import BLOCK, quantize_weights
-from moe_jax.ops.sharding import vary_to_union
+from moe_jax.ops.sharding import vary_like
 from moe_jax.parallel import AxisRules, EPOptions, is_explicit
 from moe_jax.parallel.replicas import physical_weights
 from moe_jax.validation import check_bool, check_int
 
-__all__ = ["GEMM_KERNELS", "MoE", "ROW_GATHERS", "Fp8Stored", "SelectionBias", "stored_fp8"]
+__all__ = ["GEMM_KERNELS", "MoE", "ROW_GATHERS", "Fp8LayerCopies", "Fp8Stored", "SelectionBias", "stored_fp8"]
 
 
 class SelectionBias(nnx.Variable):
@@ -79,6 +82,17 @@ class Fp8Stored(nnx.Variable):
     """Stored FP8 routed-expert weights of `Fp8Blockwise(weights="stored")`: e4m3 values `[E, N, K]`
     or their fp32 block scales `[E, ceil(N/128), ceil(K/128)]`. Not an `nnx.Param`: optimizers
     filtering on `nnx.Param` never see them, and nothing differentiates them."""
+
+
+class Fp8LayerCopies(NamedTuple):
+    """An FP8 layer's master weights quantized ahead of its calls (`MoE.fp8_weight_copies()`, read
+    by `MoE.__call__(..., fp8_copies=)`): `routed`, the `Fp8Copies` of `w_gate`, `w_up` and
+    `w_down` (on a mesh, each device's shard quantized on its own, as the calls quantize it);
+    `shared`, those of the shared experts' three weights, or None without shared experts. A
+    pytree of arrays: pass it through `jax.jit` and `lax.scan` like any other."""
+
+    routed: tuple[Fp8Copies, ...]
+    shared: tuple[Fp8Copies, ...] | None
 
 
 # The routed experts' weight names, separate gate and up (the only layout of stored FP8 weights).
@@ -297,7 +311,7 @@ class MoE(nnx.Module):
 
     def __call__(
         self, x: jax.Array, *, mask: jax.Array | None = None, routing: routing_lib.Routing | None = None,
-        return_routing: bool = False,
+        return_routing: bool = False, fp8_copies: Fp8LayerCopies | None = None,
     ) -> tuple[jax.Array, MoEStats] | tuple[jax.Array, MoEStats, routing_lib.Routing]:
         """`y, stats = moe(x, mask=..., routing=...)`.
 
@@ -313,6 +327,12 @@ class MoE(nnx.Module):
         `dropped_E` slot, on one device and on every mesh alike.
         return_routing: also return the `Routing` the layer used (expert indices, combine weights,
         router probabilities of the T flattened tokens), for logging, analysis or distillation.
+        fp8_copies: with FP8 master weights (`Fp8Blockwise()`), their quantization made ahead by
+        `self.fp8_weight_copies()` (e.g. once per step, outside a loop over micro-batches): read
+        instead of quantizing the weights in this call, with the same result, the gradients still
+        reaching the master weights. They must hold the weights' current values (make them again
+        after each optimizer update; nothing here can tell stale copies from fresh ones); copies of
+        another layout (another layer, mesh or `input_gradient`) are a ValueError.
         Returns `y` (shape of `x`, compute dtype) and `MoEStats` (and the `Routing`).
 
         Every argument is checked before anything is computed.
@@ -324,10 +344,80 @@ class MoE(nnx.Module):
             check_routing(routing, math.prod(x.shape[:-1]), self.top_k, self.num_experts)
         dtype = compute_dtype(x, self.dtype)
         with self._mesh_context(x):
-            y, stats, routing = self._forward(x, mask, routing, dtype)
+            if fp8_copies is not None:
+                self._check_copies(fp8_copies)
+            y, stats, routing = self._forward(x, mask, routing, dtype, fp8_copies)
         return (y, stats, routing) if return_routing else (y, stats)
 
-    def _forward(self, x, mask, routing, dtype):
+    def fp8_weight_copies(self) -> Fp8LayerCopies:
+        """The FP8 master weights quantized as each call quantizes them (`moe_jax.ops.fp8_weight_copies`,
+        on a mesh per device shard), for `__call__(..., fp8_copies=)`: a step that calls the layer
+        on several micro-batches makes them once, before its loop, and every call reads them
+        (XLA's GPU compiler does not move the quantization out of the loop itself; docs/fp8.md).
+        Not differentiated: the calls pass the gradient to the master weights. Call it where the
+        layer is called (the same ambient mesh, the same `jax.shard_map`, if any).
+
+        ValueError unless the layer computes from FP8 master weights (`Fp8Blockwise()`; stored FP8
+        weights are quantized already)."""
+        if self.quantization is None or self.quantization.stored:
+            raise ValueError(
+                "fp8_weight_copies(): this layer has no FP8 master weights to quantize ahead (its quantization is "
+                f"{self.quantization!r}); build it with GemmOptions(quantization=Fp8Blockwise()).")
+        with self._mesh_context(self.w_router[...]):
+            return self._copies()
+
+    def _copies(self) -> Fp8LayerCopies:
+        placement = self._placement()
+        routed = routed_copies(self._stage(), placement, self._expert_weights(None))
+        shared = None
+        if self.shared is not None:
+            stacks = tuple(getattr(self.shared, n)[...][None] for n in ("w_gate", "w_up", "w_down"))
+            mesh = None if placement is None else placement[0]
+            shared = copies_on_mesh(mesh, (P(),) * 3, stacks, backend=self.backend,
+                                    input_gradient=self.quantization.input_gradient)
+        return Fp8LayerCopies(routed, shared)
+
+    def _check_copies(self, copies) -> None:
+        """`fp8_copies` as `fp8_weight_copies()` makes them for this layer where it is called, else
+        a TypeError or ValueError naming the difference."""
+        if self.quantization is None or self.quantization.stored:
+            raise ValueError(
+                "fp8_copies: this layer has no FP8 master weights (its quantization is "
+                f"{self.quantization!r}); pass fp8_copies only to layers built with "
+                "GemmOptions(quantization=Fp8Blockwise()).")
+        if not isinstance(copies, Fp8LayerCopies):
+            raise TypeError(f"fp8_copies: expected the Fp8LayerCopies of this layer's fp8_weight_copies(); got "
+                            f"{type(copies).__name__}.")
+        want = jax.eval_shape(self._copies)
+        if (copies.shared is None) != (want.shared is None):
+            raise ValueError(f"fp8_copies.shared is {'None' if copies.shared is None else 'given'}, but this layer has "
+                             f"{'no' if want.shared is None else ''} shared experts; make the copies with this layer's "
+                             "fp8_weight_copies().")
+        transposed = {c.transposed is None for c in jax.tree.leaves(copies, is_leaf=lambda c: isinstance(c, Fp8Copies))}
+        if transposed != {want.routed[0].transposed is None}:
+            raise ValueError(f"fp8_copies were not made for input_gradient={self.quantization.input_gradient!r}, this "
+                             "layer's (which decides whether the [E, K, N] copies exist); make them with this "
+                             "layer's fp8_weight_copies().")
+        got_leaves, got_tree = jax.tree_util.tree_flatten_with_path(copies)
+        want_leaves, want_tree = jax.tree_util.tree_flatten_with_path(want)
+        if got_tree != want_tree:
+            raise ValueError(f"fp8_copies: not this layer's copies (their structure is {got_tree}, this layer makes "
+                             f"{want_tree}); make them with this layer's fp8_weight_copies().")
+        for (path, got), (_, exp) in zip(got_leaves, want_leaves):
+            if (tuple(jnp.shape(got)), jnp.result_type(got)) != (exp.shape, exp.dtype):
+                raise ValueError(
+                    f"fp8_copies{jax.tree_util.keystr(path)}: {jnp.result_type(got)}{list(jnp.shape(got))}, but this "
+                    f"layer's is {exp.dtype}{list(exp.shape)} (copies of another layer, or of another mesh layout); "
+                    "make them with this layer's fp8_weight_copies(), called where the layer is.")
+
+    def _stage(self) -> ExpertStage:
+        """The routed stage's configuration (`routed.ExpertStage`)."""
+        placed = self.expert_parallel.placement
+        return ExpertStage(self.num_experts if placed is None else placed.num_slots,
+                           self.latent_dim or self.d_model, self.d_ff, self.fused_gate_up,
+                           self.backend, self.precision, self.gemm_kernel, self.row_gather, self.quantization)
+
+    def _forward(self, x, mask, routing, dtype, fp8_copies):
         seq_BS = tuple(x.shape[:2]) if x.ndim == 3 else (1, x.shape[0])
         # Under Explicit axes: tokens split as x's are (whatever its sharding), then as the rules say.
         mesh = explicit_mesh()
@@ -354,15 +444,13 @@ class MoE(nnx.Module):
         routed_in_TD = real_TD.astype(dtype)
         if self.latent_dim is not None:
             routed_in_TD = linear(routed_in_TD, self.w_latent_down[...], dtype, self.precision).astype(dtype)
-        placed = self.expert_parallel.placement
-        stage = ExpertStage(self.num_experts if placed is None else placed.num_slots,
-                            self.latent_dim or self.d_model, self.d_ff, self.fused_gate_up,
-                            self.backend, self.precision, self.gemm_kernel, self.row_gather, self.quantization)
+        stage = self._stage()
         args = (routed_in_TD, routing.expert_idx_TK, routing.weights_TK, mask_T, self._expert_weights(dtype))
+        copies = None if fp8_copies is None else fp8_copies.routed
         if placement is None:
-            routed = single_device(stage, *args)
+            routed = single_device(stage, *args, copies=copies)
         else:
-            routed = routed_on_mesh(stage, *placement, self.expert_parallel, *args)
+            routed = routed_on_mesh(stage, *placement, self.expert_parallel, *args, copies=copies)
         dropped = routed.dropped
         if injected and routed.kept_E is None:
             # Expert parallelism counts routes to ids outside [0, E) as undelivered; so does every other case.
@@ -371,7 +459,7 @@ class MoE(nnx.Module):
         if self.latent_dim is not None:
             y_TD = linear(routed.y_TD, self.w_latent_up[...], dtype, self.precision)
         if self.shared is not None:
-            shared_TD = self._shared_output(real_TD, placement, dtype)
+            shared_TD = self._shared_output(real_TD, placement, dtype, None if fp8_copies is None else fp8_copies.shared)
             if self.shared_expert_gate:
                 gate_T1 = jax.nn.sigmoid(linear(real_TD, self.w_shared_gate[...], dtype, self.precision))
                 shared_TD = gate_T1 * shared_TD
@@ -390,22 +478,27 @@ class MoE(nnx.Module):
         array (e.g. a schedule's value)."""
         self.selection_bias[...] = routing_lib.update_selection_bias(self.selection_bias[...], counts_E, step_size)
 
-    def _shared_output(self, x_TD, placement, dtype) -> jax.Array:
+    def _shared_output(self, x_TD, placement, dtype, copies) -> jax.Array:
         """The shared experts' output `[T, D]` in fp32: `self.shared` in the compute dtype, or with
         FP8 master weights (`Fp8Blockwise(weights="master")`) its three projections by the same
-        recipe as the routed experts' (`swiglu_fp8`), on each device's tokens where the routed
-        stage has a placement. Stored FP8 layers keep their shared experts in `param_dtype` and
-        compute them in the compute dtype (no quantization in their calls)."""
+        recipe as the routed experts' (`swiglu_fp8`, reading `copies` when given), on each
+        device's tokens where the routed stage has a placement. Stored FP8 layers keep their shared
+        experts in `param_dtype` and compute them in the compute dtype (no quantization in their
+        calls)."""
         shared = self.shared
         if self.quantization is None or self.quantization.stored:
             return shared(x_TD).astype(jnp.float32)
-        fn = functools.partial(swiglu_fp8, backend=self.backend, input_gradient=self.quantization.input_gradient)
+
+        def fn(x_TD, weights, copies):
+            return swiglu_fp8(x_TD, *weights, backend=self.backend, input_gradient=self.quantization.input_gradient,
+                              copies=copies)
+
         x_TD = x_TD.astype(dtype)  # the shared SwiGLU's dtype is the layer's
         weights = (shared.w_gate[...], shared.w_up[...], shared.w_down[...])
         if placement is None:
-            _, weights = vary_to_union(weights, (x_TD,))  # inside a caller's shard_map: per device
-            return fn(x_TD, *weights).astype(jnp.float32)
-        return dense_on_mesh(fn, *placement, x_TD, weights).astype(jnp.float32)
+            weights, copies = vary_like((weights, copies), (x_TD,))  # inside a caller's shard_map: per device
+            return fn(x_TD, weights, copies).astype(jnp.float32)
+        return dense_on_mesh(fn, *placement, x_TD, (weights, copies)).astype(jnp.float32)
 
     def _warn_unused_ep_options(self) -> None:
         options = self.expert_parallel
@@ -438,8 +531,11 @@ class MoE(nnx.Module):
         # `jax.set_mesh` cannot be entered under `jit`; there the abstract mesh is what types the arrays.
         return jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh) if tracing else jax.set_mesh(self.mesh)
 
-    def _placement(self, x_TD) -> tuple[object, AxisRules] | None:
-        """`(mesh, rules)` the routed stage runs `shard_map` over, or None to run it on the arrays."""
+    def _placement(self, x_TD=None) -> tuple[object, AxisRules] | None:
+        """`(mesh, rules)` the routed stage runs `shard_map` over, or None to run it on the arrays.
+        Without `x_TD` (the FP8 weights' copies, made before the tokens are known) a layer without
+        rules of its own gets None: the tokens' sharding decides there, and the weights are
+        replicated on every device alike."""
         context = jax.sharding.get_abstract_mesh()
         if context.manual_axes:
             if self.mesh is not None or self.axis_rules is not None:
@@ -469,6 +565,8 @@ class MoE(nnx.Module):
                     "build the layer with mesh=<that mesh> (its fused rows are then in per-shard blocks, "
                     "moe_jax.experts.fuse_gate_up(..., shards=etp)), or use GemmOptions(fused_gate_up=False)."
                 )
+        elif x_TD is None:
+            return None
         else:
             # No rules: follow an Explicit sharding of the token dimension, data parallel.
             spec = jax.typeof(x_TD).sharding.spec
@@ -476,7 +574,8 @@ class MoE(nnx.Module):
             if axes is None:
                 return None
             mesh, rules = context, AxisRules(tokens=(axes,) if isinstance(axes, str) else tuple(axes), experts=None)
-        check_token_split(x_TD.shape[0], mesh, rules)
+        if x_TD is not None:
+            check_token_split(x_TD.shape[0], mesh, rules)
         return mesh, rules
 
     def _expert_weights(self, dtype) -> tuple[jax.Array, ...]:

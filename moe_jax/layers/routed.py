@@ -46,17 +46,18 @@ from jax.sharding import PartitionSpec as P
 
 from moe_jax.experts import ExpertPlans, expert_plans, swiglu_experts, swiglu_experts_fp8, swiglu_experts_fused
 from moe_jax.layers.options import Fp8Blockwise
-from moe_jax.ops import AUTO_FUSED_GATHER, CANDIDATES, executed
+from moe_jax.ops import AUTO_FUSED_GATHER, CANDIDATES, Fp8Copies, executed, fp8_weight_copies
 from moe_jax.ops.fp8 import Fp8Weights
 from moe_jax.ops.platform import BackendTable
-from moe_jax.ops.sharding import vary_to_union
+from moe_jax.ops.sharding import vary_like
 from moe_jax.parallel import AxisRules, EPOptions, ep_moe, is_explicit
 from moe_jax.parallel.capacity import resolve_capacity
 from moe_jax.parallel.chunks import token_chunks
 from moe_jax.parallel.replicas import logical_counts, route_to_replicas, sum_replica_grads
 from moe_jax.permute import combine, pack, pack_rows, packed_row_source
 
-__all__ = ["ExpertStage", "Routed", "dense_on_mesh", "routed_on_mesh", "single_device"]
+__all__ = ["ExpertStage", "Routed", "copies_on_mesh", "dense_on_mesh", "routed_copies", "routed_on_mesh",
+           "single_device"]
 
 
 class Routed(NamedTuple):
@@ -130,16 +131,17 @@ class ExpertStage:
             return make(gather=True) if separate.gate_up.fwd.backend in AUTO_FUSED_GATHER else separate
         return make(gather=self.row_gather == "fused")
 
-    def experts(self, x_MD, group_sizes, weights, plans: ExpertPlans, rows=None):
+    def experts(self, x_MD, group_sizes, weights, plans: ExpertPlans, rows=None, copies=None):
         """The SwiGLU experts on packed rows `x_MD`, or with `rows` (a `RowGather`) on the
         token rows `x_MD` `[T, D]` read through `rows.ids_M`, running `plans`. With `quantization`
         the FP8 experts run (`swiglu_experts_fp8`, which quantizes each token row once when given
-        `rows`; `plans` then only serve the telemetry)."""
+        `rows`; `plans` then only serve the telemetry), reading FP8 master weights' `copies` (the
+        three `Fp8Copies` of `routed_copies`) instead of quantizing the weights when given."""
         if self.quantization is not None:
             if self.quantization.stored:
                 weights = [Fp8Weights(*weights[i:i + 2]) for i in range(0, len(weights), 2)]
             return swiglu_experts_fp8(x_MD, group_sizes, *weights, backend=self.backend, rows=rows,
-                                      input_gradient=self.quantization.input_gradient)
+                                      input_gradient=self.quantization.input_gradient, copies=copies)
         fn = swiglu_experts_fused if self.fused_gate_up else swiglu_experts
         return fn(x_MD, group_sizes, *weights, rows=rows, plans=plans)
 
@@ -164,52 +166,56 @@ class ExpertStage:
                              total("useful_rows_max"), kernels_C)
 
 
-def _local(stage: ExpertStage, x_TD, idx_TK, w_TK, mask_T, weights):
+def _local(stage: ExpertStage, x_TD, idx_TK, w_TK, mask_T, weights, copies):
     """Pack, grouped SwiGLU and combine on one device's tokens with all E experts."""
     packing = pack(idx_TK, stage.num_experts, mask_T=mask_T)
     plans = stage.plans(idx_TK.size, x_TD.dtype)
     if plans.gate_up.fwd.problem.gather:
-        y_RD = stage.experts(x_TD, packing.group_sizes_E, weights, plans, rows=packed_row_source(x_TD, packing))
+        y_RD = stage.experts(x_TD, packing.group_sizes_E, weights, plans, rows=packed_row_source(x_TD, packing),
+                             copies=copies)
     else:
-        y_RD = stage.experts(pack_rows(x_TD, packing, backend=stage.backend), packing.group_sizes_E, weights, plans)
+        y_RD = stage.experts(pack_rows(x_TD, packing, backend=stage.backend), packing.group_sizes_E, weights, plans,
+                             copies=copies)
     y_TD = combine(y_RD, w_TK, packing)  # pack(mask_T=...) already left masked routes out
     return y_TD, stage.telemetry(plans, packing.group_sizes_E)
 
 
-def single_device(stage: ExpertStage, x_TD, idx_TK, w_TK, mask_T, weights) -> Routed:
+def single_device(stage: ExpertStage, x_TD, idx_TK, w_TK, mask_T, weights, copies=None) -> Routed:
     """The routed stage without a mesh of its own. Inside a caller's `shard_map` it runs on each
-    device's tokens; replicated weights are cast to vary with the tokens, so their gradients sum
-    over the caller's token axes (and the statistics are per device)."""
-    _, weights = vary_to_union(weights, (x_TD, idx_TK, w_TK))
-    y_TD, gemm = _local(stage, x_TD, idx_TK, w_TK, mask_T, weights)
+    device's tokens; replicated weights (and FP8 `copies` of them, `routed_copies`) are cast to
+    vary with the tokens, so their gradients sum over the caller's token axes (and the
+    statistics are per device)."""
+    weights, copies = vary_like((tuple(weights), copies), (x_TD, idx_TK, w_TK))
+    y_TD, gemm = _local(stage, x_TD, idx_TK, w_TK, mask_T, weights, copies)
     return Routed(y_TD, gemm, jnp.zeros((), jnp.int32), None)
 
 
-def _varying(weights: tuple[jax.Array, ...], axes: tuple[str, ...]) -> tuple[jax.Array, ...]:
-    """Weights replicated over the mesh axes `axes`, cast to varying over them (inside `shard_map`):
-    the grouped GEMM's custom VJP returns a per-device weight gradient, and the cast's transpose
-    is a `psum` over `axes`, exactly the sum of the gradients of a weight's replicas."""
-    return tuple(lax.pcast(w, axes, to="varying") for w in weights)
+def _varying(tree, axes: tuple[str, ...]):
+    """The arrays of `tree` (weights, or FP8 copies of them) replicated over the mesh axes `axes`,
+    cast to varying over them (inside `shard_map`): the grouped GEMM's custom VJP returns a
+    per-device weight gradient, and the cast's transpose is a `psum` over `axes`, exactly the sum
+    of the gradients of a weight's replicas."""
+    return jax.tree.map(lambda w: lax.pcast(w, axes, to="varying"), tree)
 
 
-def dense_on_mesh(fn, mesh, rules: AxisRules, x_TD, weights: tuple):
-    """`fn(x_TD, *weights) -> [T, D]` inside `jax.shard_map` over `mesh` as the data-parallel
-    routed stage runs: each device on its tokens (split over `AxisRules.tokens`), the dense weights
-    replicated and cast to varying over the token axes (their gradients sum there). For a dense
-    FFN of custom-VJP kernels (the shared experts in FP8), which XLA's partitioner would otherwise
-    run on gathered tokens."""
-    def body(x_TD, *weights):
-        return fn(x_TD, *_varying(weights, rules.dense_replicas))
+def dense_on_mesh(fn, mesh, rules: AxisRules, x_TD, inputs: tuple):
+    """`fn(x_TD, *inputs) -> [T, D]` inside `jax.shard_map` over `mesh` as the data-parallel
+    routed stage runs: each device on its tokens (split over `AxisRules.tokens`), `inputs` (pytrees
+    of dense weights, or of their FP8 copies) replicated and cast to varying over the token axes
+    (the weights' gradients sum there). For a dense FFN of custom-VJP kernels (the shared experts in
+    FP8), which XLA's partitioner would otherwise run on gathered tokens."""
+    def body(x_TD, *inputs):
+        return fn(x_TD, *_varying(inputs, rules.dense_replicas))
 
     act = rules.activation_spec()
-    return _shard_map(body, mesh, (act,) + (P(),) * len(weights), act, (x_TD, *weights))
+    return _shard_map(body, mesh, (act, *jax.tree.map(lambda _: P(), inputs)), act, (x_TD, *inputs))
 
 
 def _shard_map(body, mesh, in_specs: tuple, out_specs, inputs: tuple):
     """`jax.shard_map(body)` over `mesh` on `inputs`; under Explicit axes the inputs are first laid
     out as `in_specs` say (shard_map takes them so; Auto axes reshard on their own)."""
     if is_explicit(mesh):
-        inputs = tuple(jax.sharding.reshard(a, spec) for a, spec in zip(inputs, in_specs))
+        inputs = tuple(jax.tree.map(jax.sharding.reshard, a, spec) for a, spec in zip(inputs, in_specs))
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*inputs)
 
 
@@ -227,11 +233,56 @@ def _sum_slices(y_TD, axis: str | None):
     return y_TD if axis is None else lax.psum(y_TD, axis)
 
 
+def _weight_specs(stage: ExpertStage, mesh, rules: AxisRules) -> tuple[P, ...]:
+    """The specs of the routed weights as `ExpertStage` takes them (stored FP8: values, then scales)."""
+    # Without EP the weights hold every expert (replicated over the expert axis of size 1).
+    weight_rules = rules if rules.check(mesh, stage.num_experts) > 1 else dataclasses.replace(rules, experts=None)
+    gate_up, down = weight_rules.gate_up_spec(), weight_rules.down_spec()
+    specs = (gate_up, down) if stage.fused_gate_up else (gate_up, gate_up, down)
+    if stage.quantization is not None and stage.quantization.stored:
+        # A block-scale stack [E, Nb, Kb] splits as its values [E, N, K] do: whole 128 x 128 blocks
+        # per shard, which the layer checked for the hidden width under ETP.
+        specs = tuple(spec for spec in specs for _ in range(2))
+    return specs
+
+
+def _copy_specs(specs: tuple[P, ...], transposed: bool) -> tuple[Fp8Copies, ...]:
+    """The specs of `fp8_weight_copies` made per shard of weights laid out as `specs`: values and
+    block scales split as their weight `[E, N, K]` is (each shard's blocks laid from its own first
+    row and column), the `[E, K, N]` copy with the last two axes swapped."""
+    def swap(spec):
+        e, n, k = (*spec, None, None, None)[:3]
+        return P(e, k, n)
+
+    return tuple(Fp8Copies(Fp8Weights(s, s), Fp8Weights(swap(s), swap(s)) if transposed else None) for s in specs)
+
+
+def copies_on_mesh(mesh, specs: tuple[P, ...] | None, weights: tuple, *, backend, input_gradient: str):
+    """`fp8_weight_copies(weights, backend=, input_gradient=)` made where a call inside `jax.shard_map`
+    over `mesh` quantizes the weights laid out as `specs`: each device quantizes its own shard, so
+    the copies equal the call's quantization bit for bit (also where a shard's width is no multiple
+    of 128). `mesh` None: on the arrays as they are."""
+    make = functools.partial(fp8_weight_copies, backend=backend, input_gradient=input_gradient)
+    if mesh is None:
+        return make(tuple(weights))
+    return _shard_map(lambda *ws: make(ws), mesh, specs, _copy_specs(specs, input_gradient == "fp8"), tuple(weights))
+
+
+def routed_copies(stage: ExpertStage, placement: tuple | None, weights: tuple) -> tuple[Fp8Copies, ...]:
+    """The FP8 master `weights` `(w_gate, w_up, w_down)` quantized as the routed stage on
+    `placement` (`(mesh, rules)` for `routed_on_mesh`, None for `single_device`) quantizes them in
+    each call: pass the result as its `copies`."""
+    mesh, specs = (None, None) if placement is None else (placement[0], _weight_specs(stage, *placement))
+    return copies_on_mesh(mesh, specs, weights, backend=stage.backend,
+                          input_gradient=stage.quantization.input_gradient)
+
+
 def routed_on_mesh(stage: ExpertStage, mesh, rules: AxisRules, options: EPOptions, x_TD, idx_TK, w_TK, mask_T,
-                   weights) -> Routed:
+                   weights, copies=None) -> Routed:
     """The routed stage inside `jax.shard_map` over `mesh` (a `Mesh` or the ambient
     `AbstractMesh`, Auto or Explicit axes) with tokens, experts and the experts' hidden width
-    placed by `rules`."""
+    placed by `rules`; FP8 master weights' `copies` (`routed_copies` on the same placement) are
+    read instead of quantizing the weights when given."""
     ep = rules.check(mesh, stage.num_experts)
     etp_axis = rules.expert_tensor
     # Inside shard_map each rank's experts are F/ETP wide: plan the GEMMs for that width.
@@ -240,19 +291,21 @@ def routed_on_mesh(stage: ExpertStage, mesh, rules: AxisRules, options: EPOption
     if mask_T is None:
         mask_T = jnp.ones(x_TD.shape[:1], jnp.bool_)
 
-    def data_parallel(x_TD, idx_TK, w_TK, mask_T, *weights):
-        weights = _varying(weights, rules.dense_replicas)  # replicated: gradients sum over the token axes
+    def data_parallel(x_TD, idx_TK, w_TK, mask_T, weights, copies):
+        # replicated: gradients sum over the token axes
+        weights, copies = _varying((weights, copies), rules.dense_replicas)
         x_TD, w_TK = _hidden_slices(x_TD, w_TK, etp_axis)
-        y_TD, gemm = _local(local_stage, x_TD, idx_TK, w_TK, mask_T, weights)
+        y_TD, gemm = _local(local_stage, x_TD, idx_TK, w_TK, mask_T, weights, copies)
         return _sum_slices(y_TD, etp_axis), gemm.reduce(rules.tokens), jnp.zeros((), jnp.int32)
 
-    def expert_parallel(x_TD, idx_TK, w_TK, mask_T, *weights):
+    def expert_parallel(x_TD, idx_TK, w_TK, mask_T, weights, copies):
         if placement is not None:
             # Before the cast below, so its transpose (the sum over the data replicas) comes first
             # and the replica sum then copies one result to every replica: identical bits.
             weights = tuple(sum_replica_grads(w, placement, rules.experts) for w in weights)
             idx_TK = route_to_replicas(idx_TK, placement, lax.axis_index(rules.experts), mask_T)
-        weights = _varying(weights, rules.expert_replicas)  # an ep shard's replicas sum its gradients
+        # an ep shard's replicas sum its gradients
+        weights, copies = _varying((weights, copies), rules.expert_replicas)
         x_TD, w_TK = _hidden_slices(x_TD, w_TK, etp_axis)
         num_tokens, top_k = idx_TK.shape
         local = stage.num_experts // ep
@@ -267,7 +320,7 @@ def routed_on_mesh(stage: ExpertStage, mesh, rules: AxisRules, options: EPOption
 
         def experts(x, sizes_El, rows=None):
             packed = x.shape[0] if rows is None else rows.ids_M.shape[0]
-            return local_stage.experts(x, sizes_El, weights, plans[packed], rows=rows)
+            return local_stage.experts(x, sizes_El, weights, plans[packed], rows=rows, copies=copies)
 
         y_TD, stats = ep_moe(
             x_TD, idx_TK, w_TK, experts, num_experts=stage.num_experts, axis_name=rules.experts,
@@ -286,15 +339,10 @@ def routed_on_mesh(stage: ExpertStage, mesh, rules: AxisRules, options: EPOption
         return _sum_slices(y_TD, etp_axis), gemm, lax.psum(stats.dropped, rules.expert_replicas), kept
 
     act, rep = rules.activation_spec(), P()
-    # Without EP the weights hold every expert (replicated over the expert axis of size 1).
-    weight_rules = rules if ep > 1 else dataclasses.replace(rules, experts=None)
-    gate_up, down = weight_rules.gate_up_spec(), weight_rules.down_spec()
-    weight_specs = (gate_up, down) if stage.fused_gate_up else (gate_up, gate_up, down)
-    if stage.quantization is not None and stage.quantization.stored:
-        # A block-scale stack [E, Nb, Kb] splits as its values [E, N, K] do: whole 128 x 128 blocks
-        # per shard, which the layer checked for the hidden width under ETP.
-        weight_specs = tuple(spec for spec in weight_specs for _ in range(2))
+    weight_specs = _weight_specs(stage, mesh, rules)
+    copy_specs = None if copies is None else _copy_specs(weight_specs, stage.quantization.input_gradient == "fp8")
     body = data_parallel if ep == 1 else expert_parallel
     out_specs = (act, GemmTelemetry(*(rep,) * len(GemmTelemetry._fields)), rep) + (() if ep == 1 else (rep,))
-    outputs = _shard_map(body, mesh, (act,) * 4 + weight_specs, out_specs, (x_TD, idx_TK, w_TK, mask_T, *weights))
+    outputs = _shard_map(body, mesh, (act,) * 4 + (weight_specs, copy_specs), out_specs,
+                         (x_TD, idx_TK, w_TK, mask_T, tuple(weights), copies))
     return Routed(*outputs, *(() if ep > 1 else (None,)))

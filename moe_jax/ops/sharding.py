@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec
 
-__all__ = ["explicit_out_sharding", "replicate_explicit", "vary_to_union", "varying_like", "varying_output"]
+__all__ = ["explicit_out_sharding", "replicate_explicit", "vary_like", "vary_to_union", "varying_like", "varying_output"]
 
 
 def _explicit_context() -> bool:
@@ -52,6 +52,13 @@ def vary_to_union(arrays: tuple, also: tuple = ()) -> tuple[frozenset, tuple]:
     varying = frozenset().union(*(jax.typeof(a).manual_axis_type.varying for a in (*arrays, *also)))
     missing = [tuple(varying - jax.typeof(a).manual_axis_type.varying) for a in arrays]
     return varying, tuple(jax.lax.pcast(a, axes, to="varying") if axes else a for a, axes in zip(arrays, missing))
+
+
+def vary_like(tree, also: tuple = ()):
+    """`vary_to_union` on the arrays of the pytree `tree`: each cast to vary over the mesh axes any
+    of them or of `also` vary over (inside `shard_map`; unchanged outside one)."""
+    leaves, structure = jax.tree.flatten(tree)
+    return jax.tree.unflatten(structure, vary_to_union(tuple(leaves), also)[1])
 
 
 def varying_like(out_shape, inputs: tuple) -> tuple:
