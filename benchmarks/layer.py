@@ -18,7 +18,9 @@ default with gate and up as one `[E, 2F, D]` weight (`GemmOptions(fused_gate_up=
 experts in blockwise FP8 with trainable master weights, `GemmOptions(quantization=Fp8Blockwise())`,
 its error to the bf16 torch layer the recipe's quantization (`row_gather="auto"`: each token row
 quantized once and its e4m3 bytes gathered); `fp8-gather` that with `row_gather="fused"` named;
-`fp8-packed` with `row_gather="separate"` (the bf16 rows packed first); `fp8-fp32-params` with
+`fp8-once` that with the master weights quantized once per step, before its micro-batch loop
+(`MoE.fp8_weight_copies()`, read by every micro-batch's call: `fp8_copies=`; with one pass the
+same work as `fp8`); `fp8-packed` with `row_gather="separate"` (the bf16 rows packed first); `fp8-fp32-params` with
 fp32 master weights; `fp8-triton` that with every FP8 product on the Triton FP8 kernel
 (`auto` takes the Mosaic GPU one where it runs the shape); `fp8-master-dgrad` with the input
 gradients from the master weights in bf16, `Fp8Blockwise(input_gradient="master")` (no e4m3 weights
@@ -106,6 +108,7 @@ VARIANTS = {"auto": dict(), "pallas": dict(backend="pallas_triton"), "static": d
             "fp32-params": dict(param_dtype=jnp.float32),  # the layer's default: fp32 variables, bf16 compute
             "fp8-fp32-params": dict(param_dtype=jnp.float32, quantization=Fp8Blockwise()),
             "fp8": dict(quantization=Fp8Blockwise()),
+            "fp8-once": dict(quantization=Fp8Blockwise()),  # and `grad_step(quantize_once=True)`: QUANTIZED_ONCE
             "fp8-gather": dict(quantization=Fp8Blockwise(), row_gather="fused"),
             "fp8-packed": dict(quantization=Fp8Blockwise(), row_gather="separate"),
             "fp8-triton": dict(backend="triton", quantization=Fp8Blockwise()),
@@ -114,6 +117,9 @@ VARIANTS = {"auto": dict(), "pallas": dict(backend="pallas_triton"), "static": d
             "mosaic-dgrad": dict(backend=H200_BACKENDS.replace({("gmm_nn", "prefill"): MOSAIC_FIRST})),
             "mosaic-fwd-dgrad": dict(backend=H200_BACKENDS.replace({("gmm_nt", "prefill"): MOSAIC_FIRST,
                                                                     ("gmm_nn", "prefill"): MOSAIC_FIRST}))}
+
+# Variants whose step quantizes the FP8 master weights once, before its micro-batch loop.
+QUANTIZED_ONCE = ("fp8-once",)
 
 
 def build_layer(shape: LayerShape, param_dtype=jnp.bfloat16, **gemm) -> MoE:
@@ -139,28 +145,35 @@ def variant_layer(base: MoE, shape: LayerShape, variant: str) -> MoE:
     return layer
 
 
-def grad_step(layer: MoE, micro_batches: int = 1):
+def grad_step(layer: MoE, micro_batches: int = 1, quantize_once: bool = False):
     """`(step, state)`: `step(state, x) -> (y, grads)` is the layer's forward and backward (the
     gradients of `sum(y^2)` for its variables and `x`), as a training step runs it; `state` is the
     layer's variables. With `micro_batches` N > 1, `x` is `[N, T, D]` and the step is gradient
     accumulation: one forward and backward per micro-batch in a `lax.scan`, the variables'
-    gradients summed (in their own dtype), `y` and `x`'s gradient stacked."""
+    gradients summed (in their own dtype), `y` and `x`'s gradient stacked. With `quantize_once`
+    (FP8 master weights) the step makes `layer.fp8_weight_copies()` once, before its loop, and
+    every micro-batch reads them."""
     graph, state = nnx.split(layer)
 
-    def one(state, x):
+    def one(state, x, copies=None):
         def loss(state, x):
-            y, _ = nnx.merge(graph, state)(x)
+            y, _ = nnx.merge(graph, state)(x, fp8_copies=copies)
             return jnp.sum(y.astype(jnp.float32) ** 2), y
 
         (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(state, x)
         return y, grads
 
+    def copies_of(state):
+        return nnx.merge(graph, state).fp8_weight_copies() if quantize_once else None
+
     if micro_batches == 1:
-        return one, state
+        return (lambda state, x: one(state, x, copies_of(state))), state
 
     def accumulated(state, xs):
+        copies = copies_of(state)
+
         def body(acc, x):
-            y, (g_state, g_x) = one(state, x)
+            y, (g_state, g_x) = one(state, x, copies)
             return jax.tree.map(jnp.add, acc, g_state), (y, g_x)
 
         zeros = jax.tree.map(jnp.zeros_like, state)
@@ -178,9 +191,9 @@ def micro_batch_tokens(x_TD: jax.Array, micro_batches: int) -> jax.Array:
     return jnp.stack([x_TD * (1 + i / 8) for i in range(micro_batches)]).astype(x_TD.dtype)
 
 
-def _ours(layer: MoE, x, reps: int, micro_batches: int = 1):
+def _ours(layer: MoE, x, reps: int, micro_batches: int = 1, quantize_once: bool = False):
     """(seconds per micro-batch, footprint bytes, output of the micro-batch that is `x`)."""
-    step, state = grad_step(layer, micro_batches)
+    step, state = grad_step(layer, micro_batches, quantize_once)
     x = micro_batch_tokens(x, micro_batches)
     compiled = jax.jit(step).lower(state, x).compile()
     mem = compiled.memory_analysis()
@@ -344,7 +357,7 @@ def main(argv=None) -> int:
         row = dict(shape=shape.name, **dataclasses.asdict(shape), flops=shape.flops, micro_batches=args.micro_batches,
                    torch_ms=t_torch * 1e3,
                    torch_peak_gib=peak_torch / 2**30, variants={})
-        if "fp8" in variants:
+        if {"fp8", *QUANTIZED_ONCE} & set(variants):
             try:
                 t8, peak8, y8, _ = _torch_side(base, x, shape.top_k, args.reps, fp8_linear)
             except Exception as e:  # e.g. `_scaled_grouped_mm`'s alignment: reported, not fatal
@@ -360,7 +373,7 @@ def main(argv=None) -> int:
         for v in variants:
             layer = variant_layer(base, shape, v)
             try:
-                t, footprint, y = _ours(layer, x, args.reps, args.micro_batches)
+                t, footprint, y = _ours(layer, x, args.reps, args.micro_batches, v in QUANTIZED_ONCE)
             except Exception as e:  # a variant that cannot run here is reported, not fatal
                 row["variants"][v] = dict(error=_error(e))
                 print(f"  {shape.name} {v}: {row['variants'][v]['error']}", flush=True)
@@ -369,7 +382,7 @@ def main(argv=None) -> int:
             rec = row["variants"][v] = dict(ms=t * 1e3, footprint_gib=footprint / 2**30, torch_over_ours=t_torch / t,
                                             tflops=shape.flops / t / 1e12, rel_err_vs_torch=err)
             versus_fp8 = ""
-            if v == "fp8" and "torch_fp8_ms" in row:
+            if v in ("fp8", *QUANTIZED_ONCE) and "torch_fp8_ms" in row:
                 rec["torch_fp8_over_ours"] = row["torch_fp8_ms"] / rec["ms"]
                 versus_fp8 = f" | torch fp8/ours x{rec['torch_fp8_over_ours']:4.2f}"
             per = f" per micro-batch of {args.micro_batches}" if args.micro_batches > 1 else ""

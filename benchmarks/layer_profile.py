@@ -125,7 +125,7 @@ def profile(shape, variants: list[str], out_dir: str, micro_batches: int = 1) ->
     import jax
     import jax.numpy as jnp
 
-    from benchmarks.layer import build_layer, grad_step, micro_batch_tokens, variant_layer
+    from benchmarks.layer import QUANTIZED_ONCE, build_layer, grad_step, micro_batch_tokens, variant_layer
 
     base = build_layer(shape)
     x = micro_batch_tokens(jax.random.normal(jax.random.PRNGKey(1), (shape.tokens, shape.d_model), jnp.bfloat16),
@@ -133,7 +133,7 @@ def profile(shape, variants: list[str], out_dir: str, micro_batches: int = 1) ->
     suffix = f" x {micro_batches} micro-batches" if micro_batches > 1 else ""
     lines, record = [], {}
     for v in variants:
-        step, state = grad_step(variant_layer(base, shape, v), micro_batches)
+        step, state = grad_step(variant_layer(base, shape, v), micro_batches, v in QUANTIZED_ONCE)
         compiled = jax.jit(step).lower(state, x).compile()
         for _ in range(2):
             jax.block_until_ready(compiled(state, x))

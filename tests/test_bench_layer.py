@@ -213,6 +213,19 @@ def test_micro_batch_step_accumulates_each_pass():
         assert_close(path_got, path_want, jnp.bfloat16, "accumulated gradient")
 
 
+def test_micro_batch_step_quantized_once_equals_per_call():
+    """`grad_step(fp8 layer, 2, quantize_once=True)` (the `fp8-once` variant) gives the per-call
+    step's outputs and gradients bit for bit."""
+    shape = LayerShape("tiny", tokens=24, d_model=32, d_ff=48, experts=4, top_k=2)
+    base = build_layer(shape)
+    layer = variant_layer(base, shape, "fp8-once")
+    xs = micro_batch_tokens(jax.random.normal(jax.random.PRNGKey(1), (shape.tokens, shape.d_model), jnp.bfloat16), 2)
+    once, state = grad_step(layer, 2, quantize_once=True)
+    per_call, _ = grad_step(layer, 2)
+    for got, want in zip(jax.tree.leaves(jax.jit(once)(state, xs)), jax.tree.leaves(jax.jit(per_call)(state, xs))):
+        assert bool(jnp.array_equal(got, want))
+
+
 def test_layer_profile_compare_lists_the_groups_that_changed(tmp_path):
     def record(kernels):
         return dict(shape="tiny", device="cpu", kernels=dict(auto=[k._asdict() for k in kernels]))
