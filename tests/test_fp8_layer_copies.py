@@ -1,6 +1,6 @@
 """`MoE.fp8_weight_copies()` and `MoE(..., fp8_copies=)`: an FP8 layer's master weights quantized
-once, ahead of its calls, give the calls' output and every gradient bit for bit, on one device and
-on every mesh case (data parallel on Explicit axes, expert parallel with shared experts, expert
+once, ahead of its calls, give the calls' output and every gradient bit for bit, on one device (on
+`auto`: on a GPU its FP8 kernels, compiled) and on every mesh case (on `MESH_DEVICES`) (data parallel on Explicit axes, expert parallel with shared experts, expert
 tensor parallelism with shards no multiple of 128, a placement with replicas, inside a user's
 `shard_map`, and without rules under an ambient mesh); in a jitted micro-batch loop the weights
 are quantized once before the loop instead of once per micro-batch (lowered for an H200); argument
@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from moe_jax.layers import EPOptions, Fp8Blockwise, Fp8LayerCopies, GemmOptions, MoE, SharedExperts, stored_fp8
 from moe_jax.parallel import ETP_AXIS, AxisRules, make_mesh
 from moe_jax.parallel.placement import Placement
-from tests.helpers import MESH_DEVICES, h200_mesh, lower_for_gpu, on_mesh_platform  # noqa: F401  (autouse)
+from tests.helpers import MESH_DEVICES, lower_for_gpu
 
 D, F, E, K = 160, 256, 4, 2
 
@@ -29,6 +29,14 @@ pytestmark = pytest.mark.filterwarnings("ignore:gmm_fp8.*reference path")
 
 
 def _layer(input_gradient="fp8", shared=True, d_ff=F, backend="xla", **kwargs):
+    """The FP8 layer; built on the mesh's kind of device when given one (initializers draw
+    differently on a GPU; the layer's arrays then live where its mesh is)."""
+    device = kwargs["mesh"].devices.flat[0] if kwargs.get("mesh") is not None else jax.devices()[0]
+    with jax.default_device(device):
+        return _build(input_gradient, shared, d_ff, backend, **kwargs)
+
+
+def _build(input_gradient, shared, d_ff, backend, **kwargs):
     gemm = GemmOptions(backend=backend, quantization=Fp8Blockwise(input_gradient=input_gradient))
     shared_experts = SharedExperts(count=1, gate=True) if shared else None
     return MoE(D, d_ff, E, K, gemm=gemm, shared_experts=shared_experts, rngs=nnx.Rngs(0), **kwargs)
@@ -85,7 +93,7 @@ def _with_and_without(m, x, mask=None):
 
 @pytest.mark.parametrize("input_gradient", ["fp8", "master"])
 def test_one_device_bit_equal(input_gradient):
-    m = _layer(input_gradient)
+    m = _layer(input_gradient, backend="auto")
     copies = m.fp8_weight_copies()
     assert isinstance(copies, Fp8LayerCopies) and len(copies.routed) == 3 and len(copies.shared) == 3
     assert all((c.transposed is None) == (input_gradient == "master") for c in copies.routed + copies.shared)
@@ -116,11 +124,12 @@ def test_mesh_cases_bit_equal(case):
     calls' output and every gradient bit for bit."""
     kwargs = MESH_CASES[case]()
     m = _layer(**kwargs)
-    with_copies, without = _with_and_without(m, _x(), _mask())
-    _assert_bit_equal(with_copies, without)
-    if case == "etp-unaligned":
-        # Made outside the program too: the scales of each 192-row shard, 2 blocks each, side by side.
+    with jax.default_device(MESH_DEVICES[0]):  # the mesh's kind of device
+        with_copies, without = _with_and_without(m, _x(), _mask())
+        _assert_bit_equal(with_copies, without)
+        # Made outside the program too: under ETP the scales of each 192-row shard, 2 blocks each, side by side.
         copies = m.fp8_weight_copies()
+    if case == "etp-unaligned":
         assert copies.routed[0].quantized.scale_ENbKb.shape == (E, 4, 2)
         assert copies.routed[2].quantized.scale_ENbKb.shape == (E, 2, 4)
 
@@ -128,8 +137,9 @@ def test_mesh_cases_bit_equal(case):
 def test_inside_a_users_shard_map_bit_equal():
     """A no-mesh layer in the user's `shard_map`: copies made there too, per device."""
     mesh = jax.make_mesh((2,), ("batch",), axis_types=(AxisType.Auto,), devices=MESH_DEVICES[:2])
-    graph, state = nnx.split(_layer())
-    x = _x().reshape(-1, D)
+    with jax.default_device(MESH_DEVICES[0]):  # the mesh's kind of device
+        graph, state = nnx.split(_layer())
+        x = _x().reshape(-1, D)
 
     def per_shard(state, x, once):
         m = nnx.merge(graph, state)
@@ -149,7 +159,8 @@ def test_ambient_mesh_without_rules_bit_equal():
     """No rules of the layer's own: the routed stage follows the tokens' Explicit sharding (data
     parallel, replicated weights); copies made on the replicated weights are the same."""
     mesh = make_mesh(ep=1, data=2, devices=MESH_DEVICES[:2], axis_type=AxisType.Explicit)
-    m = _layer()
+    with jax.default_device(MESH_DEVICES[0]):  # the mesh's kind of device
+        m = _layer()
     with jax.set_mesh(mesh):
         x = jax.device_put(_x(), jax.sharding.NamedSharding(mesh, P("data")))
         with_copies, without = _with_and_without(m, x)
@@ -178,7 +189,7 @@ def _micro_batch_step(graph, input_gradient):
 
 @pytest.mark.parametrize("input_gradient", ["fp8", "master"])
 def test_micro_batch_loop_bit_equal(input_gradient):
-    graph, state = nnx.split(_layer(input_gradient, shared=False))
+    graph, state = nnx.split(_layer(input_gradient, shared=False, backend="auto"))
     xs = jax.random.normal(jax.random.key(2), (4, 16, D), jnp.float32)
     step = _micro_batch_step(graph, input_gradient)
     _assert_bit_equal(jax.jit(step, static_argnums=2)(state, xs, True), jax.jit(step, static_argnums=2)(state, xs, False))
