@@ -108,7 +108,7 @@ VARIANTS = {"auto": dict(), "pallas": dict(backend="pallas_triton"), "static": d
             "fp32-params": dict(param_dtype=jnp.float32),  # the layer's default: fp32 variables, bf16 compute
             "fp8-fp32-params": dict(param_dtype=jnp.float32, quantization=Fp8Blockwise()),
             "fp8": dict(quantization=Fp8Blockwise()),
-            "fp8-once": dict(quantization=Fp8Blockwise()),  # and `grad_step(quantize_once=True)`: QUANTIZED_ONCE
+            "fp8-once": dict(quantization=Fp8Blockwise()),  # its step: `grad_step(quantize_once=True)`
             "fp8-gather": dict(quantization=Fp8Blockwise(), row_gather="fused"),
             "fp8-packed": dict(quantization=Fp8Blockwise(), row_gather="separate"),
             "fp8-triton": dict(backend="triton", quantization=Fp8Blockwise()),

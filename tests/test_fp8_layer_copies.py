@@ -1,10 +1,10 @@
 """`MoE.fp8_weight_copies()` and `MoE(..., fp8_copies=)`: an FP8 layer's master weights quantized
-once, ahead of its calls, give the calls' output and every gradient bit for bit, on one device (on
-`auto`: on a GPU its FP8 kernels, compiled) and on every mesh case (on `MESH_DEVICES`) (data parallel on Explicit axes, expert parallel with shared experts, expert
-tensor parallelism with shards no multiple of 128, a placement with replicas, inside a user's
-`shard_map`, and without rules under an ambient mesh); in a jitted micro-batch loop the weights
-are quantized once before the loop instead of once per micro-batch (lowered for an H200); argument
-errors.
+once, ahead of its calls, give the calls' output and every gradient bit for bit: on one device
+(on `auto`: on a GPU its FP8 kernels, compiled) and on every mesh case on `MESH_DEVICES` (data
+parallel on Explicit axes, expert parallel with shared experts, expert tensor parallelism with
+shards no multiple of 128, a placement with replicas, inside a user's `shard_map`, and without
+rules under an ambient mesh); in a jitted micro-batch loop the weights are quantized once before
+the loop instead of once per micro-batch (lowered for an H200); argument errors.
 
 Legend: T tokens, D model width, F expert hidden width, E experts, K experts per token.
 """
@@ -192,7 +192,8 @@ def test_micro_batch_loop_bit_equal(input_gradient):
     graph, state = nnx.split(_layer(input_gradient, shared=False, backend="auto"))
     xs = jax.random.normal(jax.random.key(2), (4, 16, D), jnp.float32)
     step = _micro_batch_step(graph, input_gradient)
-    _assert_bit_equal(jax.jit(step, static_argnums=2)(state, xs, True), jax.jit(step, static_argnums=2)(state, xs, False))
+    run = jax.jit(step, static_argnums=2)
+    _assert_bit_equal(run(state, xs, True), run(state, xs, False))
 
 
 def _loop_body(stablehlo: str) -> str:

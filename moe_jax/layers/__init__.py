@@ -11,5 +11,5 @@ from moe_jax.layers.options import Fp8Blockwise, GemmOptions, SharedExperts
 from moe_jax.layers.stats import MoEStats
 from moe_jax.parallel import EPOptions
 
-__all__ = ["EPOptions", "Fp8Blockwise", "Fp8LayerCopies", "Fp8Stored", "GemmOptions", "MoE", "MoEStats", "SelectionBias", "SharedExperts",
-           "SwiGLU", "stored_fp8"]
+__all__ = ["EPOptions", "Fp8Blockwise", "Fp8LayerCopies", "Fp8Stored", "GemmOptions", "MoE", "MoEStats",
+           "SelectionBias", "SharedExperts", "SwiGLU", "stored_fp8"]

@@ -15,11 +15,11 @@ from jax.sharding import Mesh
 
 from moe_jax.experts import swiglu_experts_fp8
 from moe_jax.layers.checks import float_dtype
-from moe_jax.ops import Fp8Copies, fp8_weight_copies
+from moe_jax.ops import Fp8Copies
 from moe_jax.ops.platform import BackendName
 from moe_jax.validation import check_int
 
-__all__ = ["SwiGLU", "dot_precision", "expert_init", "init", "linear", "param", "swiglu_fp8", "swiglu_fp8_copies"]
+__all__ = ["SwiGLU", "dot_precision", "expert_init", "init", "linear", "param", "swiglu_fp8"]
 
 # Truncated normal with variance 1/fan_in (LeCun) on the last axis, the input axis of every
 # weight here ([out, in] and [E, out, in]); the down projections therefore start at 1/sqrt(F),
@@ -65,23 +65,12 @@ def swiglu_fp8(
     section 3.3, which runs every linear layer of its blocks so): `swiglu_experts_fp8` with one
     expert that holds every row (the master weights as `[1, ...]` stacks, one group of T rows).
     The rows are quantized per 1 x 128 tile, the master weights per 128 x 128 block in each call
-    (or read from `copies`, `swiglu_fp8_copies` of the same weights), and the weight gradients pass
-    the quantization straight through, in the weights' dtype. `x_TD` bf16/fp16/fp32 `[T, D]`;
-    returns `[T, D]` in its dtype. `backend` and `input_gradient`: `moe_jax.ops.fp8_grouped_linear`'s."""
+    (or read from `copies`: `moe_jax.ops.fp8_weight_copies` of the three weights' `[1, ...]`
+    stacks), and the weight gradients pass the quantization straight through, in the weights'
+    dtype. `x_TD` bf16/fp16/fp32 `[T, D]`; returns `[T, D]` in its dtype. `backend` and `input_gradient`: `moe_jax.ops.fp8_grouped_linear`'s."""
     group_sizes = jnp.full((1,), x_TD.shape[0], jnp.int32)
     return swiglu_experts_fp8(x_TD, group_sizes, w_gate_FD[None], w_up_FD[None], w_down_DF[None],
                               backend=backend, input_gradient=input_gradient, copies=copies)
-
-
-def swiglu_fp8_copies(
-    w_gate_FD: jax.Array, w_up_FD: jax.Array, w_down_DF: jax.Array, *,
-    backend: BackendName = "xla", input_gradient: str = "fp8",
-) -> tuple[Fp8Copies, ...]:
-    """The three master weights of `swiglu_fp8` quantized ahead, as its `copies=` reads them
-    (`moe_jax.ops.fp8_weight_copies` of the `[1, ...]` stacks), e.g. once for all the
-    micro-batches of a step."""
-    return fp8_weight_copies((w_gate_FD[None], w_up_FD[None], w_down_DF[None]), backend=backend,
-                             input_gradient=input_gradient)
 
 
 class SwiGLU(nnx.Module):

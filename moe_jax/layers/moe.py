@@ -62,8 +62,7 @@ from moe_jax.layers.routed import (ExpertStage, copies_on_mesh, dense_on_mesh, r
                                    single_device)
 from moe_jax.layers.stats import MoEStats, moe_stats
 from moe_jax.layers.tokens import explicit_mesh, on_tokens, split_axes, to_tokens, token_axes, unflatten
-from moe_jax.ops import BackendTable
-from moe_jax.ops import Fp8Copies
+from moe_jax.ops import BackendTable, Fp8Copies
 from moe_jax.ops.fp8 import BLOCK, quantize_weights
 from moe_jax.ops.sharding import vary_like
 from moe_jax.parallel import AxisRules, EPOptions, is_explicit
@@ -371,6 +370,7 @@ class MoE(nnx.Module):
         routed = routed_copies(self._stage(), placement, self._expert_weights(None))
         shared = None
         if self.shared is not None:
+            # As `swiglu_fp8` quantizes them: the `[1, ...]` stacks of one expert, replicated.
             stacks = tuple(getattr(self.shared, n)[...][None] for n in ("w_gate", "w_up", "w_down"))
             mesh = None if placement is None else placement[0]
             shared = copies_on_mesh(mesh, (P(),) * 3, stacks, backend=self.backend,
@@ -459,7 +459,8 @@ class MoE(nnx.Module):
         if self.latent_dim is not None:
             y_TD = linear(routed.y_TD, self.w_latent_up[...], dtype, self.precision)
         if self.shared is not None:
-            shared_TD = self._shared_output(real_TD, placement, dtype, None if fp8_copies is None else fp8_copies.shared)
+            shared_copies = None if fp8_copies is None else fp8_copies.shared
+            shared_TD = self._shared_output(real_TD, placement, dtype, shared_copies)
             if self.shared_expert_gate:
                 gate_T1 = jax.nn.sigmoid(linear(real_TD, self.w_shared_gate[...], dtype, self.precision))
                 shared_TD = gate_T1 * shared_TD

@@ -18,7 +18,8 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec
 
-__all__ = ["explicit_out_sharding", "replicate_explicit", "vary_like", "vary_to_union", "varying_like", "varying_output"]
+__all__ = ["explicit_out_sharding", "replicate_explicit", "vary_like", "vary_to_union", "varying_like",
+           "varying_output"]
 
 
 def _explicit_context() -> bool:
