@@ -9,8 +9,6 @@ errors.
 
 Legend: T tokens, D model width, F expert hidden width, E experts, K experts per token."""
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -220,15 +218,11 @@ def test_shared_experts_inside_a_users_shard_map():
         assert _rel(got, ref) < 1e-5, (name, _rel(got, ref))
 
 
-@contextlib.contextmanager
 def _on_host_cpu():
     """A one-device reference on a host CPU, as the CPU meshes' programs run, also in a GPU
-    process: a one-CPU mesh makes the kernels' platform the CPU (`moe_jax.ops.platform`: the set
-    mesh's devices, else JAX's default backend, which a default device does not change)."""
-    cpu = jax.devices("cpu")[0]
-    with jax.default_device(cpu), jax.set_mesh(jax.make_mesh((1,), ("one",), axis_types=(AxisType.Auto,),
-                                                             devices=[cpu])):
-        yield
+    process: the default device makes the arrays and the kernels' platform the CPU
+    (`moe_jax.ops.platform.compile_platform`)."""
+    return jax.default_device(jax.devices("cpu")[0])
 
 
 def _value_and_grads(m, x, mask=None):

@@ -122,6 +122,21 @@ def test_auto_follows_the_mesh_platform(monkeypatch):
         assert plan(_problem()).backend == "xla"
 
 
+def test_auto_follows_the_default_device(monkeypatch):
+    """In a GPU process, code under `jax.default_device(cpu)` (its uncommitted arrays and their
+    computations on the CPU) gets the CPU's kernels: interpret mode, never GPU kernels compiled for
+    CPU arrays; a device or a platform name alike. A set mesh still decides first."""
+    from moe_jax.ops import platform
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    for default in (jax.devices("cpu")[0], "cpu"):
+        with jax.default_device(default):
+            assert platform.compile_platform() == "cpu" and resolve_backend("auto") == "xla"
+            with jax.sharding.use_abstract_mesh(H200):
+                assert platform.on_gpu()
+    assert platform.on_gpu() and resolve_backend("auto") == "pallas_triton"
+
+
 def test_device_facts_for_an_h200_and_off_gpu():
     with jax.sharding.use_abstract_mesh(H200):
         facts = device_facts()

@@ -21,8 +21,11 @@ Ops other than the grouped GEMM (the row gather, EP's send plan) register one fu
 with `@register(op, backend)` and look it up with `implementation(op, backend)`.
 
 The platform is the one being compiled for (`compile_platform`): the abstract mesh's device when
-one is set (inside `shard_map`, or lowering ahead of time for a GPU from a CPU host), else JAX's
-default backend. A mesh of CPU devices in a GPU process therefore counts as CPU.
+one is set (inside `shard_map`, or lowering ahead of time for a GPU from a CPU host), else the
+default device a caller set (`jax.default_device`, where JAX places uncommitted arrays and their
+computations), else JAX's default backend. A mesh of CPU devices in a GPU process therefore counts
+as CPU, and so does code under `jax.default_device(cpu)` there: its kernels run in interpret mode
+on the CPU arrays instead of failing to compile GPU kernels for them.
 
 `device_facts()` gives the limits the kernels' resource models are checked against: shared memory
 per block (the opt-in maximum of the CUDA C++ Programming Guide's table "Technical Specifications
@@ -146,7 +149,12 @@ def _compile_device():
 def compile_platform() -> str:
     """The platform being compiled for (see the module docstring)."""
     device = _compile_device()
-    return device.platform if device is not None else jax.default_backend()
+    if device is not None:
+        return device.platform
+    default = jax.config.jax_default_device  # a Device, a platform name, or None (unset)
+    if default is not None:
+        return default if isinstance(default, str) else default.platform
+    return jax.default_backend()
 
 
 def on_gpu() -> bool:
