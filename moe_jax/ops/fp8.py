@@ -37,6 +37,7 @@ __all__ = [
     "FP8_MAX",
     "Fp8Rows",
     "Fp8Weights",
+    "check_weights",
     "dequantize_rows",
     "dequantize_weights",
     "exact_float32",
@@ -72,6 +73,27 @@ class Fp8Weights(NamedTuple):
 
 def _blocks(n: int) -> int:
     return -(-n // BLOCK)
+
+
+def check_weights(w, name: str) -> tuple[int, int, int]:
+    """`(E, N, K)` of `w` if it is an `Fp8Weights` of 3-D e4m3 values and fp32 scales, one per
+    128 x 128 block; else a TypeError or ValueError naming `name` (the argument as the caller
+    calls it)."""
+    if not isinstance(w, Fp8Weights):
+        raise TypeError(f"{name}: expected Fp8Weights (moe_jax.ops.fp8: quantize_weights), got {type(w).__name__}.")
+    values, scale = w
+    how = "; quantize master weights with moe_jax.ops.fp8.quantize_weights"
+    if values.dtype != FP8_DTYPE or values.ndim != 3:
+        raise TypeError(f"{name}.values_ENK: expected 3-D float8_e4m3fn, got {values.dtype} of shape "
+                        f"{tuple(values.shape)}{how}.")
+    if scale.dtype != jnp.float32:
+        raise TypeError(f"{name}.scale_ENbKb: expected float32 scales, got {scale.dtype}{how}.")
+    e, n, k = values.shape
+    want = (e, _blocks(n), _blocks(k))
+    if tuple(scale.shape) != want:
+        raise ValueError(f"{name}.scale_ENbKb: expected {want} (one scale per {BLOCK} x {BLOCK} block), got "
+                         f"{tuple(scale.shape)}.")
+    return e, n, k
 
 
 def _check_float(x, name: str, ndim: int, layout: str) -> jax.Array:

@@ -63,7 +63,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moe_jax.ops.fp8 import BLOCK, FP8_DTYPE, Fp8Rows, Fp8Weights, dequantize_rows, transpose_weights
+from moe_jax.ops.fp8 import Fp8Rows, Fp8Weights, check_weights, dequantize_rows, transpose_weights
 from moe_jax.ops.gather import gather_rows, sum_of_readers
 from moe_jax.ops.gmm import SUPPORTED_DTYPES, RowGather, gmm, tgmm
 from moe_jax.ops.gmm.api import check_rows
@@ -205,18 +205,9 @@ _stored_linear.defvjp(_stored_linear_fwd, _stored_linear_bwd)
 def _check_weights(w, x) -> bool:
     """Validates one weight operand for `x`; True for stored `Fp8Weights`, False for master weights."""
     if isinstance(w, Fp8Weights):
-        values, scale = w
-        if values.ndim != 3 or values.shape[2] != x.shape[1]:
+        if check_weights(w, "w")[2] != x.shape[1]:
             raise ValueError(f"w.values_ENK: expected [E, N, K] with K = x.shape[1] = {x.shape[1]}, got "
-                             f"{values.shape}.")
-        if values.dtype != FP8_DTYPE or scale.dtype != jnp.float32:
-            raise TypeError(f"w: expected Fp8Weights of float8_e4m3fn values and float32 scales, got "
-                            f"{values.dtype} and {scale.dtype}; quantize master weights with "
-                            f"moe_jax.ops.fp8.quantize_weights.")
-        want = (values.shape[0], -(-values.shape[1] // BLOCK), -(-values.shape[2] // BLOCK))
-        if tuple(scale.shape) != want:
-            raise ValueError(f"w.scale_ENbKb: expected {want} (one scale per {BLOCK} x {BLOCK} block), got "
-                             f"{tuple(scale.shape)}.")
+                             f"{tuple(w.values_ENK.shape)}.")
         return True
     _check_master(w, x.shape[1])
     return False
@@ -246,25 +237,19 @@ def _check_copies(copies, ws, several: bool, input_gradient: str) -> tuple[Fp8Co
                         f"{type(copies).__name__}.")
     for i, (c, w) in enumerate(zip(listed, ws)):
         e, n, k = w.shape
-        want = {"quantized": ((e, n, k), (e, -(-n // BLOCK), -(-k // BLOCK))),
-                "transposed": ((e, k, n), (e, -(-k // BLOCK), -(-n // BLOCK)))}
         if (c.transposed is None) != (input_gradient == "master"):
             made = "without" if c.transposed is None else "with"
             raise ValueError(f"copies[{i}] was made {made} the [E, K, N] copy, which input_gradient="
                              f"{input_gradient!r} {'reads' if input_gradient == 'fp8' else 'does not read'}; make "
                              f"them with fp8_weight_copies(w, input_gradient={input_gradient!r}).")
-        for name, (values_shape, scale_shape) in want.items():
+        for name, want in (("quantized", (e, n, k)), ("transposed", (e, k, n))):
             q = getattr(c, name)
             if name == "transposed" and q is None:
                 continue
-            if not isinstance(q, Fp8Weights) or q.values_ENK.dtype != FP8_DTYPE or q.scale_ENbKb.dtype != jnp.float32:
-                raise TypeError(f"copies[{i}].{name}: expected Fp8Weights of float8_e4m3fn values and float32 scales "
-                                f"(fp8_weight_copies(w)).")
-            got = (tuple(q.values_ENK.shape), tuple(q.scale_ENbKb.shape))
-            if got != (values_shape, scale_shape):
-                raise ValueError(f"copies[{i}].{name}: shapes {got[0]} / {got[1]} are not those of w {tuple(w.shape)} "
-                                 f"({values_shape} / {scale_shape}); make the copies from the same weights with "
-                                 "fp8_weight_copies(w).")
+            got = check_weights(q, f"copies[{i}].{name}")  # its scales then fit its values
+            if got != want:
+                raise ValueError(f"copies[{i}].{name}: shapes {got} are not those of w {tuple(w.shape)} ({want}); "
+                                 "make the copies from the same weights with fp8_weight_copies(w).")
     return listed
 
 
