@@ -10,12 +10,12 @@ never cast). Tensors arrive as NumPy, JAX or torch arrays; torch is duck-typed
 (`.detach().cpu()`), never imported.
 
 Blockwise FP8 checkpoints (`specs.fp8_quantization`): an e4m3 `weight` comes with its fp32
-`weight_scale_inv`, one per 128 x 128 block, which is the routed experts' `Fp8Weights` layout. A
-layer with stored FP8 weights (`Fp8Blockwise(weights="stored")`) takes the experts' e4m3 bytes and
-scales as they are and writes them back so; a master-weight layer gets them dequantized
-(`values * scale` in fp32, transformers' own dequantization). Every other FP8 tensor (the shared
-experts' projections) is dequantized into the layer's `param_dtype` and quantized again by the
-recipe (`quantize_weights`) when an FP8 checkpoint is written.
+`weight_scale_inv`, one per 128 x 128 block, which is the experts' `Fp8Weights` layout. A layer
+with stored FP8 weights (`Fp8Blockwise(weights="stored")`) takes the routed and shared experts'
+e4m3 bytes and scales as they are and writes them back so; a master-weight layer gets them
+dequantized (`values * scale` in fp32, transformers' own dequantization). Every other FP8 tensor
+(Qwen2-MoE's shared-expert gate) is dequantized into the layer's `param_dtype` and quantized
+again by the recipe (`quantize_weights`) when an FP8 checkpoint is written.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ __all__ = ["from_hf", "from_state_dict", "to_state_dict"]
 # with `EPOptions(placement=...)`.
 _ROUTED_EXPERTS = ("w_gate_up", "w_gate", "w_up", "w_down", "w_gate_scale", "w_up_scale", "w_down_scale")
 _SEPARATE = ("w_gate", "w_up", "w_down")
+_SHARED = ("shared.w_gate", "shared.w_up", "shared.w_down")
 
 # torch dtypes NumPy lacks -> their NumPy (ml_dtypes) equivalents, through JAX's names.
 _TORCH_NARROW = {"torch.bfloat16": jnp.bfloat16, "torch.float8_e4m3fn": jnp.float8_e4m3fn,
@@ -171,8 +172,9 @@ class _Reader:
 
 def _read_block(reader: _Reader, spec: specs.ModelSpec, kw: dict) -> dict[str, np.ndarray | Fp8Weights]:
     """The block's tensors under moe_jax's names, checked against the config: `w_gate_up [E, 2F, D]`
-    from the fused layout, `w_gate`/`w_up [E, F, D]` from the per-expert one; the routed experts of
-    an FP8 checkpoint as `Fp8Weights` (bytes as stored), every other FP8 tensor dequantized."""
+    from the fused layout, `w_gate`/`w_up [E, F, D]` from the per-expert one; the routed and shared
+    experts of an FP8 checkpoint as `Fp8Weights` (bytes as stored; a shared weight as one expert
+    `[1, N, K]`), every other FP8 tensor dequantized."""
     names = spec.names
     d, f, e = kw["d_model"], kw["d_ff"], kw["num_experts"]
     out = {"w_router": reader.get(names.router, (e, d))}
@@ -193,9 +195,8 @@ def _read_block(reader: _Reader, spec: specs.ModelSpec, kw: dict) -> dict[str, n
     shared = names.shared_names()
     if shared:
         fs = kw["shared_experts"].width(f)
-        for ours, theirs, shape in zip(("shared.w_gate", "shared.w_up", "shared.w_down"), shared,
-                                       ((fs, d), (fs, d), (d, fs))):
-            out[ours] = reader.get(theirs, shape)
+        for ours, theirs, shape in zip(_SHARED, shared, ((fs, d), (fs, d), (d, fs))):
+            out[ours] = reader.get_fp8(theirs, shape)
     if names.shared_gate:
         out["w_shared_gate"] = reader.get(names.shared_gate, (1, d))
     if names.bias:
@@ -215,10 +216,18 @@ def _split_fp8_gate_up(w_gate_up: Fp8Weights, d_ff: int) -> tuple[Fp8Weights, Fp
 
 
 def _expert_layout(weights: dict, moe: MoE, d_ff: int) -> dict[str, np.ndarray]:
-    """The routed experts as the layer holds them: e4m3 values and `_scale` block scales for stored
-    FP8 weights (quantized here from a checkpoint that is not FP8); floats otherwise (an FP8
-    checkpoint's dequantized), fused or not as the layer's `fused_gate_up` says."""
+    """The routed and shared experts as the layer holds them: e4m3 values and `_scale` block scales
+    for stored FP8 weights (quantized here from a checkpoint that is not FP8); floats otherwise (an
+    FP8 checkpoint's dequantized), the routed gate and up fused or not as the layer's
+    `fused_gate_up` says."""
     weights = dict(weights)
+    for name in [n for n in _SHARED if n in weights]:
+        w = weights.pop(name)
+        if moe.fp8_stored:  # `[N, K]` values, `[Nb, Kb]` scales
+            weights[name], weights[name + "_scale"] = (a[0] for a in (w if isinstance(w, Fp8Weights)
+                                                                       else _quantize(w[None])))
+        else:
+            weights[name] = _dequantize(w)[0] if isinstance(w, Fp8Weights) else w
     if moe.fp8_stored:
         if "w_gate_up" in weights:
             w_gate_up = weights.pop("w_gate_up")
@@ -295,11 +304,11 @@ def from_state_dict(state_dict: Mapping, hf_config, *, prefix: str = "", **layer
     Blockwise FP8 checkpoints (a config with an FP8 `quantization_config`, `specs.fp8_quantization`):
     each e4m3 tensor `name` comes with fp32 `name_scale_inv` (`experts.{e}.gate_proj.weight_scale_inv
     [ceil(F/128), ceil(D/128)]`, fused `experts.gate_up_proj_scale_inv`). With
-    `gemm=GemmOptions(quantization=Fp8Blockwise(weights="stored"))` the routed experts' e4m3 bytes
-    and scales become the layer's stored weights as they are; otherwise they are dequantized
-    (`values * scale` in fp32) into the master weights. Other FP8 tensors (shared experts) are
-    dequantized into `param_dtype`. A stored-FP8 layer from an unquantized checkpoint gets its
-    experts quantized once by the recipe (`quantize_weights`).
+    `gemm=GemmOptions(quantization=Fp8Blockwise(weights="stored"))` the routed and shared experts'
+    e4m3 bytes and scales become the layer's stored weights as they are; otherwise they are
+    dequantized (`values * scale` in fp32) into the master weights. Other FP8 tensors (a shared
+    expert's gate) are dequantized into `param_dtype`. A stored-FP8 layer from an unquantized
+    checkpoint gets its experts quantized once by the recipe (`quantize_weights`).
 
     ValueError naming the tensor when one is missing (listing what the prefix holds; an e4m3
     weight's scales included), misshapen (expected and actual shapes) or unrecognised, and for
@@ -358,9 +367,10 @@ def to_state_dict(moe: MoE, hf_config, *, prefix: str = "", layout: str = "fused
     blockwise FP8 checkpoint: the routed experts as e4m3 `weight` (`jnp.float8_e4m3fn` arrays) with
     fp32 `weight_scale_inv` (a stored-FP8 layer's bytes as they are; master weights quantized by the
     recipe), the block's other linear weights (shared experts, Qwen2-MoE's shared-expert gate)
-    quantized likewise unless the config's `modules_to_not_convert` names them (matched against
-    `prefix` + module name, as transformers does), the router and bias unquantized. The fused
-    layout then needs F % 128 == 0 (gate and up in blocks of their own).
+    likewise unless the config's `modules_to_not_convert` names them (matched against `prefix` +
+    module name, as transformers does; stored shared experts are then dequantized), the router
+    and bias unquantized. The fused layout then needs F % 128 == 0 (gate and up in blocks of their
+    own).
 
     Returns host NumPy arrays. ValueError when the layer does not match the config (sizes, router,
     shared experts, a latent width), holds a nonzero `selection_bias` the model type cannot store,
@@ -413,15 +423,19 @@ def to_state_dict(moe: MoE, hf_config, *, prefix: str = "", layout: str = "fused
                             (names.expert_down, w_down_EDF)):
                 out.update(_tensors(name.format(e=e), w, e))
     shared = names.shared_names()
-    linears = []  # (HF name, value) of the block's other linear weights
+    linears = []  # (HF name, value) of the block's other linear weights; stored FP8 as `[1, N, K]`
     if shared:
-        linears += [(theirs, get(ours)) for ours, theirs in zip(("shared.w_gate", "shared.w_up", "shared.w_down"),
-                                                                shared)]
+        linears += [(theirs, Fp8Weights(get(ours, cast=False)[None], get(ours + "_scale", cast=False)[None])
+                     if moe.fp8_stored else get(ours)) for ours, theirs in zip(_SHARED, shared)]
     if names.shared_gate:
         linears.append((names.shared_gate, get("w_shared_gate")))
     for theirs, value in linears:
         fp8 = quant is not None and specs.converts_to_fp8(quant, prefix + theirs.removesuffix(".weight"))
-        out.update(_tensors(theirs, _quantize(value[None]), 0) if fp8 else {theirs: value})
+        if isinstance(value, Fp8Weights):  # stored: its bytes as they are, or dequantized where not converted
+            out.update(_tensors(theirs, value, 0) if fp8 else
+                       {theirs: _dequantize(value)[0] if dtype is None else _dequantize(value)[0].astype(dtype)})
+        else:
+            out.update(_tensors(theirs, _quantize(value[None]), 0) if fp8 else {theirs: value})
     if names.bias:
         out[names.bias] = bias_E
     return {prefix + k: v for k, v in out.items()}

@@ -18,9 +18,10 @@ per token.
 
 With `GemmOptions(quantization=Fp8Blockwise(weights="stored"))` the routed experts are held as
 e4m3 values and fp32 128 x 128 block scales (`Fp8Stored` variables, `w_gate` + `w_gate_scale` and
-so on) that stage 2 reads as they are; `stored_fp8(moe)` quantizes a layer's master weights once.
-With FP8 master weights (`Fp8Blockwise()`) the shared experts of stage 3 run the same recipe
-(`dense.swiglu_fp8`; with a mesh inside `routed.dense_on_mesh`, on each device's tokens).
+so on) that stage 2 reads as they are, and the shared experts likewise (`dense.Fp8SwiGLU`);
+`stored_fp8(moe)` quantizes a layer's master weights once. With FP8 (`Fp8Blockwise`) the shared
+experts of stage 3 run the routed experts' recipe (`dense.swiglu_fp8`, from the master or the
+stored weights; with a mesh inside `routed.dense_on_mesh`, on each device's tokens).
 
 Everything outside stage 2 is ordinary `jnp`; with a mesh it is partitioned by XLA on the
 token-sharded activations, so router math is local to each shard, and the statistics are global
@@ -56,7 +57,7 @@ from moe_jax.layers.checks import (
     compute_dtype,
     float_dtype,
 )
-from moe_jax.layers.dense import SwiGLU, expert_init, init, linear, param, swiglu_fp8
+from moe_jax.layers.dense import Fp8Stored, Fp8SwiGLU, SwiGLU, expert_init, init, linear, param, stored, swiglu_fp8
 from moe_jax.layers.options import GEMM_KERNELS, ROW_GATHERS, Fp8Blockwise, GemmOptions, SharedExperts
 from moe_jax.layers.routed import (ExpertStage, copies_on_mesh, dense_on_mesh, routed_copies, routed_on_mesh,
                                    single_device)
@@ -69,18 +70,12 @@ from moe_jax.parallel import AxisRules, EPOptions, is_explicit
 from moe_jax.parallel.replicas import physical_weights
 from moe_jax.validation import check_bool, check_int
 
-__all__ = ["GEMM_KERNELS", "MoE", "ROW_GATHERS", "Fp8LayerCopies", "Fp8Stored", "SelectionBias", "stored_fp8"]
+__all__ = ["GEMM_KERNELS", "MoE", "ROW_GATHERS", "Fp8LayerCopies", "SelectionBias", "stored_fp8"]
 
 
 class SelectionBias(nnx.Variable):
     """Loss-free balancing bias `[E]` f32 (DeepSeek-V3). Not an `nnx.Param`: optimizers filtering
     on `nnx.Param` never see it; `MoE.update_selection_bias` changes it outside the gradient."""
-
-
-class Fp8Stored(nnx.Variable):
-    """Stored FP8 routed-expert weights of `Fp8Blockwise(weights="stored")`: e4m3 values `[E, N, K]`
-    or their fp32 block scales `[E, ceil(N/128), ceil(K/128)]`. Not an `nnx.Param`: optimizers
-    filtering on `nnx.Param` never see them, and nothing differentiates them."""
 
 
 class Fp8LayerCopies(NamedTuple):
@@ -96,13 +91,6 @@ class Fp8LayerCopies(NamedTuple):
 
 # The routed experts' weight names, separate gate and up (the only layout of stored FP8 weights).
 _SEPARATE = ("w_gate", "w_up", "w_down")
-
-
-def _stored_variable(value: jax.Array, spec: tuple | None, mesh: Mesh | None) -> Fp8Stored:
-    """`value` as an `Fp8Stored` carrying its mesh layout (placed on the mesh when there is one), as `param`."""
-    if mesh is None:
-        return Fp8Stored(value)
-    return Fp8Stored(value, out_sharding=spec, mesh=mesh)
 
 
 def _check_stored_split(stored: bool, d_ff: int, etp: int) -> None:
@@ -144,8 +132,9 @@ class MoE(nnx.Module):
         quantization)`:
         how the grouped GEMMs run (backend, kernel choice, row gather, dot precision), whether
         gate and up are one GEMM (`w_gate_up [E, 2F, Din]`, gate rows first) and whether the routed
-        experts run in blockwise FP8 (`Fp8Blockwise`: from master weights, or from stored e4m3
-        weights with `weights="stored"`, initialised as the quantized random master weights);
+        and shared experts run in blockwise FP8 (`Fp8Blockwise`: from master weights, or from
+        stored e4m3 weights with `weights="stored"`, initialised as the quantized random master
+        weights; the shared SwiGLU is then an `Fp8SwiGLU`);
         default `GemmOptions()` (auto backend and kernel, separate gate and up).
       mesh: a `jax.sharding.Mesh` (Auto or Explicit axes) for data/expert (tensor) parallelism: the
         parameters are placed on it and the routed stage runs in `jax.shard_map` over it
@@ -242,10 +231,10 @@ class MoE(nnx.Module):
         def experts(w_EX, spec):  # the logical weights, or every slot a copy of its expert's
             return param(w_EX if placement is None else physical_weights(w_EX, placement), spec, mesh)
 
-        def stored(name, w_EX, spec):  # the quantized weights: values and block scales, copied per slot alike
+        def quantized(name, w_EX, spec):  # the stored weights: values and block scales, copied per slot alike
             for suffix, value in zip(("", "_scale"), quantize_weights(w_EX)):
                 value = value if placement is None else physical_weights(value, placement)
-                setattr(self, name + suffix, _stored_variable(value, spec, mesh))
+                setattr(self, name + suffix, stored(value, spec, mesh))
 
         self.w_router = param(init(rngs.params(), (e, d), param_dtype), replicated, mesh)
         w_gate = expert_init(rngs.params(), (e, f, d_in), param_dtype)
@@ -253,7 +242,7 @@ class MoE(nnx.Module):
         w_down = expert_init(rngs.params(), (e, d_in, f), param_dtype)
         if self.fp8_stored:
             for name, w_EX, spec in zip(_SEPARATE, (w_gate, w_up, w_down), (gate_up, gate_up, down)):
-                stored(name, w_EX, spec)
+                quantized(name, w_EX, spec)
         else:
             if self.fused_gate_up:
                 self.w_gate_up = experts(fuse_gate_up(w_gate, w_up, shards=self.etp), gate_up)
@@ -269,6 +258,8 @@ class MoE(nnx.Module):
                    mesh=mesh, rngs=rngs)
             if shared_experts is not None else None
         )
+        if self.shared is not None and self.fp8_stored:  # its random master weights quantized
+            self.shared = _stored_shared(self.shared, self.backend, mesh)
         if self.shared_expert_gate:
             self.w_shared_gate = param(init(rngs.params(), (1, d), param_dtype), replicated, mesh)
         self.selection_bias = SelectionBias(jnp.zeros((e,), jnp.float32))
@@ -481,13 +472,11 @@ class MoE(nnx.Module):
 
     def _shared_output(self, x_TD, placement, dtype, copies) -> jax.Array:
         """The shared experts' output `[T, D]` in fp32: `self.shared` in the compute dtype, or with
-        FP8 master weights (`Fp8Blockwise(weights="master")`) its three projections by the same
-        recipe as the routed experts' (`swiglu_fp8`, reading `copies` when given), on each
-        device's tokens where the routed stage has a placement. Stored FP8 layers keep their shared
-        experts in `param_dtype` and compute them in the compute dtype (no quantization in their
-        calls)."""
+        FP8 (`Fp8Blockwise`) its three projections by the same recipe as the routed experts'
+        (`swiglu_fp8`: from the master weights, reading `copies` when given, or from the stored
+        weights of an `Fp8SwiGLU`), on each device's tokens where the routed stage has a placement."""
         shared = self.shared
-        if self.quantization is None or self.quantization.stored:
+        if self.quantization is None:
             return shared(x_TD).astype(jnp.float32)
 
         def fn(x_TD, weights, copies):
@@ -495,7 +484,7 @@ class MoE(nnx.Module):
                               copies=copies)
 
         x_TD = x_TD.astype(dtype)  # the shared SwiGLU's dtype is the layer's
-        weights = (shared.w_gate[...], shared.w_up[...], shared.w_down[...])
+        weights = shared.weights() if self.fp8_stored else (shared.w_gate[...], shared.w_up[...], shared.w_down[...])
         if placement is None:
             weights, copies = vary_like((weights, copies), (x_TD,))  # inside a caller's shard_map: per device
             return fn(x_TD, weights, copies).astype(jnp.float32)
@@ -593,13 +582,13 @@ class MoE(nnx.Module):
 
 
 def stored_fp8(moe: MoE) -> MoE:
-    """A layer that computes with `moe`'s routed experts quantized once into stored FP8 weights
+    """A layer that computes with `moe`'s experts quantized once into stored FP8 weights
     (`GemmOptions(quantization=Fp8Blockwise(weights="stored"), fused_gate_up=False)`, the rest of
     `moe.gemm` kept): e4m3 values and fp32 128 x 128 block scales of its master weights in
     `param_dtype` (`moe_jax.ops.fp8.quantize_weights`; a fused `w_gate_up` is split first), e.g.
-    to serve a bf16 checkpoint in FP8. Every other variable is `moe`'s own (shared, not copied);
-    `moe` itself is unchanged and keeps its master weights. Its shared experts, if any, compute
-    in the compute dtype from those master weights (no quantization in its calls).
+    to serve a bf16 checkpoint in FP8. Every other variable is `moe`'s own (not copied);
+    `moe` itself is unchanged and keeps its master weights. Its shared experts, if any, are
+    quantized alike into an `Fp8SwiGLU` (`moe_jax.layers.dense`).
 
     TypeError unless `moe` is an `MoE`; ValueError when its experts are stored FP8 already, when
     its backend runs no FP8 GEMM (`GemmOptions`' message), or when an expert-tensor split would cut
@@ -622,13 +611,20 @@ def stored_fp8(moe: MoE) -> MoE:
     new = nnx.merge(*nnx.split(moe))  # the same arrays in a graph of its own
     if moe.fused_gate_up:
         del new.w_gate_up
+    if moe.shared is not None:
+        new.shared = _stored_shared(moe.shared, moe.backend, moe.mesh)
     for name, master, variable in zip(_SEPARATE, masters, variables):
         # The master's layout (on a mesh): [E, N, K] values and their [E, Nb, Kb] scales split alike.
         spec = variable.get_value().sharding.spec if moe.mesh is not None else None
         for suffix, value in zip(("", "_scale"), quantize_weights(master)):
-            setattr(new, name + suffix, _stored_variable(value, spec, moe.mesh))
+            setattr(new, name + suffix, stored(value, spec, moe.mesh))
     new.gemm, new.quantization = gemm, gemm.quantization
     return new
+
+
+def _stored_shared(shared: SwiGLU, backend, mesh: Mesh | None) -> Fp8SwiGLU:
+    """The shared experts' master weights quantized once into the stored FP8 SwiGLU."""
+    return Fp8SwiGLU(shared.w_gate[...], shared.w_up[...], shared.w_down[...], backend=backend, mesh=mesh)
 
 
 def _invalid_routes(idx_TK, mask_T, num_experts: int) -> jax.Array:

@@ -139,9 +139,9 @@ class Fp8Blockwise:
     """The experts' gate/up and down projections in DeepSeek-V3's blockwise FP8
     (arXiv:2412.19437, section 3.3; `moe_jax.ops.fp8_grouped_linear`): rows quantized per 1 x 128
     tile, the master weights (in `param_dtype`, trainable as ever) quantized per 128 x 128 block in
-    each call, gradients to them by the straight-through estimator. With master weights the shared
-    experts follow the same recipe (`moe_jax.layers.dense.swiglu_fp8`, one group of every token);
-    with stored weights they stay in the compute dtype. The router, combine, shared-expert gate
+    each call, gradients to them by the straight-through estimator. The shared experts follow the
+    same recipe (`moe_jax.layers.dense.swiglu_fp8`, one group of every token), from master or
+    stored weights alike. The router, combine, shared-expert gate
     and latent projections are unchanged. On `auto` its products run the FP8 kernel where
     the GPU has e4m3 tensor cores (its forward faster than bf16's), else the reference path
     (dequantized fp32 grouped GEMMs, slower than bf16); docs/fp8.md.
@@ -155,7 +155,8 @@ class Fp8Blockwise:
       `w_up` `[E, F, Din]`, `w_down` `[E, Din, F]` with fp32 block scales `w_gate_scale`,
       `w_up_scale` `[E, ceil(F/128), ceil(Din/128)]`, `w_down_scale` `[E, ceil(Din/128),
       ceil(F/128)]` (`moe_jax.layers.Fp8Stored` variables, not `nnx.Param`: optimizers never see
-      them), used in every call as they are: no per-call quantization, the layout of a Hugging Face
+      them; the shared experts' alike, `moe_jax.layers.Fp8SwiGLU`), used in every call as they
+      are: no per-call quantization, the layout of a Hugging Face
       FP8 checkpoint's `weight`/`weight_scale_inv` pairs (`moe_jax.convert` reads them bit for bit).
       Input gradients flow through them (`dx`, e.g. for adapters); they have no gradient of their
       own. `moe_jax.layers.stored_fp8(moe)` quantizes a layer's master weights once into them.
