@@ -36,6 +36,7 @@ from moe_jax.layers import Fp8Blockwise, Fp8Stored, Fp8SwiGLU, GemmOptions, MoE,
 from moe_jax.ops import BackendTable
 from moe_jax.ops.fp8 import Fp8Weights, dequantize_rows, dequantize_weights, quantize_rows
 from moe_jax.parallel import AxisRules, make_mesh
+from tests.helpers import lower_for_gpu
 from tests.test_convert import exact_torch, randomize
 
 HI = jax.lax.Precision.HIGHEST
@@ -451,3 +452,17 @@ def test_layout_and_layer_errors():
         Fp8SwiGLU(w_FD, w_FD, jnp.zeros((1, D, F)))
     with pytest.raises(ValueError, match=r"w_down_DF \(192, 160\) must be \[F, D\], \[F, D\] and \[D, F\]"):
         Fp8SwiGLU(w_FD, w_FD, w_FD)
+
+
+def test_stored_layer_runs_every_projection_on_the_fp8_kernel_for_a_gpu():
+    """Lowered for an H200 at a prefill shape on `auto`: the three routed and the three shared
+    projections are FP8 kernels reading the stored weights (Mosaic GPU custom calls), and no weight
+    is quantized in the call."""
+    m = MoE(512, 384, 8, 2, shared_experts=SharedExperts(count=1, d_ff=256),
+            gemm=GemmOptions(backend="auto", quantization=Fp8Blockwise(weights="stored")), rngs=nnx.Rngs(0))
+    graph, state = nnx.split(m)
+    avals = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
+    text = lower_for_gpu(lambda s, x: nnx.merge(graph, s)(x)[0], avals,
+                         jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16))
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 6, text.count("stablehlo.custom_call @mosaic_gpu")
+    assert 'name = "moe_jax_quantize_weights"' not in text
