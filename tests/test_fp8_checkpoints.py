@@ -1,6 +1,6 @@
 """Blockwise FP8 checkpoints and stored FP8 expert weights.
 
-Tiny DeepSeek-V3 and Qwen3-MoE checkpoints in Hugging Face's blockwise FP8 format are built here
+Tiny DeepSeek-V3, Qwen3-MoE and Qwen2-MoE checkpoints in Hugging Face's blockwise FP8 format are built here
 the way transformers' FineGrainedFP8 quantizer writes them (e4m3 `weight`, fp32 `weight_scale_inv`
 per 128 x 128 block, `scale = 448 / amax`, `weight_scale_inv = 1 / scale`), with widths of at
 least 128 that are not all multiples of 128 (ragged edge blocks). Checked: the layer's stored e4m3
@@ -26,8 +26,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import save_file
-from transformers import DeepseekV3Config, Qwen3MoeConfig
+from transformers import DeepseekV3Config, Qwen2MoeConfig, Qwen3MoeConfig
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from moe_jax import convert
@@ -55,6 +56,10 @@ CONFIGS = {
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeSparseMoeBlock, 0,
                   dict(moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
                        num_hidden_layers=1)),
+    # A shared expert of a ragged width of its own, and its gate [1, D] (unquantized in the file).
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeSparseMoeBlock, 0,
+                  dict(moe_intermediate_size=F, shared_expert_intermediate_size=200, num_experts=4,
+                       num_experts_per_tok=2, norm_topk_prob=False, num_hidden_layers=1)),
 }
 
 
@@ -109,7 +114,9 @@ def fp8_checkpoint(model_type: str, seed: int = 0):
         down.append(parts["down_proj"])
     dequantized["experts.gate_up_proj"], dequantized["experts.down_proj"] = torch.stack(gate_up), torch.stack(down)
     block.load_state_dict(dequantized)
-    return {**config.to_dict(), "quantization_config": FP8}, sd, block, prefix
+    # Qwen2-MoE's shared-expert gate, a [1, D] linear, left unquantized as a release would name it.
+    quant = {**FP8, "modules_to_not_convert": ["shared_expert_gate"]}
+    return {**config.to_dict(), "quantization_config": quant}, sd, block, prefix
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -157,8 +164,16 @@ def _recipe(moe: MoE, x_TD, routing) -> np.ndarray:
     y_TD = jnp.sum(routing.weights_TK[:, :, None] * outs_TKD, axis=1)
     if moe.shared is not None:
         sg, su, sd = (w[0] for w in dequantized(moe.shared, None))
-        y_TD = y_TD + jax.vmap(lambda v: expert(q(v), sg, su, sd))(x_TD)
+        shared_TD = jax.vmap(lambda v: expert(q(v), sg, su, sd))(x_TD)
+        if moe.shared_expert_gate:  # Qwen2-MoE: sigmoid(x W_sg^T) per token, in fp32
+            shared_TD = jax.nn.sigmoid(jnp.dot(x_TD, moe.w_shared_gate[...].T, precision=HI)) * shared_TD
+        y_TD = y_TD + shared_TD
     return np.asarray(y_TD)
+
+
+def _shared_prefix(model_type: str) -> str:
+    """The shared expert's module prefix in the block (`shared_experts.` or `shared_expert.`)."""
+    return convert.specs.SPECS[model_type].names.shared
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,12 +192,13 @@ def test_checkpoint_loads_bytes_and_computes_the_recipe(checkpoint):
         file_scale = np.stack([_np(sd[f"{prefix}experts.{e}.{proj}.weight_scale_inv"]) for e in range(4)])
         _same_bits(values, file_values, ours)
         _same_bits(scale, file_scale, ours + "_scale")
-        if moe.shared is not None:  # DeepSeek-V3's shared experts: stored FP8 too, the file's bytes
+        if moe.shared is not None:  # the shared experts: stored FP8 too, the file's bytes
             assert isinstance(getattr(moe.shared, ours), Fp8Stored)
             _same_bits(np.asarray(getattr(moe.shared, ours)[...]),
-                       convert.hf.host_array(sd[f"{prefix}shared_experts.{proj}.weight"]), "shared." + ours)
+                       convert.hf.host_array(sd[f"{prefix}{_shared_prefix(model_type)}{proj}.weight"]),
+                       "shared." + ours)
             _same_bits(np.asarray(getattr(moe.shared, ours + "_scale")[...]),
-                       _np(sd[f"{prefix}shared_experts.{proj}.weight_scale_inv"]), f"shared.{ours}_scale")
+                       _np(sd[f"{prefix}{_shared_prefix(model_type)}{proj}.weight_scale_inv"]), f"shared.{ours}_scale")
     np.testing.assert_array_equal(np.asarray(moe.w_router[...]), _np(sd[prefix + "gate.weight"]))
 
     x = np.random.default_rng(1).standard_normal((2, 6, D)).astype(np.float32)
@@ -205,7 +221,8 @@ def test_master_weight_layer_reads_the_dequantized_weights(checkpoint):
     np.testing.assert_array_equal(np.asarray(moe.w_gate[...]), _np(hf["experts.gate_up_proj"][:, :f]))
     np.testing.assert_array_equal(np.asarray(moe.w_down[...]), _np(hf["experts.down_proj"]))
     if moe.shared is not None:
-        np.testing.assert_array_equal(np.asarray(moe.shared.w_down[...]), _np(hf["shared_experts.down_proj.weight"]))
+        np.testing.assert_array_equal(np.asarray(moe.shared.w_down[...]),
+                                      _np(hf[f"{_shared_prefix(model_type)}down_proj.weight"]))
     x = np.random.default_rng(2).standard_normal((1, 8, D)).astype(np.float32)
     with exact_torch(0), torch.no_grad():
         y_hf = block(torch.from_numpy(x))
@@ -229,7 +246,8 @@ def test_round_trip_is_bit_for_bit(checkpoint):
     master = convert.to_state_dict(convert.from_state_dict(sd, config, prefix=prefix,
                                                            gemm=GemmOptions(backend="xla")),
                                    config, prefix=prefix, layout="per_expert")
-    for name in (n for n in master if ".shared_experts." in n and n.endswith(".weight")):
+    shared = _shared_prefix(model_type) or "(none)"
+    for name in (n for n in master if "." + shared in n and n.endswith("proj.weight")):
         _same_bits(master[name], sd[name], name)  # the same e4m3 values ...
         np.testing.assert_allclose(master[name + "_scale_inv"], sd[name + "_scale_inv"], rtol=3e-7, atol=0,
                                    err_msg=name)  # ... and scales to fp32 rounding (amax / 448 of w = q * s)
