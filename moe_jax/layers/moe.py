@@ -57,7 +57,7 @@ from moe_jax.layers.checks import (
     compute_dtype,
     float_dtype,
 )
-from moe_jax.layers.dense import Fp8Stored, Fp8SwiGLU, SwiGLU, expert_init, init, linear, param, stored, swiglu_fp8
+from moe_jax.layers.dense import Fp8SwiGLU, SwiGLU, expert_init, init, linear, param, stored, swiglu_fp8
 from moe_jax.layers.options import GEMM_KERNELS, ROW_GATHERS, Fp8Blockwise, GemmOptions, SharedExperts
 from moe_jax.layers.routed import (ExpertStage, copies_on_mesh, dense_on_mesh, routed_copies, routed_on_mesh,
                                    single_device)
