@@ -16,8 +16,8 @@ converted (not attention, norms or embeddings). See docs/convert.md for the name
 
 Blockwise FP8 checkpoints (`quantization_config` = `FP8_QUANTIZATION_CONFIG`: DeepSeek-V3/R1, the
 Qwen3 FP8 releases) are read and written with their e4m3 weights and fp32 `weight_scale_inv` block
-scales; the routed experts go into stored FP8 weights (`Fp8Blockwise(weights="stored")`) bit for
-bit. See docs/fp8.md ("Checkpoints").
+scales; the routed and shared experts go into stored FP8 weights (`Fp8Blockwise(weights="stored")`)
+bit for bit. See docs/fp8.md ("Checkpoints").
 
 This package reads torch tensors when handed them but never imports torch or transformers.
 """
