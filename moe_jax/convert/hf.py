@@ -30,6 +30,7 @@ from flax import nnx
 from moe_jax.convert import specs
 from moe_jax.experts import fuse_gate_up, split_gate_up
 from moe_jax.layers import MoE
+from moe_jax.layers.dense import SWIGLU_WEIGHTS
 from moe_jax.ops.fp8 import BLOCK, FP8_DTYPE, Fp8Weights, dequantize_weights, quantize_weights
 from moe_jax.parallel.replicas import logical_weights, physical_weights
 
@@ -38,8 +39,7 @@ __all__ = ["from_hf", "from_state_dict", "to_state_dict"]
 # The routed experts' stacks: `[E, ...]` in a checkpoint, `[R*S, ...]` physical slots in a layer
 # with `EPOptions(placement=...)`.
 _ROUTED_EXPERTS = ("w_gate_up", "w_gate", "w_up", "w_down", "w_gate_scale", "w_up_scale", "w_down_scale")
-_SEPARATE = ("w_gate", "w_up", "w_down")
-_SHARED = ("shared.w_gate", "shared.w_up", "shared.w_down")
+_SHARED = tuple("shared." + name for name in SWIGLU_WEIGHTS)
 
 # torch dtypes NumPy lacks -> their NumPy (ml_dtypes) equivalents, through JAX's names.
 _TORCH_NARROW = {"torch.bfloat16": jnp.bfloat16, "torch.float8_e4m3fn": jnp.float8_e4m3fn,
@@ -233,7 +233,7 @@ def _expert_layout(weights: dict, moe: MoE, d_ff: int) -> dict[str, np.ndarray]:
             w_gate_up = weights.pop("w_gate_up")
             weights["w_gate"], weights["w_up"] = (_split_fp8_gate_up(w_gate_up, d_ff)
                                                   if isinstance(w_gate_up, Fp8Weights) else split_gate_up(w_gate_up))
-        for name in _SEPARATE:
+        for name in SWIGLU_WEIGHTS:
             w = weights.pop(name)
             weights[name], weights[name + "_scale"] = w if isinstance(w, Fp8Weights) else _quantize(w)
         return weights
@@ -404,7 +404,7 @@ def to_state_dict(moe: MoE, hf_config, *, prefix: str = "", layout: str = "fused
 
     if moe.fp8_stored:
         w_gate_EFD, w_up_EFD, w_down_EDF = (Fp8Weights(get(n, cast=False), get(n + "_scale", cast=False))
-                                            for n in _SEPARATE)
+                                            for n in SWIGLU_WEIGHTS)
     else:
         if moe.fused_gate_up:
             # Per-shard blocks under expert tensor parallelism: back to gate rows first.
@@ -431,9 +431,11 @@ def to_state_dict(moe: MoE, hf_config, *, prefix: str = "", layout: str = "fused
         linears.append((names.shared_gate, get("w_shared_gate")))
     for theirs, value in linears:
         fp8 = quant is not None and specs.converts_to_fp8(quant, prefix + theirs.removesuffix(".weight"))
-        if isinstance(value, Fp8Weights):  # stored: its bytes as they are, or dequantized where not converted
-            out.update(_tensors(theirs, value, 0) if fp8 else
-                       {theirs: _dequantize(value)[0] if dtype is None else _dequantize(value)[0].astype(dtype)})
+        if isinstance(value, Fp8Weights) and fp8:  # stored, written as FP8: its bytes as they are
+            out.update(_tensors(theirs, value, 0))
+        elif isinstance(value, Fp8Weights):  # stored, written unquantized: dequantized
+            value = _dequantize(value)[0]
+            out[theirs] = value if dtype is None else value.astype(dtype)
         else:
             out.update(_tensors(theirs, _quantize(value[None]), 0) if fp8 else {theirs: value})
     if names.bias:

@@ -20,8 +20,11 @@ from moe_jax.ops.fp8 import Fp8Weights, quantize_weights
 from moe_jax.ops.platform import BackendName
 from moe_jax.validation import check_int
 
-__all__ = ["Fp8Stored", "Fp8SwiGLU", "SwiGLU", "dot_precision", "expert_init", "init", "linear", "param", "stored",
+__all__ = ["SWIGLU_WEIGHTS", "Fp8Stored", "Fp8SwiGLU", "SwiGLU", "dot_precision", "expert_init", "init", "linear", "param", "stored",
            "swiglu_fp8"]
+
+# The weights of a SwiGLU, one per projection (the routed experts' separate stacks are named alike).
+SWIGLU_WEIGHTS = ("w_gate", "w_up", "w_down")
 
 # Truncated normal with variance 1/fan_in (LeCun) on the last axis, the input axis of every
 # weight here ([out, in] and [E, out, in]); the down projections therefore start at 1/sqrt(F),
@@ -122,15 +125,15 @@ class SwiGLU(nnx.Module):
         self.w_up = param(init(rngs.params(), (d_ff, d_model), param_dtype), replicated, mesh)
         self.w_down = param(init(rngs.params(), (d_model, d_ff), param_dtype), replicated, mesh)
 
+    def weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The master `(w_gate, w_up, w_down)` in `param_dtype`."""
+        return tuple(getattr(self, n)[...] for n in SWIGLU_WEIGHTS)
+
     def __call__(self, x: jax.Array) -> jax.Array:
         dtype = x.dtype if self.dtype is None else self.dtype
         gate = linear(x, self.w_gate[...], dtype, self.precision)
         up = linear(x, self.w_up[...], dtype, self.precision)
         return linear(jax.nn.silu(gate) * up, self.w_down[...], dtype, self.precision).astype(dtype)
-
-
-# The projections of a SwiGLU, and the names of their weights.
-_PROJECTIONS = ("w_gate", "w_up", "w_down")
 
 
 class Fp8SwiGLU(nnx.Module):
@@ -149,7 +152,7 @@ class Fp8SwiGLU(nnx.Module):
     def __init__(self, w_gate_FD: jax.Array, w_up_FD: jax.Array, w_down_DF: jax.Array, *,
                  backend: BackendName = "xla", mesh: Mesh | None = None):
         masters = (w_gate_FD, w_up_FD, w_down_DF)
-        for name, w in zip(_PROJECTIONS, masters):
+        for name, w in zip(SWIGLU_WEIGHTS, masters):
             if jnp.ndim(w) != 2:
                 raise ValueError(f"Fp8SwiGLU: {name} must be a 2-D weight matrix; got shape {jnp.shape(w)}.")
         f, d = jnp.shape(w_gate_FD)
@@ -157,14 +160,14 @@ class Fp8SwiGLU(nnx.Module):
             raise ValueError(f"Fp8SwiGLU: w_gate_FD {jnp.shape(w_gate_FD)}, w_up_FD {jnp.shape(w_up_FD)} and "
                              f"w_down_DF {jnp.shape(w_down_DF)} must be [F, D], [F, D] and [D, F].")
         self.backend = backend
-        for name, w in zip(_PROJECTIONS, masters):
+        for name, w in zip(SWIGLU_WEIGHTS, masters):
             values, scale = quantize_weights(jnp.asarray(w)[None])
             setattr(self, name, stored(values[0], (None, None), mesh))
             setattr(self, name + "_scale", stored(scale[0], (None, None), mesh))
 
     def weights(self) -> tuple[Fp8Weights, Fp8Weights, Fp8Weights]:
         """The stored `(w_gate, w_up, w_down)`, each an `Fp8Weights` of values and block scales."""
-        return tuple(Fp8Weights(getattr(self, n)[...], getattr(self, n + "_scale")[...]) for n in _PROJECTIONS)
+        return tuple(Fp8Weights(getattr(self, n)[...], getattr(self, n + "_scale")[...]) for n in SWIGLU_WEIGHTS)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x_TD = x.reshape(-1, x.shape[-1])

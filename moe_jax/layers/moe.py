@@ -57,7 +57,7 @@ from moe_jax.layers.checks import (
     compute_dtype,
     float_dtype,
 )
-from moe_jax.layers.dense import Fp8SwiGLU, SwiGLU, expert_init, init, linear, param, stored, swiglu_fp8
+from moe_jax.layers.dense import SWIGLU_WEIGHTS, Fp8SwiGLU, SwiGLU, expert_init, init, linear, param, stored, swiglu_fp8
 from moe_jax.layers.options import GEMM_KERNELS, ROW_GATHERS, Fp8Blockwise, GemmOptions, SharedExperts
 from moe_jax.layers.routed import (ExpertStage, copies_on_mesh, dense_on_mesh, routed_copies, routed_on_mesh,
                                    single_device)
@@ -87,10 +87,6 @@ class Fp8LayerCopies(NamedTuple):
 
     routed: tuple[Fp8Copies, ...]
     shared: tuple[Fp8Copies, ...] | None
-
-
-# The routed experts' weight names, separate gate and up (the only layout of stored FP8 weights).
-_SEPARATE = ("w_gate", "w_up", "w_down")
 
 
 def _check_stored_split(stored: bool, d_ff: int, etp: int) -> None:
@@ -241,7 +237,7 @@ class MoE(nnx.Module):
         w_up = expert_init(rngs.params(), (e, f, d_in), param_dtype)
         w_down = expert_init(rngs.params(), (e, d_in, f), param_dtype)
         if self.fp8_stored:
-            for name, w_EX, spec in zip(_SEPARATE, (w_gate, w_up, w_down), (gate_up, gate_up, down)):
+            for name, w_EX, spec in zip(SWIGLU_WEIGHTS, (w_gate, w_up, w_down), (gate_up, gate_up, down)):
                 quantized(name, w_EX, spec)
         else:
             if self.fused_gate_up:
@@ -259,7 +255,7 @@ class MoE(nnx.Module):
             if shared_experts is not None else None
         )
         if self.shared is not None and self.fp8_stored:  # its random master weights quantized
-            self.shared = _stored_shared(self.shared, self.backend, mesh)
+            self.shared = Fp8SwiGLU(*self.shared.weights(), backend=self.backend, mesh=mesh)
         if self.shared_expert_gate:
             self.w_shared_gate = param(init(rngs.params(), (1, d), param_dtype), replicated, mesh)
         self.selection_bias = SelectionBias(jnp.zeros((e,), jnp.float32))
@@ -362,7 +358,7 @@ class MoE(nnx.Module):
         shared = None
         if self.shared is not None:
             # As `swiglu_fp8` quantizes them: the `[1, ...]` stacks of one expert, replicated.
-            stacks = tuple(getattr(self.shared, n)[...][None] for n in ("w_gate", "w_up", "w_down"))
+            stacks = tuple(w[None] for w in self.shared.weights())
             mesh = None if placement is None else placement[0]
             shared = copies_on_mesh(mesh, (P(),) * 3, stacks, backend=self.backend,
                                     input_gradient=self.quantization.input_gradient)
@@ -484,7 +480,7 @@ class MoE(nnx.Module):
                               copies=copies)
 
         x_TD = x_TD.astype(dtype)  # the shared SwiGLU's dtype is the layer's
-        weights = shared.weights() if self.fp8_stored else (shared.w_gate[...], shared.w_up[...], shared.w_down[...])
+        weights = shared.weights()  # master arrays, or the stored `Fp8Weights` of an `Fp8SwiGLU`
         if placement is None:
             weights, copies = vary_like((weights, copies), (x_TD,))  # inside a caller's shard_map: per device
             return fn(x_TD, weights, copies).astype(jnp.float32)
@@ -574,8 +570,8 @@ class MoE(nnx.Module):
         them: a compute-dtype cast first would be a second pass, and a second rounding); stored FP8
         weights as they are, each values array followed by its block scales."""
         if self.fp8_stored:
-            return tuple(getattr(self, n + suffix)[...] for n in _SEPARATE for suffix in ("", "_scale"))
-        names = ("w_gate_up", "w_down") if self.fused_gate_up else _SEPARATE
+            return tuple(getattr(self, n + suffix)[...] for n in SWIGLU_WEIGHTS for suffix in ("", "_scale"))
+        names = ("w_gate_up", "w_down") if self.fused_gate_up else SWIGLU_WEIGHTS
         if self.quantization is not None:
             return tuple(getattr(self, n)[...] for n in names)
         return tuple(getattr(self, n)[...].astype(dtype) for n in names)
@@ -606,25 +602,20 @@ def stored_fp8(moe: MoE) -> MoE:
         masters = (*split_gate_up(w_gate_up[...], shards=moe.etp), moe.w_down[...])
         variables = (w_gate_up, w_gate_up, moe.w_down)
     else:
-        variables = tuple(getattr(moe, n) for n in _SEPARATE)
+        variables = tuple(getattr(moe, n) for n in SWIGLU_WEIGHTS)
         masters = tuple(v[...] for v in variables)
     new = nnx.merge(*nnx.split(moe))  # the same arrays in a graph of its own
     if moe.fused_gate_up:
         del new.w_gate_up
     if moe.shared is not None:
-        new.shared = _stored_shared(moe.shared, moe.backend, moe.mesh)
-    for name, master, variable in zip(_SEPARATE, masters, variables):
+        new.shared = Fp8SwiGLU(*moe.shared.weights(), backend=moe.backend, mesh=moe.mesh)
+    for name, master, variable in zip(SWIGLU_WEIGHTS, masters, variables):
         # The master's layout (on a mesh): [E, N, K] values and their [E, Nb, Kb] scales split alike.
         spec = variable.get_value().sharding.spec if moe.mesh is not None else None
         for suffix, value in zip(("", "_scale"), quantize_weights(master)):
             setattr(new, name + suffix, stored(value, spec, moe.mesh))
     new.gemm, new.quantization = gemm, gemm.quantization
     return new
-
-
-def _stored_shared(shared: SwiGLU, backend, mesh: Mesh | None) -> Fp8SwiGLU:
-    """The shared experts' master weights quantized once into the stored FP8 SwiGLU."""
-    return Fp8SwiGLU(shared.w_gate[...], shared.w_up[...], shared.w_down[...], backend=backend, mesh=mesh)
 
 
 def _invalid_routes(idx_TK, mask_T, num_experts: int) -> jax.Array:
