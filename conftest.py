@@ -38,19 +38,3 @@ if not _ON_GPU:
 # of memory. Set before any test initializes a JAX backend; an explicit setting is left alone.
 if _ON_GPU:
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-
-
-def pytest_collection_modifyitems(config, items):
-    """With `TEST_SECONDS` naming a file of earlier durations (`benchmarks.durations`), the tests
-    run slowest first, so that xdist's workers do not end on a long test handed out last (the GPU
-    acceptance run sets it); otherwise the collection order stays."""
-    path = os.environ.get("TEST_SECONDS")
-    if not path:
-        return
-    import json
-
-    from benchmarks.durations import slowest_first
-
-    with open(path) as f:
-        seconds = json.load(f)
-    items[:] = [items[i] for i in slowest_first([item.nodeid for item in items], seconds)]

@@ -38,14 +38,13 @@ import subprocess
 import sys
 import time
 import traceback
+from xml.etree import ElementTree
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from benchmarks.durations import junit_key, reached_keys
 
 # (T, D, F, E, k): decode-sized to prefill-sized layers; the fp32 failures of 2026-12 were at all
 # but the first.
@@ -354,6 +353,19 @@ def interrupted(log: str) -> bool:
 def failed_ids(log: str) -> list[str]:
     """The ids of the tests a pytest log reports FAILED or ERROR (its short summary)."""
     return [m.group(2) for m in re.finditer(r"^(FAILED|ERROR) (\S+)", log, re.MULTILINE)]
+
+
+def junit_key(nodeid: str) -> tuple[str, str]:
+    """A pytest node id as its JUnit XML report names it: `(classname, name)`, the classname the
+    module's path dotted and without `.py`, followed by any test classes."""
+    path, *classes, name = nodeid.split("::")
+    return ".".join([re.sub(r"\.py$", "", path).replace("/", "."), *classes]), name
+
+
+def reached_keys(junit_xml: str) -> set[tuple[str, str]]:
+    """`(classname, name)` of every test a JUnit XML report holds: those a pytest stopped at its
+    limit had reported (pytest writes the report when interrupted too)."""
+    return {(c.get("classname"), c.get("name")) for c in ElementTree.fromstring(junit_xml).iter("testcase")}
 
 
 def unreached_ids(collected: list[str], junit_xml: str) -> list[str]:

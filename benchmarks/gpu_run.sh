@@ -17,7 +17,6 @@
 # The pytest phases (tests, parity, accept-tests, accept-rerun, accept-rest) stop pytest with SIGINT at their limits:
 #   it still prints its counts and names the tests that failed so far.
 # Env: NPROC (xdist workers; NPROC_RERUN / NPROC_REST those of accept-rerun / accept-rest), TESTS / PARITY (paths), STEPS (example), TUNE_ONLY (all|prefill|decode),
-#      TEST_SECONDS (the pytest phases' earlier durations, run slowest first; default benchmarks/data/gpu_test_seconds.json, empty for collection order),
 #      ACCEPT_XML (accept-rest: the JUnit report of an accept-tests run in an earlier call, carried into the checkout),
 #      ROUTED_SHAPES (routed: indices into benchmarks.routed_gmm's shapes; default all),
 #      WHEELS (jax-triton: the folder holding the jax_triton wheel, default .whl; the image has no registry),
@@ -36,8 +35,6 @@
 #   devices), then its ragged cases once more under XLA's ragged_all_to_all decomposer flag.
 set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-# the pytest phases hand out the slowest tests first (conftest.py, benchmarks.durations)
-export TEST_SECONDS=${TEST_SECONDS-benchmarks/data/gpu_test_seconds.json}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 L=${LANE:+$LANE-}
 phases=()
