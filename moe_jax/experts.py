@@ -24,7 +24,7 @@ import numpy as np
 
 from moe_jax.ops import (Fp8Copies, LinearPlan, RowGather, fp8_grouped_linear, gmm_reference, grouped_linear,
                          plan_linear)
-from moe_jax.ops.fp8 import Fp8Weights, exact_float32
+from moe_jax.ops.fp8 import Fp8Rows, Fp8Weights, exact_float32
 from moe_jax.ops.platform import BackendName
 from moe_jax.validation import check_int
 
@@ -253,6 +253,7 @@ def swiglu_experts_fp8(
     rows: RowGather | None = None,
     input_gradient: str = "fp8",
     copies: tuple[Fp8Copies, Fp8Copies, Fp8Copies] | None = None,
+    quantized: Fp8Rows | None = None,
 ) -> jax.Array:
     """`swiglu_experts` with its three projections in DeepSeek-V3's blockwise FP8
     (`moe_jax.ops.fp8_grouped_linear`: rows per 1 x 128 tile), on packed rows `x_MD`; `y_MD` in
@@ -267,7 +268,10 @@ def swiglu_experts_fp8(
     `fp8_grouped_linear`'s, for all three projections. `copies`: for master weights, the three
     weights quantized ahead (`fp8_weight_copies((w_gate_EFD, w_up_EFD, w_down_EDF), backend=,
     input_gradient=)`, e.g. once for all the micro-batches of a step), read instead of quantizing
-    the weights in this call (`fp8_grouped_linear(copies=)`; the same result)."""
+    the weights in this call (`fp8_grouped_linear(copies=)`; the same result). `quantized`: the rows
+    `x_MD` in FP8 made already (an `Fp8Rows` row for row with `x_MD`, e.g. as an FP8 exchange
+    delivered them), which the gate and up products read instead of quantizing `x_MD`
+    (`fp8_grouped_linear(quantized=)`)."""
     weights = (w_gate_EFD, w_up_EFD, w_down_EDF)
     if copies is not None and (not isinstance(copies, (tuple, list)) or isinstance(copies, Fp8Copies)
                                or len(copies) != 3):
@@ -281,7 +285,8 @@ def swiglu_experts_fp8(
     _check_separate(x_MD, *(w.values_ENK if s else w for w, s in zip(weights, stored)))
     # Gate and up in one call: the rows are quantized and kept once for both.
     gate_MF, up_MF = fp8_grouped_linear(x_MD, (w_gate_EFD, w_up_EFD), group_sizes_E, backend=backend, rows=rows,
-                                        input_gradient=input_gradient, copies=gate_up_copies)
+                                        input_gradient=input_gradient, copies=gate_up_copies,
+                                        quantized=quantized)
     return fp8_grouped_linear(exact_swiglu(gate_MF, up_MF), w_down_EDF, group_sizes_E, backend=backend,
                               input_gradient=input_gradient, copies=down_copies)
 

@@ -26,6 +26,7 @@ import pytest
 from jax import lax
 from jax.sharding import PartitionSpec
 
+from moe_jax.experts import swiglu_experts_fp8
 from moe_jax.ops import grouped_linear
 from moe_jax.ops.fp8 import dequantize_rows, quantize_rows
 from moe_jax.parallel import (
@@ -354,6 +355,103 @@ def _check_fp8_dispatch(ep, data, strategy, pair):
         assert_close(g, r, jnp.float32, name)
     with pytest.raises(TypeError, match="fp8_dispatch"):
         _ep_linear(mesh, fp8_dispatch="yes")(x, w, W, jnp.asarray(idx), cot, jnp.ones(n, bool))
+
+
+@pytest.mark.parametrize("ep,data,strategy,pair,fuse", [(2, 1, "padded", False, False), (2, 1, "padded", True, False),
+                                                       (4, 2, "padded", False, True), (2, 2, "ragged", False, True)])
+def test_fp8_rows_hand_experts_the_senders_e4m3_rows(ep, data, strategy, pair, fuse):
+    """`ep_moe(fp8_dispatch=True, fp8_rows=True)`: `expert_fn` gets, row for row with its rows
+    (the packed rows, or the receive buffer with `fuse_regroup`), the e4m3 rows and scales the
+    sender quantized from bf16 tokens (a pairwise transport's own rows quantized where they stay);
+    padding rows of the packed form are zero.
+    Each expert returns its FP8 rows dequantized in fp32, so the output is exactly
+    `sum_k w_tk * dequantize(quantize(x_t))`. Ragged: NaN in every byte no sender writes."""
+    if strategy == "ragged":
+        with poisoned_ragged():
+            return _check_fp8_rows(ep, data, strategy, pair, fuse)
+    _check_fp8_rows(ep, data, strategy, pair, fuse)
+
+
+def _check_fp8_rows(ep, data, strategy, pair, fuse):
+    mesh = _mesh(ep, data)
+    k, n = 2, ep * data * T
+    x, w, _, _ = _float_inputs(n, k, seed=5)
+    x = (x * jnp.linspace(0.5, 40.0, D)).astype(jnp.bfloat16)
+    idx = _routes("skewed", n, k, ep, seed=2)
+    keep, _, _ = _np_dispatch(idx, ep, data, T * k)
+
+    def body(x, idx, w):
+        def expert_fn(px, gs, rows=None, *, fp8_rows):
+            assert fp8_rows.values_MK.shape == px.shape and (rows is not None) == fuse
+            arrived = dequantize_rows(fp8_rows)  # fp32
+            if rows is None:
+                padding = jnp.arange(px.shape[0]) >= jnp.sum(gs)
+                arrived = jnp.where(padding[:, None], jnp.nan, arrived)  # nonzero padding poisons y
+                return arrived + jnp.where(padding, jnp.sum(jnp.abs(fp8_rows.scale_MKb), axis=1), 0.0)[:, None]
+            return arrived[jnp.maximum(rows.ids_M, 0)]
+
+        y, _ = ep_moe(x, idx, w, expert_fn, num_experts=E, strategy=strategy, fuse_regroup=fuse,
+                      transport=_transport(strategy, pair), fp8_dispatch=True, fp8_rows=True)
+        return y
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(ACT, ACT, ACT), out_specs=ACT, check_vma=False))
+    y = fn(x, jnp.asarray(idx), w)
+    exact = dequantize_rows(quantize_rows(x))  # fp32: what the senders quantized, undisturbed
+    want = jnp.sum(jnp.where(keep[:, :, None], exact[:, None, :] * w[:, :, None], 0.0), axis=1)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
+    # Not the bf16 rows that arrive: an expert reading those would give a bf16-rounded output.
+    assert not np.array_equal(np.asarray(exact.astype(jnp.bfloat16).astype(jnp.float32)), np.asarray(exact))
+
+
+def test_fp8_rows_spare_the_receivers_quantization_for_gpu():
+    """Lowered for two H200s (the forward, FP8 SwiGLU experts on `auto`, gather fused as the layer
+    runs them): with `fp8_rows` the experts' products read the e4m3 rows that arrive, so the only
+    rows-quantization kernel left is the down projection's input's; without, the received rows are
+    quantized again first; the products' kernels are the same."""
+    e, d, f, tokens, k = 8, 512, 512, 256, 2
+    mesh = h200_mesh((1, 2), (DATA_AXIS, EP_AXIS))
+    counts = {}
+    for fp8_rows in (False, True):
+        def body(x, idx, w, w_gate, w_up, w_down):
+            weights = tuple(lax.pcast(a, (DATA_AXIS,), to="varying") for a in (w_gate, w_up, w_down))
+
+            def experts(rows, sizes, gather, **quantized):
+                return swiglu_experts_fp8(rows, sizes, *weights, backend="auto", rows=gather,
+                                          quantized=quantized.get("fp8_rows"))
+
+            return ep_moe(x, idx, w, experts, num_experts=e, fuse_regroup=True, fp8_dispatch=True,
+                          fp8_rows=fp8_rows)[0]
+
+        fn = jax.shard_map(body, mesh=mesh, in_specs=(ACT, ACT, ACT) + (expert_spec(),) * 3, out_specs=ACT)
+        n = 2 * tokens
+        avals = [sharded_aval(mesh, shape, dtype, ACT)
+                 for shape, dtype in (((n, d), jnp.bfloat16), ((n, k), jnp.int32), ((n, k), jnp.float32))]
+        avals += [sharded_aval(mesh, shape, jnp.bfloat16, expert_spec()) for shape in ((e, f, d), (e, f, d), (e, d, f))]
+        text = lower_for_gpu(fn, *avals, mesh=mesh)
+        counts[fp8_rows] = (text.count('name = "moe_jax_quantize_rows"'), text.count("stablehlo.custom_call @mosaic_gpu"))
+    assert counts[False][0] == 2 and counts[True][0] == 1 and counts[False][1] == counts[True][1], counts
+
+
+def test_fp8_rows_of_no_routes_and_without_fp8_dispatch():
+    """No routes (T = 0 or K = 0): `expert_fn` gets empty FP8 rows and the output is zeros;
+    `fp8_rows=True` without `fp8_dispatch=True` is a ValueError saying what to pass."""
+
+    def run(x, idx, fp8_dispatch=True):
+        def expert_fn(px, gs, *, fp8_rows):
+            assert fp8_rows.values_MK.shape == px.shape
+            return dequantize_rows(fp8_rows)
+
+        def body(x, i, w):
+            return ep_moe(x, i, w, expert_fn, num_experts=E, fp8_dispatch=fp8_dispatch, fp8_rows=True)[0]
+
+        fn = jax.shard_map(body, mesh=_mesh(2, 1), in_specs=(ACT, ACT, ACT), out_specs=ACT, check_vma=False)
+        return fn(x, idx, jnp.ones(idx.shape))
+
+    for tokens, k in ((0, 2), (4, 0)):
+        y = run(jnp.ones((tokens, D)), jnp.zeros((tokens, k), jnp.int32))
+        assert y.shape == (tokens, D) and not np.any(np.asarray(y))
+    with pytest.raises(ValueError, match="fp8_rows=True .* pass fp8_dispatch=True"):
+        run(jnp.ones((4, D)), jnp.zeros((4, 1), jnp.int32), fp8_dispatch=False)
 
 
 def test_fp8_dispatch_moves_bytes_and_lowers_for_gpu():

@@ -254,9 +254,10 @@ def test_quantize_on_gather_equals_packed_rows(weights):
 @pytest.mark.slow
 @pytest.mark.parametrize("row_gather, chunks", [("fused", 1), ("separate", 1), ("separate", 2)])
 def test_expert_parallel_equals_one_device(row_gather, chunks):
-    """The FP8 layer at ep = 2 equals one device: its rows cross the exchange as e4m3 values and
-    fp32 tile scales (one uint8 row each, about half of the compute dtype's bytes) and the experts
-    quantize the dequantized rows to the same values."""
+    """The FP8 layer at ep = 2 equals one device (up to the fp32 products' summation order): its
+    rows cross the exchange as e4m3 values and fp32 tile scales (one uint8 row each, about half of
+    the compute dtype's bytes), and the experts compute on the e4m3 rows that arrive, the values
+    one device quantizes."""
     x = _x(t=32)
     y_one, _ = _layer()(x)
     mesh = make_mesh(ep=2, data=1, devices=jax.devices("cpu")[:2])

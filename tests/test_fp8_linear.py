@@ -6,7 +6,8 @@ x, several weights in one call against one call each, rows read through ids (`ro
 against the same op on the gathered rows, argument
 errors, one small case on `pallas_triton` (interpret mode on CPU), and weights quantized once
 (`fp8_weight_copies`, `copies=`) against each call quantizing its own, with a micro-batch loop
-lowered for an H200 to show where the quantization runs.
+lowered for an H200 to show where the quantization runs, and rows quantized already
+(`quantized=`) against the call quantizing them.
 
 Legend: M rows, T source rows, K contraction, N outputs, E experts."""
 
@@ -155,6 +156,43 @@ def test_rows_read_through_ids_equal_the_gathered_rows(dtype, stored):
         assert not np.any(np.asarray(dw.values_ENK, np.float32)) and not np.any(np.asarray(dw.scale_ENbKb))
     else:
         assert not np.any(np.asarray(dw[1], np.float32))  # the empty expert
+
+
+@pytest.mark.parametrize("stored, gather", [(False, False), (False, True), (True, True)])
+def test_quantized_rows_are_read_instead_of_quantizing_x(stored, gather):
+    """`quantized=` (the FP8 rows an exchange delivered): the products and the weight gradient read
+    them, not x's values (here x is shifted by one, so quantizing it would differ), and the call
+    equals the one that quantizes the rows itself, bit for bit, for gate and up in one call and
+    through row ids; the input gradient still reaches x."""
+    num_tokens, top_k, e, k, n = 7, 2, 4, 200, 130
+    x_TK, w_ENK = _case(num_tokens, k, n, e, dtype=jnp.bfloat16, seed=4)
+    ws = tuple(quantize_weights(w) if stored else w.astype(jnp.bfloat16) for w in (w_ENK, w_ENK[:, ::-1]))
+    rows, gs = _route(num_tokens, top_k, e)
+    if not gather:
+        x_TK, rows = gather_rows(x_TK, rows.ids_M), None
+    q = quantize_rows(x_TK)
+
+    def loss(x, ws, quantized):
+        ys = fp8_grouped_linear(x, ws, gs, backend="xla", rows=rows, quantized=quantized)
+        return sum(jnp.sum(y.astype(jnp.float32) ** 2) for y in ys), ys
+
+    (_, ys), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x_TK, ws, None)
+    (_, got_ys), got_grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x_TK + 1, ws, q)
+    for got, want in zip(jax.tree.leaves((got_ys, got_grads)), jax.tree.leaves((ys, grads))):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert got_grads[0].shape == x_TK.shape and np.any(np.asarray(got_grads[0], np.float32))
+
+
+def test_quantized_errors():
+    x, w = _case(6, 200, 64, 2)
+    gs = jnp.array([2, 4], jnp.int32)
+    q = quantize_rows(x)
+    with pytest.raises(TypeError, match="quantized: expected an Fp8Rows"):
+        fp8_grouped_linear(x, w, gs, quantized=tuple(q))
+    with pytest.raises(ValueError, match=r"quantized.values_MK: expected float8_e4m3fn \(6, 200\)"):
+        fp8_grouped_linear(x, w, gs, quantized=type(q)(q.values_MK[:5], q.scale_MKb[:5]))
+    with pytest.raises(ValueError, match=r"quantized.scale_MKb: expected float32 \(6, 2\)"):
+        fp8_grouped_linear(x, w, gs, quantized=type(q)(q.values_MK, q.scale_MKb.astype(jnp.bfloat16)))
 
 
 @pytest.mark.parametrize("stored", [False, True])

@@ -131,17 +131,20 @@ class ExpertStage:
             return make(gather=True) if separate.gate_up.fwd.backend in AUTO_FUSED_GATHER else separate
         return make(gather=self.row_gather == "fused")
 
-    def experts(self, x_MD, group_sizes, weights, plans: ExpertPlans, rows=None, copies=None):
+    def experts(self, x_MD, group_sizes, weights, plans: ExpertPlans, rows=None, copies=None, quantized=None):
         """The SwiGLU experts on packed rows `x_MD`, or with `rows` (a `RowGather`) on the
         token rows `x_MD` `[T, D]` read through `rows.ids_M`, running `plans`. With `quantization`
         the FP8 experts run (`swiglu_experts_fp8`, which quantizes each token row once when given
         `rows`; `plans` then only serve the telemetry), reading FP8 master weights' `copies` (the
-        three `Fp8Copies` of `routed_copies`) instead of quantizing the weights when given."""
+        three `Fp8Copies` of `routed_copies`) instead of quantizing the weights when given, and
+        the rows' FP8 form `quantized` (as an FP8 exchange delivered them) instead of quantizing
+        `x_MD` when given."""
         if self.quantization is not None:
             if self.quantization.stored:
                 weights = [Fp8Weights(*weights[i:i + 2]) for i in range(0, len(weights), 2)]
             return swiglu_experts_fp8(x_MD, group_sizes, *weights, backend=self.backend, rows=rows,
-                                      input_gradient=self.quantization.input_gradient, copies=copies)
+                                      input_gradient=self.quantization.input_gradient, copies=copies,
+                                      quantized=quantized)
         fn = swiglu_experts_fused if self.fused_gate_up else swiglu_experts
         return fn(x_MD, group_sizes, *weights, rows=rows, plans=plans)
 
@@ -318,16 +321,18 @@ def routed_on_mesh(stage: ExpertStage, mesh, rules: AxisRules, options: EPOption
         gather = local_stage.plans(max(chunk_rows), x_TD.dtype, local).gate_up.fwd.problem.gather
         plans = {rows: local_stage.plans(rows, x_TD.dtype, local, gather=gather) for rows in set(chunk_rows)}
 
-        def experts(x, sizes_El, rows=None):
+        def experts(x, sizes_El, rows=None, fp8_rows=None):
             packed = x.shape[0] if rows is None else rows.ids_M.shape[0]
-            return local_stage.experts(x, sizes_El, weights, plans[packed], rows=rows, copies=copies)
+            return local_stage.experts(x, sizes_El, weights, plans[packed], rows=rows, copies=copies,
+                                       quantized=fp8_rows)
 
         y_TD, stats = ep_moe(
             x_TD, idx_TK, w_TK, experts, num_experts=stage.num_experts, axis_name=rules.experts,
             strategy=options.strategy, capacity=capacity, mask_T=mask_T, backend=stage.backend,
             transport=options.transport, fuse_regroup=gather, chunks=options.chunks,
-            # FP8 experts quantize the rows per 1 x 128 tile anyway: they cross the exchange so.
-            fp8_dispatch=stage.quantization is not None,
+            # FP8 experts quantize the rows per 1 x 128 tile anyway: they cross the exchange so, and
+            # the experts compute on the e4m3 rows that arrive (the bits one device quantizes).
+            fp8_dispatch=stage.quantization is not None, fp8_rows=stage.quantization is not None,
         )
         gemm = local_stage.chunked_telemetry([local_stage.telemetry(plans[rows], sizes_El)
                                               for rows, sizes_El in zip(chunk_rows, stats.chunk_group_sizes_NEl)])

@@ -40,6 +40,11 @@ arXiv:2412.19437, section 3.3; the quantization itself is `moe_jax.ops.fp8`):
   kernel out of the caller's loop (docs/fp8.md, "What the layer's step would need"). With the
   copies made before the loop, every call reads them instead (the same bits), and the weight
   gradient still reaches the master weights passed as `w`.
+- Rows quantized already (`quantized=`, an `Fp8Rows` of x): an expert-parallel exchange that moved
+  the rows in FP8 (`moe_jax.parallel.ep_moe(fp8_dispatch=True, fp8_rows=True)`) delivers the e4m3
+  rows the sender quantized; the products read those instead of quantizing their dequantized
+  values again (which would not give the same bits back: a dequantized value rounded to x's
+  dtype is no longer the tile's multiple of its scale), and the input gradient still goes to x.
 
 Products: `gmm_fp8` on the caller's backend (`FP8_LINEAR_BACKENDS`): `triton` and `mosaic_gpu` are
 the FP8 kernels (e4m3 tensor-core products promoted every 128 of the contraction:
@@ -63,7 +68,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moe_jax.ops.fp8 import Fp8Rows, Fp8Weights, check_weights, dequantize_rows, transpose_weights
+from moe_jax.ops.fp8 import BLOCK, FP8_DTYPE, Fp8Rows, Fp8Weights, check_weights, dequantize_rows, transpose_weights
 from moe_jax.ops.gather import gather_rows, sum_of_readers
 from moe_jax.ops.gmm import SUPPORTED_DTYPES, RowGather, gmm, tgmm
 from moe_jax.ops.gmm.api import check_rows
@@ -107,9 +112,11 @@ def _quantize_rows(backend, x):
     return quantize_activations(x, backend=_quantize_backend(backend))
 
 
-def _forward(backend, x, wqs, group_sizes, rows):
-    """The outputs of every weight in `wqs` (quantized) and the FP8 rows they all read."""
-    fp8_rows = _quantize_rows(backend, x)  # with `rows`, x's source rows: each quantized once, read by all its readers
+def _forward(backend, x, wqs, group_sizes, rows, quantized):
+    """The outputs of every weight in `wqs` (quantized) and the FP8 rows they all read: `quantized`
+    when given, else x quantized now."""
+    # With `rows`, x's source rows: each quantized once, read by all its readers.
+    fp8_rows = _quantize_rows(backend, x) if quantized is None else quantized
     packed = fp8_rows
     if rows is not None:
         # The e4m3 bytes and scales are gathered once for every weight (a quarter of the bf16 rows'
@@ -146,17 +153,17 @@ def _quantized(backend, ws, copies, transposed: bool):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _master_linear(backend, input_gradient, x, ws, copies, group_sizes, rows):
-    return _forward(backend, x, _quantized(backend, ws, copies, False)[0], group_sizes, rows)[0]
+def _master_linear(backend, input_gradient, x, ws, copies, group_sizes, rows, quantized):
+    return _forward(backend, x, _quantized(backend, ws, copies, False)[0], group_sizes, rows, quantized)[0]
 
 
-def _master_linear_fwd(backend, input_gradient, x, ws, copies, group_sizes, rows):
+def _master_linear_fwd(backend, input_gradient, x, ws, copies, group_sizes, rows, quantized):
     # "fp8": the backward keeps the e4m3 `[E, K, N]` copies (written by the quantization's own pass),
     # not the master weights (zero-size witnesses of their dtypes give the cotangents' dtypes);
     # "master": the master weights.
     fp8 = input_gradient == "fp8"
     wqs, copies = _quantized(backend, ws, copies, fp8)
-    ys, fp8_rows = _forward(backend, x, wqs, group_sizes, rows)
+    ys, fp8_rows = _forward(backend, x, wqs, group_sizes, rows, quantized)
     kept = copies if fp8 else ws
     witnesses = tuple(jnp.zeros((0,), w.dtype) for w in ws)
     return ys, (fp8_rows, kept, group_sizes, rows, witnesses, jnp.zeros((0,), x.dtype))
@@ -174,20 +181,21 @@ def _master_linear_bwd(backend, input_gradient, res, dys):
         rows_x = gather_rows(rows_x, rows.ids_M)
     dws = tuple(tgmm(rows_x, dy.astype(x_dtype), group_sizes, backend=backend, precision=_HI).astype(w.dtype)
                 for dy, w in zip(dys, witnesses))
-    return dx, dws, None, None, None  # copies: quantized values, no gradient of their own (it is dws)
+    # copies and quantized rows: values of w and x, no gradients of their own (they are dws and dx)
+    return dx, dws, None, None, None, None
 
 
 _master_linear.defvjp(_master_linear_fwd, _master_linear_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _stored_linear(backend, x, wqs, group_sizes, rows):
-    return _forward(backend, x, wqs, group_sizes, rows)[0]
+def _stored_linear(backend, x, wqs, group_sizes, rows, quantized):
+    return _forward(backend, x, wqs, group_sizes, rows, quantized)[0]
 
 
-def _stored_linear_fwd(backend, x, wqs, group_sizes, rows):
+def _stored_linear_fwd(backend, x, wqs, group_sizes, rows, quantized):
     # No weight gradient, so the FP8 rows are not kept.
-    ys, _ = _forward(backend, x, wqs, group_sizes, rows)
+    ys, _ = _forward(backend, x, wqs, group_sizes, rows, quantized)
     return ys, (wqs, group_sizes, rows, jnp.zeros((0,), x.dtype))
 
 
@@ -196,7 +204,7 @@ def _stored_linear_bwd(backend, res, dys):
     dx = _dgrad(backend, "fp8", dys, tuple(transpose_weights(wq) for wq in wqs), group_sizes, rows, x_dtype.dtype)
     # Stored FP8 weights are frozen (inference): their cotangents are zero, never an update.
     zeros = tuple(Fp8Weights(jnp.zeros_like(wq.values_ENK), jnp.zeros_like(wq.scale_ENbKb)) for wq in wqs)
-    return dx, zeros, None, None
+    return dx, zeros, None, None, None
 
 
 _stored_linear.defvjp(_stored_linear_fwd, _stored_linear_bwd)
@@ -253,6 +261,21 @@ def _check_copies(copies, ws, several: bool, input_gradient: str) -> tuple[Fp8Co
     return listed
 
 
+def _check_quantized(quantized, x_shape) -> Fp8Rows:
+    """`quantized` as the `Fp8Rows` of rows of `x_shape`, else a TypeError / ValueError naming it."""
+    if not isinstance(quantized, Fp8Rows):
+        raise TypeError(f"quantized: expected an Fp8Rows (e4m3 values, fp32 scales) of x's rows or None; got "
+                        f"{type(quantized).__name__}.")
+    m, k = x_shape
+    values, scales = (jnp.asarray(a) for a in quantized)
+    want = ((m, k), FP8_DTYPE), ((m, -(-k // BLOCK)), jnp.float32)
+    for name, a, (shape, dtype) in zip(("values_MK", "scale_MKb"), (values, scales), want):
+        if a.shape != shape or a.dtype != dtype:
+            raise ValueError(f"quantized.{name}: expected {jnp.dtype(dtype).name} {shape} for x of shape "
+                             f"{tuple(x_shape)}, got {a.dtype} {tuple(a.shape)}; pass the Fp8Rows of x's own rows.")
+    return Fp8Rows(values, scales)
+
+
 def fp8_weight_copies(
     w: jax.Array | tuple, *, backend: str = "xla", input_gradient: str = "fp8",
 ) -> Fp8Copies | tuple[Fp8Copies, ...]:
@@ -293,6 +316,7 @@ def fp8_grouped_linear(
     rows: RowGather | None = None,
     input_gradient: str = "fp8",
     copies: Fp8Copies | tuple | None = None,
+    quantized: Fp8Rows | None = None,
 ):
     """Differentiable grouped linear layer of the FP8 recipe: `y[M, N]`, rows of group e are
     `x_e @ w[e]^T` with both operands blockwise FP8 (module docstring).
@@ -326,6 +350,11 @@ def fp8_grouped_linear(
         input_gradient=)` of these weights, one `Fp8Copies` per weight): the call reads them instead
         of quantizing `w`, with the same result, and the weight gradient still goes to `w`. They
         must hold `w`'s current values; nothing here can check that.
+      quantized: `x`'s rows in FP8 made already (`Fp8Rows`: e4m3 `[M, K]`, or `[T, K]` with
+        `rows`, and fp32 scales `[., ceil(K/128)]`), read instead of quantizing `x`: the rows an FP8
+        exchange delivered, whose dequantized values are `x`. `x` still gives the output dtype and
+        receives the input gradient (straight through, as for the quantization), and the weight
+        gradient reads these rows. Their agreement with `x` is not checked.
     """
     fp8_backend(backend)  # ValueError naming the choices, or why a kernel cannot run here
     if input_gradient not in FP8_INPUT_GRADIENTS:
@@ -348,6 +377,8 @@ def fp8_grouped_linear(
     if stored[0] and input_gradient != "fp8":
         raise ValueError(f"input_gradient={input_gradient!r} needs master weights; stored Fp8Weights have none: "
                          "use input_gradient='fp8'.")
+    if quantized is not None:
+        quantized = _check_quantized(quantized, x.shape)
     if copies is not None:
         if stored[0]:
             raise ValueError("copies: stored Fp8Weights are quantized already; copies are for master weights.")
@@ -358,12 +389,14 @@ def fp8_grouped_linear(
     # operand's sharding.
     x, group_sizes = replicate_explicit(x, jnp.asarray(group_sizes))
     rows = None if rows is None else RowGather(*replicate_explicit(*rows))
+    quantized = None if quantized is None else Fp8Rows(*replicate_explicit(*quantized))
     if stored[0]:
-        ys = _stored_linear(backend, x, tuple(Fp8Weights(*replicate_explicit(*one)) for one in ws), group_sizes, rows)
+        ys = _stored_linear(backend, x, tuple(Fp8Weights(*replicate_explicit(*one)) for one in ws), group_sizes, rows,
+                            quantized)
     else:
         if copies is not None:
             copies = tuple(Fp8Copies(*(None if q is None else Fp8Weights(*replicate_explicit(*q)) for q in c))
                            for c in copies)
         ys = _master_linear(backend, input_gradient, x, replicate_explicit(*(jnp.asarray(one) for one in ws)),
-                            copies, group_sizes, rows)
+                            copies, group_sizes, rows, quantized)
     return ys if several else ys[0]

@@ -53,7 +53,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from moe_jax.ops import RowGather, gather_rows
-from moe_jax.ops.fp8 import row_bytes
+from moe_jax.ops.fp8 import Fp8Rows, quantize_rows, row_bytes
 from moe_jax.ops.platform import BackendName
 from moe_jax.parallel.capacity import resolve_capacity
 from moe_jax.parallel.chunks import check_chunks, token_chunks
@@ -234,7 +234,8 @@ def ep_dispatch(
       plan: `EPPlan` for `ep_combine`.
     """
     got = _receive(x_TD, expert_idx_TK, num_experts=num_experts, axis_name=axis_name, strategy=strategy,
-                   capacity=capacity, mask_T=mask_T, backend=backend, transport=transport, fp8_dispatch=fp8_dispatch)
+                   capacity=capacity, mask_T=mask_T, backend=backend, transport=transport, fp8_dispatch=fp8_dispatch,
+                   fp8_rows=False)
     return _regroup(got, backend), got.plan.group_sizes_El, got.plan
 
 
@@ -246,24 +247,41 @@ def _regroup(got: Received, backend) -> jax.Array:
     return gather_rows(got.src, got.ids_M, inverse_N=got.inverse, backend=backend)
 
 
+def _regroup_fp8(got: Received, backend) -> Fp8Rows:
+    """`got.fp8` in the packed layout, row for row with `_regroup(got)` (padding rows: zero values
+    and scales). Not differentiated: the gradient reaches the senders through the rows' own regroup."""
+    if got.inverse is None:
+        return got.fp8
+    # A pairwise transport's two sources: the values of both, then the scales of both.
+    sources = tuple(zip(*got.fp8)) if isinstance(got.src, tuple) else tuple(got.fp8)
+    return Fp8Rows(*(gather_rows(src, got.ids_M, backend=backend) for src in sources))
+
+
 class Received(NamedTuple):
     """What arrived at this rank, before the regroup by local expert: packed row i is row
     `ids_M[i]` of `src` (-1: a padding row, zero), where `src` is the receive buffer, or the pair
     `(x_TD, peer block)` on a pairwise transport, whose rows are numbered on from T. `inverse`
-    lists the packed rows that read each source row (`gather_rows`' `inverse_N`)."""
+    lists the packed rows that read each source row (`gather_rows`' `inverse_N`). `fp8`: when
+    asked for, `src` as e4m3 rows (`Fp8Rows`, or a pair of them): the rows as the FP8 exchange
+    delivered them, and on a pairwise transport `x_TD` quantized here; else None."""
 
     src: jax.Array | tuple[jax.Array, jax.Array]
     ids_M: jax.Array
     inverse: jax.Array | tuple[jax.Array, jax.Array] | None
     plan: EPPlan
+    fp8: Fp8Rows | tuple[Fp8Rows, Fp8Rows] | None = None
 
 
 def _receive(x_TD, expert_idx_TK, *, num_experts, axis_name, strategy, capacity, mask_T, backend,
-             transport, fp8_dispatch) -> Received:
-    """`ep_dispatch` up to the regroup: the plan, the exchange, and where each packed row is."""
+             transport, fp8_dispatch, fp8_rows) -> Received:
+    """`ep_dispatch` up to the regroup: the plan, the exchange, and where each packed row is
+    (with `fp8_rows`, also in the e4m3 form the experts read)."""
     check_strategy(strategy)
     check_transport(transport)
     fp8_dispatch = check_bool("fp8_dispatch", fp8_dispatch)
+    if check_bool("fp8_rows", fp8_rows) and not fp8_dispatch:
+        raise ValueError("fp8_rows=True hands expert_fn the e4m3 rows the exchange delivers, but fp8_dispatch=False "
+                         "moves them in x's dtype: pass fp8_dispatch=True as well, or fp8_rows=False.")
     tokens, top_k = _check_routes(x_TD, expert_idx_TK)
     mask_T = check_mask(mask_T, tokens, "ep_dispatch")
     ep = _axis_size(axis_name)
@@ -272,7 +290,8 @@ def _receive(x_TD, expert_idx_TK, *, num_experts, axis_name, strategy, capacity,
     cap = resolve_capacity(capacity, routes, local)
     if routes == 0:
         empty_MD, plan = _empty_dispatch(x_TD, tokens, top_k, strategy, transport, ep, local)
-        return Received(empty_MD, jnp.zeros((0,), jnp.int32), None, plan)
+        empty_fp8 = quantize_rows(jnp.zeros_like(empty_MD)) if fp8_rows else None
+        return Received(empty_MD, jnp.zeros((0,), jnp.int32), None, plan, empty_fp8)
     width = x_TD.shape[1]
     moved_row_bytes = row_bytes(width) if fp8_dispatch else width * x_TD.dtype.itemsize
     moved = select_transport(strategy, transport, ep=ep, block_bytes=cap * moved_row_bytes)
@@ -291,19 +310,29 @@ def _receive(x_TD, expert_idx_TK, *, num_experts, axis_name, strategy, capacity,
     # (`gather_rows`' [T, K] inverse: float32, no atomics); -1 where a route is not read there.
     route_row_R, send_ids_S = sends.route_row_R, sends.send_ids_S
     route_row_TK = route_row_R.reshape(tokens, top_k)
+    fp8 = None
     if moved.pairwise:
         # Only the peer block is built and moved; packed rows of this rank's own routes read their
         # tokens straight from x_TD, so the regroup gathers from the pair (x_TD, peer block).
         pair = pair_maps(regroup.recv_to_packed_M, regroup.packed_to_recv_M, route_row_R, me, cap)
         own_ids, peer_ids = own_and_peer(send_ids_S, me, cap)
         peer_send = gather_rows(x_TD, peer_ids, inverse_N=pair.peer_slot_R.reshape(tokens, top_k), backend=backend)
-        regroup_src = (x_TD, moved.exchange(peer_send, ex, out_rows=cap, axis_name=axis_name, fp8=fp8_dispatch))
+        if fp8_rows:
+            peer, peer_fp8 = moved.exchange_fp8(peer_send, ex, out_rows=cap, axis_name=axis_name)
+            # The own rows never cross: quantized here as the exchange quantizes the peer's.
+            fp8 = (quantize_rows(lax.stop_gradient(x_TD)), peer_fp8)
+        else:
+            peer = moved.exchange(peer_send, ex, out_rows=cap, axis_name=axis_name, fp8=fp8_dispatch)
+        regroup_src = (x_TD, peer)
         regroup_ids = jnp.where(pair.own_slot_M >= 0, own_ids[jnp.maximum(pair.own_slot_M, 0)],
                                 jnp.where(pair.peer_slot_M >= 0, tokens + pair.peer_slot_M, -1))
         regroup_inverse = (pair.own_packed_R.reshape(tokens, top_k), pair.peer_to_packed_C)  # peer rows: read once
     else:
         send_x_SD = gather_rows(x_TD, send_ids_S, inverse_N=route_row_TK, backend=backend)
-        regroup_src = moved.exchange(send_x_SD, ex, out_rows=recv_rows, axis_name=axis_name, fp8=fp8_dispatch)
+        if fp8_rows:
+            regroup_src, fp8 = moved.exchange_fp8(send_x_SD, ex, out_rows=recv_rows, axis_name=axis_name)
+        else:
+            regroup_src = moved.exchange(send_x_SD, ex, out_rows=recv_rows, axis_name=axis_name, fp8=fp8_dispatch)
         regroup_ids, regroup_inverse = regroup.packed_to_recv_M, regroup.recv_to_packed_M
 
     # Every route of a real token that is not sent counts: over capacity or an invalid expert id.
@@ -322,7 +351,7 @@ def _receive(x_TD, expert_idx_TK, *, num_experts, axis_name, strategy, capacity,
         kept_PE=sends.kept_PE,
         dropped=dropped,
     )
-    return Received(regroup_src, regroup_ids, regroup_inverse, plan)
+    return Received(regroup_src, regroup_ids, regroup_inverse, plan, fp8)
 
 
 def _empty_dispatch(x_TD, tokens: int, top_k: int, strategy: str, transport, ep: int, local: int):
@@ -420,6 +449,7 @@ def ep_moe(
     fuse_regroup: bool = False,
     chunks: int = 1,
     fp8_dispatch: bool = False,
+    fp8_rows: bool = False,
 ) -> tuple[jax.Array, EPStats]:
     """Dispatch, `packed_y_MD = expert_fn(packed_x_MD, group_sizes_El)`, combine.
 
@@ -430,6 +460,15 @@ def ep_moe(
     `backend` picks the row-gather and send-plan backend, `transport` the row exchange and
     `fp8_dispatch` its payload (see `ep_dispatch`; the combine always moves `expert_fn`'s dtype).
     Returns `(y_TD, EPStats)`.
+
+    `fp8_rows=True` (with `fp8_dispatch=True`): `expert_fn` also gets the rows as the exchange
+    delivered them, e4m3 values with their tile scales, as the keyword `fp8_rows` (a
+    `moe_jax.ops.fp8.Fp8Rows` row for row with the rows it gets: `expert_fn(x, group_sizes_El,
+    fp8_rows=...)`, or `expert_fn(recv, group_sizes_El, rows, fp8_rows=...)` with `fuse_regroup`).
+    FP8 experts compute on them (`swiglu_experts_fp8(quantized=...)`) instead of quantizing the
+    dequantized rows again, so their products see the bits one device would quantize; the
+    gradient still flows through the dequantized rows. On a pairwise transport the rows this rank
+    keeps are quantized here, as the exchange quantizes the peer's.
 
     `fuse_regroup=True`: no packed copy of the received rows is made where the transport delivers
     one buffer (all_to_all, ragged_all_to_all); `expert_fn(recv_RD, group_sizes_El, rows)` gets
@@ -454,7 +493,8 @@ def ep_moe(
     mask_T = check_mask(mask_T, tokens, "ep_moe")
     bounds = token_chunks(tokens, check_chunks(chunks))
     options = dict(num_experts=num_experts, axis_name=axis_name, strategy=strategy, capacity=capacity,
-                   backend=backend, transport=transport, fuse_regroup=fuse_regroup, fp8_dispatch=fp8_dispatch)
+                   backend=backend, transport=transport, fuse_regroup=fuse_regroup, fp8_dispatch=fp8_dispatch,
+                   fp8_rows=fp8_rows)
     if len(bounds) == 1:
         return _moe_chunk(x_TD, expert_idx_TK, weights_TK, mask_T, expert_fn, **options)
     parts = [
@@ -466,16 +506,21 @@ def ep_moe(
 
 
 def _moe_chunk(x_TD, expert_idx_TK, weights_TK, mask_T, expert_fn, *, num_experts, axis_name, strategy, capacity,
-               backend, transport, fuse_regroup, fp8_dispatch) -> tuple[jax.Array, EPStats]:
+               backend, transport, fuse_regroup, fp8_dispatch, fp8_rows) -> tuple[jax.Array, EPStats]:
     """`ep_moe` of one chunk of tokens: dispatch, experts, combine."""
     got = _receive(x_TD, expert_idx_TK, num_experts=num_experts, axis_name=axis_name, strategy=strategy,
-                   capacity=capacity, mask_T=mask_T, backend=backend, transport=transport, fp8_dispatch=fp8_dispatch)
+                   capacity=capacity, mask_T=mask_T, backend=backend, transport=transport, fp8_dispatch=fp8_dispatch,
+                   fp8_rows=fp8_rows)
     sizes_El = got.plan.group_sizes_El
-    if fuse_regroup and got.inverse is not None and not isinstance(got.src, tuple):
+    fused = fuse_regroup and got.inverse is not None and not isinstance(got.src, tuple)
+    extra = {}
+    if fp8_rows:
+        extra["fp8_rows"] = got.fp8 if fused else _regroup_fp8(got, backend)
+    if fused:
         # Each received row is read by exactly one packed row (or none): a one-column inverse.
-        packed_y_MD = expert_fn(got.src, sizes_El, RowGather(got.ids_M, got.inverse[:, None]))
+        packed_y_MD = expert_fn(got.src, sizes_El, RowGather(got.ids_M, got.inverse[:, None]), **extra)
     else:
-        packed_y_MD = expert_fn(_regroup(got, backend), sizes_El)
+        packed_y_MD = expert_fn(_regroup(got, backend), sizes_El, **extra)
     return ep_combine(packed_y_MD, weights_TK, got.plan, axis_name=axis_name, backend=backend), got.plan.stats()
 
 

@@ -16,7 +16,8 @@ Each exchange is differentiable through its own `jax.custom_vjp` whose backward 
 exchange (sizes and offsets swapped; the row permutation's transpose is its inverse), not JAX's
 built-in transpose of the collective. `Transport.exchange(fp8=True)` moves the rows as e4m3
 values with fp32 scales per 1 x 128 tile, one byte row each, and dequantizes them on arrival (the
-FP8 dispatch; docs/expert-parallelism.md). A `Transport` is a frozen value: tests and benchmarks pass
+FP8 dispatch; docs/expert-parallelism.md); `Transport.exchange_fp8` also returns the e4m3 rows as
+they arrived, for experts that compute on them. A `Transport` is a frozen value: tests and benchmarks pass
 one (or a variant made with `dataclasses.replace`, e.g. with an identity `move` to time what
 surrounds the collective) wherever a transport name is accepted.
 
@@ -35,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from moe_jax.ops.fp8 import dequantize_rows, quantize_rows, rows_from_bytes, rows_to_bytes
+from moe_jax.ops.fp8 import Fp8Rows, dequantize_rows, quantize_rows, rows_from_bytes, rows_to_bytes
 from moe_jax.parallel.layout import LAYOUTS, BlockExchange
 
 __all__ = [
@@ -89,20 +90,35 @@ class Transport:
         one byte row each (`rows_to_bytes`: D + 4 ceil(D/128) bytes, about half of bf16's 2D),
         dequantized to the rows' dtype on arrival. The cotangent returns in the rows' dtype, straight
         through the quantization."""
+        if fp8:
+            return self.exchange_fp8(rows_ND, ex, out_rows=out_rows, axis_name=axis_name)[0]
+        return self._exchange(rows_ND, ex, out_rows, axis_name, fp8=False)[0]
+
+    def exchange_fp8(self, rows_ND: jax.Array, ex: BlockExchange, *, out_rows: int,
+                     axis_name) -> tuple[jax.Array, Fp8Rows]:
+        """`exchange(fp8=True)` that also returns the e4m3 rows as they arrived: `(rows [out_rows, D]
+        dequantized to the rows' dtype, differentiable as `exchange`'s; their `Fp8Rows`, not
+        differentiated)`, for experts that compute on the FP8 rows themselves (re-quantizing the
+        dequantized rows would not give back the sender's bits once they are rounded to bf16)."""
+        rows, moved = self._exchange(rows_ND, ex, out_rows, axis_name, fp8=True)
+        return rows, rows_from_bytes(moved, rows_ND.shape[1])
+
+    def _exchange(self, rows_ND, ex, out_rows, axis_name, *, fp8: bool):
+        """`(received rows, their bytes as moved or None)`, differentiable in the rows."""
         in_rows, width, dtype = rows_ND.shape[0], rows_ND.shape[1], rows_ND.dtype
 
         @jax.custom_vjp
         def exchange(rows, ex):
             if not fp8:
-                return self.move(rows, ex, out_rows, axis_name)
+                return self.move(rows, ex, out_rows, axis_name), None
             moved = self.move(rows_to_bytes(quantize_rows(rows)), ex, out_rows, axis_name)
-            return dequantize_rows(rows_from_bytes(moved, width)).astype(dtype)
+            return dequantize_rows(rows_from_bytes(moved, width)).astype(dtype), moved
 
         def forward(rows, ex):
             return exchange(rows, ex), ex
 
-        def backward(ex, grad_rows):
-            return self.move(grad_rows, ex.reversed(), in_rows, axis_name), None
+        def backward(ex, grads):
+            return self.move(grads[0], ex.reversed(), in_rows, axis_name), None  # the bytes: integers, no gradient
 
         exchange.defvjp(forward, backward)
         return exchange(rows_ND, ex)

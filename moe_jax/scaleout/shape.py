@@ -27,7 +27,7 @@ class LayerShape:
     (`KernelCosts`' `*_fp8` rates, one byte per operand element) and the forward's dispatch
     all-to-all moves each row as e4m3 values with fp32 scales per 128 channels
     (`dispatch_row_bytes`); the combine, all-gathers and every backward exchange move `dtype_bytes`
-    rows, and received rows are dequantized into it.
+    rows, and the experts read the received e4m3 rows as they arrived.
     """
 
     d_model: int
