@@ -3,9 +3,9 @@ layer (the routed experts on dequantized 128 x 128 weight blocks, their inputs q
 1 x 128 tile of each row), is close to the fp32 layer (the relative error is in the assertion
 message and docs/fp8.md), its gradients reach the master weights, its shared experts follow the
 same recipe (stored FP8 layers store theirs quantized), and it runs with shared experts,
-LatentMoE, a mask and expert parallelism on a CPU mesh (the shared experts on each device's
-tokens), with the token rows quantized once and read through ids as with packed rows; argument
-errors.
+LatentMoE, a mask, expert parallelism and expert tensor parallelism on a CPU mesh (the shared
+experts on each device's tokens), with the token rows quantized once and read through ids as with
+packed rows; argument errors.
 
 Legend: T tokens, D model width, F expert hidden width, E experts, K experts per token."""
 
@@ -18,7 +18,7 @@ from flax import nnx
 from moe_jax.layers import EPOptions, Fp8Blockwise, GemmOptions, MoE, SharedExperts, stored_fp8
 from moe_jax.ops import BackendTable
 from moe_jax.ops.fp8 import dequantize_rows, dequantize_weights, quantize_rows, quantize_weights
-from moe_jax.parallel import make_mesh
+from moe_jax.parallel import ETP_AXIS, AxisRules, make_mesh
 from jax.sharding import AxisType, PartitionSpec as P
 
 D, F, E, K = 160, 256, 4, 2
@@ -269,6 +269,44 @@ def test_expert_parallel_equals_one_device(row_gather, chunks):
     moves = [line for line in text.splitlines() if "stablehlo.all_to_all" in line]
     # Per chunk: the dispatch in FP8 bytes, the combine in the compute dtype.
     assert sum("xui8>" in line for line in moves) == chunks and len(moves) == 2 * chunks, moves
+
+
+def _etp_layer(d_ff, mesh=None, quantization=Fp8Blockwise()):
+    return MoE(D, d_ff, E, K, gemm=GemmOptions(backend="xla", quantization=quantization), mesh=mesh,
+               axis_rules=None if mesh is None else AxisRules(expert_tensor=ETP_AXIS), rngs=nnx.Rngs(0))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep", [1, 2])
+def test_expert_tensor_parallel_equals_one_device_where_slices_hold_whole_blocks(ep):
+    """Under expert tensor parallelism each rank quantizes its F / etp slice of the hidden width.
+    With F / etp a multiple of 128 (256 / 2) its 1 x 128 tiles of the SwiGLU output and its
+    128 x 128 blocks of the weights are the unsharded ones, so the layer equals one device up to
+    the fp32 sums' order: output, input gradient and every weight's gradient (alone and with
+    ep = 2)."""
+    x = _x(t=32)
+    mesh = make_mesh(ep=ep, etp=2, data=1, devices=jax.devices("cpu")[:2 * ep])
+    y, g_x, g_m = _value_and_grads(_etp_layer(F, mesh), x)
+    with _on_host_cpu():
+        y0, g_x0, g_m0 = _value_and_grads(_etp_layer(F), x)
+    assert _rel(y, y0) < 1e-6 and _rel(g_x, g_x0) < 1e-6, (_rel(y, y0), _rel(g_x, g_x0))
+    for got, want in zip(jax.tree.leaves(nnx.state(g_m, nnx.Param)), jax.tree.leaves(nnx.state(g_m0, nnx.Param))):
+        assert _rel(got, want) < 1e-6, _rel(got, want)
+
+
+@pytest.mark.slow
+def test_expert_tensor_parallel_slices_of_partial_blocks_quantize_per_slice():
+    """With F / etp not a multiple of 128 (192 / 2 = 96) each rank's tiles and blocks are 96 wide:
+    another blockwise quantization than one device's (the layer differs from one device by that,
+    measured 2.4%), still the recipe's distance from the fp32 layer. Stored FP8 weights cannot be
+    split so and raise (`test_fp8_checkpoints.py`)."""
+    x = _x(t=32)
+    mesh = make_mesh(ep=1, etp=2, data=1, devices=jax.devices("cpu")[:2])
+    y, _ = _etp_layer(192, mesh)(x)
+    with _on_host_cpu():
+        y_one, _ = _etp_layer(192)(x)
+        y_fp32, _ = _etp_layer(192, quantization=None)(x)
+    assert _rel(y, y_one) > 1e-3 and _rel(y, y_fp32) < 0.08, (_rel(y, y_one), _rel(y, y_fp32))
 
 
 def test_errors():
