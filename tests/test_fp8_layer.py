@@ -298,7 +298,7 @@ def test_expert_tensor_parallel_equals_one_device_where_slices_hold_whole_blocks
 def test_expert_tensor_parallel_slices_of_partial_blocks_quantize_per_slice():
     """With F / etp not a multiple of 128 (192 / 2 = 96) each rank's tiles and blocks are 96 wide:
     another blockwise quantization than one device's (the layer differs from one device by that,
-    measured 2.4%), still the recipe's distance from the fp32 layer. Stored FP8 weights cannot be
+    2.1% here), as far from the fp32 layer as one device (6.3%). Stored FP8 weights cannot be
     split so and raise (`test_fp8_checkpoints.py`)."""
     x = _x(t=32)
     mesh = make_mesh(ep=1, etp=2, data=1, devices=jax.devices("cpu")[:2])
