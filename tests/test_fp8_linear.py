@@ -187,12 +187,14 @@ def test_quantized_errors():
     x, w = _case(6, 200, 64, 2)
     gs = jnp.array([2, 4], jnp.int32)
     q = quantize_rows(x)
-    with pytest.raises(TypeError, match="quantized: expected an Fp8Rows"):
+    with pytest.raises(TypeError, match="quantized: expected moe_jax.ops.fp8.Fp8Rows"):
         fp8_grouped_linear(x, w, gs, quantized=tuple(q))
     with pytest.raises(ValueError, match=r"quantized.values_MK: expected float8_e4m3fn \(6, 200\)"):
         fp8_grouped_linear(x, w, gs, quantized=type(q)(q.values_MK[:5], q.scale_MKb[:5]))
-    with pytest.raises(ValueError, match=r"quantized.scale_MKb: expected float32 \(6, 2\)"):
+    with pytest.raises(TypeError, match=r"quantized.scale_MKb: expected float32 scales, got bfloat16"):
         fp8_grouped_linear(x, w, gs, quantized=type(q)(q.values_MK, q.scale_MKb.astype(jnp.bfloat16)))
+    with pytest.raises(ValueError, match=r"quantized.scale_MKb: expected \(6, 2\)"):
+        fp8_grouped_linear(x, w, gs, quantized=type(q)(q.values_MK, q.scale_MKb[:, :1]))
 
 
 @pytest.mark.parametrize("stored", [False, True])

@@ -331,7 +331,7 @@ def routed_on_mesh(stage: ExpertStage, mesh, rules: AxisRules, options: EPOption
             strategy=options.strategy, capacity=capacity, mask_T=mask_T, backend=stage.backend,
             transport=options.transport, fuse_regroup=gather, chunks=options.chunks,
             # FP8 experts quantize the rows per 1 x 128 tile anyway: they cross the exchange so, and
-            # the experts compute on the e4m3 rows that arrive (the bits one device quantizes).
+            # the experts compute on the e4m3 rows that arrive instead of quantizing them again.
             fp8_dispatch=stage.quantization is not None, fp8_rows=stage.quantization is not None,
         )
         gemm = local_stage.chunked_telemetry([local_stage.telemetry(plans[rows], sizes_El)

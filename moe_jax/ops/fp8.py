@@ -37,6 +37,7 @@ __all__ = [
     "FP8_MAX",
     "Fp8Rows",
     "Fp8Weights",
+    "check_rows",
     "check_weights",
     "dequantize_rows",
     "dequantize_weights",
@@ -73,6 +74,24 @@ class Fp8Weights(NamedTuple):
 
 def _blocks(n: int) -> int:
     return -(-n // BLOCK)
+
+
+def check_rows(rows, name: str) -> tuple[int, int]:
+    """`(M, K)` of `rows` if it is an `Fp8Rows` of 2-D e4m3 values and fp32 scales, one per 1 x 128
+    tile; else a TypeError or ValueError naming `name` (the argument as the caller calls it)."""
+    if not isinstance(rows, Fp8Rows):
+        raise TypeError(f"{name}: expected moe_jax.ops.fp8.Fp8Rows (quantize_rows), got {type(rows).__name__}.")
+    values, scale = rows
+    if values.dtype != FP8_DTYPE or values.ndim != 2:
+        raise TypeError(f"{name}.values_MK: expected 2-D float8_e4m3fn, got {values.dtype} of shape "
+                        f"{tuple(values.shape)}.")
+    if scale.dtype != jnp.float32:
+        raise TypeError(f"{name}.scale_MKb: expected float32 scales, got {scale.dtype}.")
+    m, k = values.shape
+    if tuple(scale.shape) != (m, _blocks(k)):
+        raise ValueError(f"{name}.scale_MKb: expected {(m, _blocks(k))} (one scale per 1 x {BLOCK} tile), got "
+                         f"{tuple(scale.shape)}.")
+    return m, k
 
 
 def check_weights(w, name: str) -> tuple[int, int, int]:

@@ -42,9 +42,9 @@ arXiv:2412.19437, section 3.3; the quantization itself is `moe_jax.ops.fp8`):
   gradient still reaches the master weights passed as `w`.
 - Rows quantized already (`quantized=`, an `Fp8Rows` of x): an expert-parallel exchange that moved
   the rows in FP8 (`moe_jax.parallel.ep_moe(fp8_dispatch=True, fp8_rows=True)`) delivers the e4m3
-  rows the sender quantized; the products read those instead of quantizing their dequantized
-  values again (which would not give the same bits back: a dequantized value rounded to x's
-  dtype is no longer the tile's multiple of its scale), and the input gradient still goes to x.
+  rows the sender quantized; the products read those instead of dequantizing and quantizing
+  them again (passes over the rows that give 16-bit rows back their own e4m3 values), and the
+  input gradient still goes to x.
 
 Products: `gmm_fp8` on the caller's backend (`FP8_LINEAR_BACKENDS`): `triton` and `mosaic_gpu` are
 the FP8 kernels (e4m3 tensor-core products promoted every 128 of the contraction:
@@ -68,7 +68,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moe_jax.ops.fp8 import BLOCK, FP8_DTYPE, Fp8Rows, Fp8Weights, check_weights, dequantize_rows, transpose_weights
+from moe_jax.ops.fp8 import Fp8Rows, Fp8Weights, check_weights, dequantize_rows, transpose_weights
+from moe_jax.ops.fp8 import check_rows as check_fp8_rows  # gmm.api's check_rows checks a RowGather
 from moe_jax.ops.gather import gather_rows, sum_of_readers
 from moe_jax.ops.gmm import SUPPORTED_DTYPES, RowGather, gmm, tgmm
 from moe_jax.ops.gmm.api import check_rows
@@ -263,17 +264,11 @@ def _check_copies(copies, ws, several: bool, input_gradient: str) -> tuple[Fp8Co
 
 def _check_quantized(quantized, x_shape) -> Fp8Rows:
     """`quantized` as the `Fp8Rows` of rows of `x_shape`, else a TypeError / ValueError naming it."""
-    if not isinstance(quantized, Fp8Rows):
-        raise TypeError(f"quantized: expected an Fp8Rows (e4m3 values, fp32 scales) of x's rows or None; got "
-                        f"{type(quantized).__name__}.")
-    m, k = x_shape
-    values, scales = (jnp.asarray(a) for a in quantized)
-    want = ((m, k), FP8_DTYPE), ((m, -(-k // BLOCK)), jnp.float32)
-    for name, a, (shape, dtype) in zip(("values_MK", "scale_MKb"), (values, scales), want):
-        if a.shape != shape or a.dtype != dtype:
-            raise ValueError(f"quantized.{name}: expected {jnp.dtype(dtype).name} {shape} for x of shape "
-                             f"{tuple(x_shape)}, got {a.dtype} {tuple(a.shape)}; pass the Fp8Rows of x's own rows.")
-    return Fp8Rows(values, scales)
+    quantized = Fp8Rows(*(jnp.asarray(a) for a in quantized)) if isinstance(quantized, Fp8Rows) else quantized
+    if check_fp8_rows(quantized, "quantized") != tuple(x_shape):
+        raise ValueError(f"quantized.values_MK: expected float8_e4m3fn {tuple(x_shape)} for x of shape "
+                         f"{tuple(x_shape)}, got {tuple(quantized.values_MK.shape)}; pass the Fp8Rows of x's own rows.")
+    return quantized
 
 
 def fp8_weight_copies(

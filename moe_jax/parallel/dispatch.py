@@ -466,9 +466,9 @@ def ep_moe(
     `moe_jax.ops.fp8.Fp8Rows` row for row with the rows it gets: `expert_fn(x, group_sizes_El,
     fp8_rows=...)`, or `expert_fn(recv, group_sizes_El, rows, fp8_rows=...)` with `fuse_regroup`).
     FP8 experts compute on them (`swiglu_experts_fp8(quantized=...)`) instead of quantizing the
-    dequantized rows again, so their products see the bits one device would quantize; the
-    gradient still flows through the dequantized rows. On a pairwise transport the rows this rank
-    keeps are quantized here, as the exchange quantizes the peer's.
+    dequantized rows again (the receiver's dequantize, 16-bit regroup and quantize passes drop
+    out of the forward); the gradient still flows through the dequantized rows. On a pairwise
+    transport the rows this rank keeps are quantized here, as the exchange quantizes the peer's.
 
     `fuse_regroup=True`: no packed copy of the received rows is made where the transport delivers
     one buffer (all_to_all, ragged_all_to_all); `expert_fn(recv_RD, group_sizes_El, rows)` gets

@@ -98,8 +98,8 @@ class Transport:
                      axis_name) -> tuple[jax.Array, Fp8Rows]:
         """`exchange(fp8=True)` that also returns the e4m3 rows as they arrived: `(rows [out_rows, D]
         dequantized to the rows' dtype, differentiable as `exchange`'s; their `Fp8Rows`, not
-        differentiated)`, for experts that compute on the FP8 rows themselves (re-quantizing the
-        dequantized rows would not give back the sender's bits once they are rounded to bf16)."""
+        differentiated)`, for experts that compute on the FP8 rows themselves instead of
+        quantizing the dequantized rows again."""
         rows, moved = self._exchange(rows_ND, ex, out_rows, axis_name, fp8=True)
         return rows, rows_from_bytes(moved, rows_ND.shape[1])
 

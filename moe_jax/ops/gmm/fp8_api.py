@@ -38,7 +38,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from moe_jax.ops.fp8 import (BLOCK, FP8_DTYPE, Fp8Rows, Fp8Weights, check_weights, dequantize_rows,
+from moe_jax.ops.fp8 import (BLOCK, FP8_DTYPE, Fp8Rows, Fp8Weights, check_rows, check_weights, dequantize_rows,
                              dequantize_weights, transpose_weights)
 from moe_jax.ops.gather import gather_rows
 from moe_jax.ops.gmm.api import as_primitive, check_group_sizes, check_row_ids, gmm
@@ -140,23 +140,12 @@ def fp8_tiles(m: int, n: int, k: int, num_groups: int, config: TileConfig | None
 
 
 def _check_operands(lhs, rhs, transpose_rhs: bool, row_ids) -> tuple[int, int, int, int]:
-    if not isinstance(lhs, Fp8Rows):
-        raise TypeError(f"lhs: expected moe_jax.ops.fp8.Fp8Rows (quantize_rows), got {type(lhs).__name__}.")
-    if lhs.values_MK.dtype != FP8_DTYPE or lhs.values_MK.ndim != 2:
-        raise TypeError(f"lhs.values_MK: expected 2-D float8_e4m3fn, got {lhs.values_MK.dtype} of shape "
-                        f"{tuple(lhs.values_MK.shape)}.")
-    if lhs.scale_MKb.dtype != jnp.float32:
-        raise TypeError(f"lhs.scale_MKb: expected float32 scales, got {lhs.scale_MKb.dtype}.")
+    rows, c = check_rows(lhs, "lhs")
     e, n, k = check_weights(rhs, "rhs")
-    rows, c = lhs.values_MK.shape
     contraction, out = (k, n) if transpose_rhs else (n, k)
     if c != contraction:
         raise ValueError(f"lhs has {c} columns but rhs {tuple(rhs.values_ENK.shape)} contracts over {contraction} "
                          f"(transpose_rhs={transpose_rhs}); check transpose_rhs.")
-    blocks = -(-c // BLOCK)
-    if tuple(lhs.scale_MKb.shape) != (rows, blocks):
-        raise ValueError(f"lhs.scale_MKb: expected {(rows, blocks)} (one scale per 1 x {BLOCK} tile), got "
-                         f"{tuple(lhs.scale_MKb.shape)}.")
     if e == 0:
         raise ValueError("rhs has zero groups (E=0); a grouped GEMM needs at least one group.")
     m = rows
